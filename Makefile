@@ -1,0 +1,35 @@
+# One-command setup on a fresh machine: `make test`, `make demo`, `make bench`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+# Rebuild when the native sources or the project metadata change.
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q --no-build-isolation -e ".[test,bench,gpu]"
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/ruff check hyperparallel tests benchmarks
+	$(PY) -m pytest -p no:cacheprovider tests
+
+demo: setup
+	$(PY) -m hyperparallel bench mx --m 2048 --k 2048 --n 2048 --repeat 5
+
+bench: setup
+	$(PY) -m hyperparallel bench mx
+
+lint: setup
+	$(VENV)/bin/ruff check hyperparallel tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info hyperparallel/_mx_native*.so

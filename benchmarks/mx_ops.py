@@ -1,0 +1,122 @@
+"""MX operators side by side with what a user would otherwise run, in one process.
+
+    python benchmarks/mx_ops.py                 # 8192x4096 bf16, the acceptance shape
+    python benchmarks/mx_ops.py --m 1024 --k 1024 --n 1024   # a quick run (make demo)
+
+Prints a table of median times and ratios and writes JSON (--json PATH).
+
+Every contender runs in this one process under the same allocator setting. By default that is
+PyTorch's own THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for large CPU tensors), which we recommend for
+CPU training: without it each fresh 32 MiB output costs ~8k page faults, which on this kind of
+machine take longer than the quantization itself. Pass --no-thp to measure without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--no-thp" not in sys.argv:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once by torch's CPU allocator
+
+import torch  # noqa: E402
+
+from hyperparallel import mx  # noqa: E402
+from hyperparallel.mx.backends import cpu  # noqa: E402
+
+
+def median_seconds(fn, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torchao_to_mx():
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except ImportError:
+        return None
+    return to_mx
+
+
+def run(m: int, k: int, n: int, repeat: int) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(k, n, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    rows = []
+
+    def row(name, seconds, baseline_name=None, baseline=None, target=None):
+        entry = {"op": name, "ms": seconds * 1e3}
+        if baseline is not None:
+            entry.update(vs=baseline_name, ratio=seconds / baseline, target=target)
+        rows.append(entry)
+        return seconds
+
+    t_quant = median_seconds(lambda: mx.quantize(x), 3, repeat)
+    t_copy = median_seconds(lambda: y.copy_(x), 3, repeat)
+    to_mx = torchao_to_mx()
+    if to_mx is not None:
+        t_ao = median_seconds(lambda: to_mx(x, torch.float8_e4m3fn, 32), 2, max(3, repeat // 4))
+        row("torchao to_mx (floor)", t_ao)
+        t_floor = median_seconds(lambda: mx.quantize(x, scale_mode="floor"), 3, repeat)
+        row("quantize (floor) vs torchao to_mx", t_floor, "torchao", t_ao, "<= 0.05 (20x faster)")
+    row("y.copy_(x)", t_copy)
+    row("quantize (rceil) vs copy", t_quant, "copy_", t_copy, "<= 3.0")
+    t_dual = median_seconds(lambda: mx.quantize_dual(x), 3, repeat)
+    row("quantize_dual vs quantize", t_dual, "quantize", t_quant, "<= 1.6")
+
+    mm_repeat = max(3, repeat // 4)
+    t_bf16 = median_seconds(lambda: torch.mm(x, w), 1, mm_repeat)
+    row(f"bf16 torch.mm {m}x{k}x{n}", t_bf16)
+
+    def mx_path():
+        return mx.mx_mm(mx.quantize(x, 1), mx.quantize(w, 0))
+
+    t_mx = median_seconds(mx_path, 1, mm_repeat)
+    row("quantize a, b + mx_mm vs bf16 mm", t_mx, "torch.mm", t_bf16, "<= 1.10")
+    return rows
+
+
+def print_table(rows, header):
+    print(header)
+    print(f"| {'op':<36} | {'ms':>9} | {'ratio':>7} | {'target':<22} |")
+    print(f"|{'-' * 38}|{'-' * 11}|{'-' * 9}|{'-' * 24}|")
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+        print(f"| {r['op']:<36} | {r['ms']:>9.3f} | {ratio:>7} | {r.get('target') or '':<22} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=8192)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--no-thp", action="store_true", help="leave PyTorch's huge-page allocation off")
+    args = parser.parse_args(argv)
+    rows = run(args.m, args.k, args.n, args.repeat)
+    header = (
+        f"MX ops, bf16 input {args.m}x{args.k} (mm N={args.n}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, cpu kernels: {cpu.isa()}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}"
+    )
+    print_table(rows, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

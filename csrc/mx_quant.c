@@ -1,0 +1,121 @@
+/*
+ * MXFP8 quantization and dequantization on the CPU: the exported entry points.
+ *
+ * Plain C (no PyTorch or Python headers); hyperparallel/mx/backends/cpu.py passes raw pointers
+ * through ctypes. The semantics are those of hyperparallel/mx/reference.py, byte for byte:
+ *   - blocks of 32 values along the quantized axis, a trailing partial block allowed;
+ *   - scale exponent e: floor mode  e = floor(log2(amax)) - emax_elem   (OCP MX v1.0)
+ *                       rceil mode  e = ceil(log2(amax / max_elem))     (exact, no fp32 division)
+ *     clamped to [-127, 127]; scale byte = e + 127; a zero block gets byte 0;
+ *   - a block holding a NaN or an Inf gets scale byte 0xFF and NaN elements (0x7F);
+ *   - elements x * 2^-e rounded to nearest even, saturated to +-max_elem, sign kept.
+ *
+ * This file splits the work into tasks for OpenMP and hands each task to the tile kernels of
+ * the best instruction set the processor has (AVX-512 intrinsics, else portable C), chosen once
+ * at run time; hp_mx_set_isa lets tests run the portable kernels on an AVX-512 machine too.
+ */
+#include "mx_common.h"
+
+static const mx_kernels *chosen = 0;
+
+static const mx_kernels *best_available(void) {
+#ifdef HP_HAVE_AVX512
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return &MX_AVX512;
+#endif
+    return &MX_GENERIC;
+}
+
+static const mx_kernels *active(void) {
+    if (!chosen) chosen = best_available();
+    return chosen;
+}
+
+/* 0: portable kernels, 1: the best the processor has. Returns the name of the active set. */
+const char *hp_mx_set_isa(int best) {
+    chosen = best ? best_available() : &MX_GENERIC;
+    return chosen->name;
+}
+
+const char *hp_mx_isa(void) { return active()->name; }
+
+void hp_mx_quant_rows(const void *src, int dtype, int64_t rows, int64_t n, uint8_t *q, uint8_t *s,
+                      int elem, int mode, int nthreads) {
+    const mx_kernels *k = active();
+    /* chunks of ~64 KiB of output so that small inputs stay on one thread */
+    int64_t rows_per_task = n >= 65536 ? 1 : 65536 / (n > 0 ? n : 1);
+    int64_t ntasks = (rows + rows_per_task - 1) / rows_per_task;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks > 1)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t r0 = t * rows_per_task;
+        int64_t r1 = r0 + rows_per_task < rows ? r0 + rows_per_task : rows;
+        k->quant_rows(src, dtype, r0, r1, n, q, s, elem, mode);
+    }
+}
+
+/* Blocks are listed explicitly (start row, row count, scale row), which covers plain
+ * column-wise quantization, leading batch dimensions and grouped (MoE) layouts alike. */
+void hp_mx_quant_cols(const void *src, int dtype, int64_t width, int64_t nblocks,
+                      const int64_t *blk_start, const int64_t *blk_len, const int64_t *blk_srow,
+                      uint8_t *q, uint8_t *s, int elem, int mode, int nthreads) {
+    const mx_kernels *k = active();
+    int64_t nchunks = (width + COL_CHUNK - 1) / COL_CHUNK;
+    int64_t ntasks = nblocks * nchunks;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks * COL_CHUNK * BLOCK > 65536)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t b = t / nchunks, c = t % nchunks;
+        int64_t c0 = c * COL_CHUNK;
+        int ncols = (int)(width - c0 < COL_CHUNK ? width - c0 : COL_CHUNK);
+        if (blk_len[b] > 0)
+            k->quant_cols(src, dtype, width, blk_start[b], (int)blk_len[b], c0, ncols, q,
+                            s + blk_srow[b] * width, elem, mode);
+    }
+}
+
+void hp_mx_quant_dual(const void *src, int dtype, int64_t M, int64_t K, uint8_t *qr, uint8_t *sr,
+                      uint8_t *qc, uint8_t *sc, int elem, int mode, int nthreads) {
+    const mx_kernels *k = active();
+    int64_t nrb = (M + BLOCK - 1) / BLOCK;
+    int64_t nchunks = (K + COL_CHUNK - 1) / COL_CHUNK;
+    int64_t ntasks = nrb * nchunks;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t rb = t / nchunks, c0 = (t % nchunks) * COL_CHUNK;
+        int64_t row0 = rb * BLOCK;
+        int nrows = (int)(M - row0 < BLOCK ? M - row0 : BLOCK);
+        int ncols = (int)(K - c0 < COL_CHUNK ? K - c0 : COL_CHUNK);
+        k->quant_dual(src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode);
+    }
+}
+
+void hp_mx_dequant_rows(const uint8_t *q, const uint8_t *s, int64_t rows, int64_t n, int elem,
+                        void *out, int out_dtype, int nthreads) {
+    const mx_kernels *k = active();
+    int64_t rows_per_task = n >= 65536 ? 1 : 65536 / (n > 0 ? n : 1);
+    int64_t ntasks = (rows + rows_per_task - 1) / rows_per_task;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks > 1)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t r0 = t * rows_per_task;
+        int64_t r1 = r0 + rows_per_task < rows ? r0 + rows_per_task : rows;
+        k->dequant_rows(q, s, r0, r1, n, elem, out, out_dtype);
+    }
+}
+
+void hp_mx_dequant_cols(const uint8_t *q, const uint8_t *s, int64_t width, int64_t nblocks,
+                        const int64_t *blk_start, const int64_t *blk_len, const int64_t *blk_srow,
+                        int elem, void *out, int out_dtype, int nthreads) {
+    const mx_kernels *k = active();
+    int64_t nchunks = (width + COL_CHUNK - 1) / COL_CHUNK;
+    int64_t ntasks = nblocks * nchunks;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks * COL_CHUNK * BLOCK > 65536)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t b = t / nchunks, c = t % nchunks;
+        int64_t c0 = c * COL_CHUNK;
+        int ncols = (int)(width - c0 < COL_CHUNK ? width - c0 : COL_CHUNK);
+        if (blk_len[b] > 0)
+            k->dequant_cols(q, s + blk_srow[b] * width, width, blk_start[b], (int)blk_len[b], c0,
+                              ncols, elem, out, out_dtype);
+    }
+}

@@ -1,0 +1,3 @@
+from hyperparallel.cli import main
+
+raise SystemExit(main())

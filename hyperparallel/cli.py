@@ -1,0 +1,60 @@
+"""The `hyperparallel` command: thin argument parsing that calls into the package.
+
+Errors a user can cause print ``error: ...`` on stderr and exit with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+from hyperparallel import __version__
+from hyperparallel.errors import HyperparallelError
+
+BENCHMARKS = {"mx": "mx_ops.py"}
+
+
+def _benchmark_path(name: str) -> Path:
+    # benchmarks/ lives next to the package in a source checkout (editable install)
+    return Path(__file__).resolve().parent.parent / "benchmarks" / BENCHMARKS[name]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    path = _benchmark_path(args.name)
+    if not path.is_file():
+        raise HyperparallelError(f"benchmark script {path} not found; benchmarks run from a source checkout")
+    sys.argv = [str(path), *args.rest]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperparallel",
+        description="Low-precision (MXFP8) large-model training for PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"hyperparallel {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = commands.add_parser("bench", help="run a benchmark and print its side-by-side table")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see its --help)")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except HyperparallelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
