@@ -70,8 +70,11 @@ def run(m: int, k: int, n: int, repeat: int) -> list[dict]:
         row("torchao to_mx (floor)", t_ao)
         t_floor = median_seconds(lambda: mx.quantize(x, scale_mode="floor"), 3, repeat)
         row("quantize (floor) vs torchao to_mx", t_floor, "torchao", t_ao, "<= 0.05 (20x faster)")
-    row("y.copy_(x)", t_copy)
-    row("quantize (rceil) vs copy", t_quant, "copy_", t_copy, "<= 3.0")
+    t_clone = median_seconds(lambda: x.clone(), 3, repeat)
+    row("y.copy_(x) (preallocated y)", t_copy)
+    row("x.clone() (allocates, like quantize)", t_clone)
+    row("quantize (rceil) vs copy_", t_quant, "copy_", t_copy, "<= 3.0")
+    row("quantize (rceil) vs clone", t_quant, "clone", t_clone)
     t_dual = median_seconds(lambda: mx.quantize_dual(x), 3, repeat)
     row("quantize_dual vs quantize", t_dual, "quantize", t_quant, "<= 1.6")
 

@@ -63,6 +63,38 @@ AVX512_INLINE __m512i to_fp8_16(__m512i x, __m512 inv, const elem_fmt *f) {
     return _mm512_or_si512(sign, _mm512_mask_mov_epi32(sub, is_normal, normal));
 }
 
+/* The fast conversion splits in two. Rounding |x| to the element's mantissa width does not
+ * depend on the power-of-two scale, so it is done once per element ("prep": the rounded fp32
+ * exponent and mantissa bits, sign in bit 15) and shared by the row and column copies; a
+ * scale then only rebiases the exponent field. Lanes whose result is an element subnormal (or
+ * whose input is an fp32 subnormal) round at another position: they take to_fp8_16. */
+AVX512_INLINE __m512i prepare16(__m512i x, const elem_fmt *f) {
+    __m512i a = abs_bits(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, f->mant_shift), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (f->mant_shift - 1)) - 1)), lsb);
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x8000));
+    return _mm512_or_si512(_mm512_srli_epi32(r, f->mant_shift), sign);
+}
+
+/* fp8 codes of prepared lanes for scales whose exponent field offsets are `offset` (see
+ * exponent_offset); x and inv serve the lanes that need the exact slow path. */
+AVX512_INLINE __m512i encode16(__m512i prep, __m512i offset, __m512i x, __m512 inv, const elem_fmt *f) {
+    __m512i r = _mm512_and_si512(prep, _mm512_set1_epi32(0x7FFF));
+    __m512i t = _mm512_sub_epi32(r, offset);
+    __m512i min_normal = _mm512_set1_epi32(1 << (23 - f->mant_shift));
+    __mmask16 slow = _mm512_cmplt_epi32_mask(t, min_normal) | _mm512_cmplt_epi32_mask(r, min_normal);
+    __m512i sign = _mm512_and_si512(_mm512_srli_epi32(prep, 8), _mm512_set1_epi32(0x80));
+    __m512i code = _mm512_or_si512(_mm512_min_epi32(t, _mm512_set1_epi32(f->max_code)), sign);
+    if (slow) code = _mm512_mask_mov_epi32(code, slow, to_fp8_16(x, inv, f));
+    return code;
+}
+
+/* What a scale byte subtracts from the prepared exponent/mantissa field. */
+AVX512_INLINE __m512i exponent_offset(__m512i byte, const elem_fmt *f) {
+    __m512i e = _mm512_sub_epi32(byte, _mm512_set1_epi32(127));
+    return _mm512_add_epi32(_mm512_slli_epi32(e, 23 - f->mant_shift), _mm512_set1_epi32(f->rebias));
+}
+
 AVX512_INLINE void store_codes(uint8_t *q, __mmask16 m, __m512i codes) {
     _mm512_mask_cvtepi32_storeu_epi8(q, m, codes);
 }
@@ -88,8 +120,9 @@ AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t
                 continue;
             }
             __m512 inv = _mm512_set1_ps(f32_from_bits(inv_scale_bits(byte)));
-            store_codes(q + off, m0, to_fp8_16(x0, inv, f));
-            store_codes(q + off + 16, m1, to_fp8_16(x1, inv, f));
+            __m512i offset = exponent_offset(_mm512_set1_epi32((int)byte), f);
+            store_codes(q + off, m0, encode16(prepare16(x0, f), offset, x0, inv, f));
+            store_codes(q + off + 16, m1, encode16(prepare16(x1, f), offset, x1, inv, f));
         }
     }
 }
@@ -103,6 +136,7 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
     const elem_fmt *f = &FORMATS[elem];
     __m512i amax[COL_CHUNK / 16];
     __m512 inv[COL_CHUNK / 16];
+    __m512i offset[COL_CHUNK / 16];
     __mmask16 bad[COL_CHUNK / 16];
     int nv = (ncols + 15) / 16;
     for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
@@ -114,6 +148,7 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
         __m512i bytes = scale_bytes16(amax[v], mode, f->emax);
         store_codes(srow + c0 + 16 * v, lanes(ncols - 16 * v), bytes);
         inv[v] = inv_scales16(bytes);
+        offset[v] = exponent_offset(bytes, f);
         bad[v] = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
     }
     __m512i nan = _mm512_set1_epi32(0x7F);
@@ -121,7 +156,8 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
         for (int v = 0; v < nv; v++) {
             int64_t off = (row0 + r) * width + c0 + 16 * v;
             __mmask16 m = lanes(ncols - 16 * v);
-            __m512i codes = to_fp8_16(load16(src, dtype, off, m), inv[v], f);
+            __m512i x = load16(src, dtype, off, m);
+            __m512i codes = encode16(prepare16(x, f), offset[v], x, inv[v], f);
             store_codes(q + off, m, _mm512_mask_mov_epi32(codes, bad[v], nan));
         }
 }
@@ -153,17 +189,20 @@ AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t
                 continue;
             }
             __m512 inv = _mm512_set1_ps(f32_from_bits(inv_scale_bits(byte)));
-            store_codes(qr + off, m0, to_fp8_16(x0, inv, f));
-            store_codes(qr + off + 16, m1, to_fp8_16(x1, inv, f));
+            __m512i offset = exponent_offset(_mm512_set1_epi32((int)byte), f);
+            store_codes(qr + off, m0, encode16(prepare16(x0, f), offset, x0, inv, f));
+            store_codes(qr + off + 16, m1, encode16(prepare16(x1, f), offset, x1, inv, f));
         }
     }
     uint8_t *scrow = sc + (row0 / BLOCK) * K + c0;
     __m512 inv[COL_CHUNK / 16];
+    __m512i offset[COL_CHUNK / 16];
     __mmask16 bad[COL_CHUNK / 16];
     for (int v = 0; v < nv; v++) {
         __m512i bytes = scale_bytes16(amax[v], mode, f->emax);
         store_codes(scrow + 16 * v, lanes(ncols - 16 * v), bytes);
         inv[v] = inv_scales16(bytes);
+        offset[v] = exponent_offset(bytes, f);
         bad[v] = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
     }
     __m512i nan = _mm512_set1_epi32(0x7F);
@@ -171,7 +210,8 @@ AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t
         for (int v = 0; v < nv; v++) {
             int64_t off = (row0 + r) * K + c0 + 16 * v;
             __mmask16 m = lanes(ncols - 16 * v);
-            __m512i codes = to_fp8_16(load16(src, dtype, off, m), inv[v], f);
+            __m512i x = load16(src, dtype, off, m);
+            __m512i codes = encode16(prepare16(x, f), offset[v], x, inv[v], f);
             store_codes(qc + off, m, _mm512_mask_mov_epi32(codes, bad[v], nan));
         }
 }

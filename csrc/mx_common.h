@@ -21,13 +21,14 @@ typedef struct {
     int mant_shift;        /* 23 - element mantissa bits */
     int rebias;            /* (127 - element bias) << element mantissa bits */
     int emax;              /* exponent of the largest element binade (8 / 15) */
+    int max_code;          /* code of the largest finite element (0x7E / 0x7B) */
 } elem_fmt;
 
 static const elem_fmt FORMATS[2] = {
     /* E4M3: max 448 = 1.75 * 2^8, min normal 2^-6, subnormal step 2^-9 -> magic 2^14 */
-    {0x43E00000u, 0x3C800000u, 0x46800000u, 20, 120 << 3, 8},
+    {0x43E00000u, 0x3C800000u, 0x46800000u, 20, 120 << 3, 8, 0x7E},
     /* E5M2: max 57344 = 1.75 * 2^15, min normal 2^-14, subnormal step 2^-16 -> magic 2^7 */
-    {0x47600000u, 0x38800000u, 0x43000000u, 21, 112 << 2, 15},
+    {0x47600000u, 0x38800000u, 0x43000000u, 21, 112 << 2, 15, 0x7B},
 };
 
 HP_INLINE float f32_from_bits(uint32_t b) {
