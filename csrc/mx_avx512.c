@@ -18,9 +18,14 @@ AVX512_INLINE __mmask16 lanes(int n) {
 }
 
 /* 16 values (fewer under the mask, zeros elsewhere) as fp32 bits. */
+/* Full vectors use plain loads and stores: on some cores (Zen 4) the masked and the
+ * down-converting memory forms are several times slower. */
 AVX512_INLINE __m512i load16(const void *src, int dtype, int64_t off, __mmask16 m) {
-    if (dtype == IN_F32) return _mm512_maskz_loadu_epi32(m, (const uint32_t *)src + off);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)src + off);
+    if (dtype == IN_F32)
+        return m == 0xFFFF ? _mm512_loadu_si512((const uint32_t *)src + off)
+                           : _mm512_maskz_loadu_epi32(m, (const uint32_t *)src + off);
+    __m256i h = m == 0xFFFF ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + off))
+                            : _mm256_maskz_loadu_epi16(m, (const uint16_t *)src + off);
     if (dtype == IN_BF16) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
     return _mm512_castps_si512(_mm512_cvtph_ps(h)); /* exact, subnormals included */
 }
@@ -77,14 +82,19 @@ AVX512_INLINE __m512i prepare16(__m512i x, const elem_fmt *f) {
 }
 
 /* fp8 codes of prepared lanes for scales whose exponent field offsets are `offset` (see
- * exponent_offset); x and inv serve the lanes that need the exact slow path. */
-AVX512_INLINE __m512i encode16(__m512i prep, __m512i offset, __m512i x, __m512 inv, const elem_fmt *f) {
+ * exponent_offset). Lanes set in *slow still need the exact path (to_fp8_16). */
+AVX512_INLINE __m512i encode_fast16(__m512i prep, __m512i offset, const elem_fmt *f, __mmask16 *slow) {
     __m512i r = _mm512_and_si512(prep, _mm512_set1_epi32(0x7FFF));
     __m512i t = _mm512_sub_epi32(r, offset);
     __m512i min_normal = _mm512_set1_epi32(1 << (23 - f->mant_shift));
-    __mmask16 slow = _mm512_cmplt_epi32_mask(t, min_normal) | _mm512_cmplt_epi32_mask(r, min_normal);
+    *slow = _mm512_cmplt_epi32_mask(t, min_normal) | _mm512_cmplt_epi32_mask(r, min_normal);
     __m512i sign = _mm512_and_si512(_mm512_srli_epi32(prep, 8), _mm512_set1_epi32(0x80));
-    __m512i code = _mm512_or_si512(_mm512_min_epi32(t, _mm512_set1_epi32(f->max_code)), sign);
+    return _mm512_or_si512(_mm512_min_epi32(t, _mm512_set1_epi32(f->max_code)), sign);
+}
+
+AVX512_INLINE __m512i encode16(__m512i prep, __m512i offset, __m512i x, __m512 inv, const elem_fmt *f) {
+    __mmask16 slow;
+    __m512i code = encode_fast16(prep, offset, f, &slow);
     if (slow) code = _mm512_mask_mov_epi32(code, slow, to_fp8_16(x, inv, f));
     return code;
 }
@@ -96,17 +106,82 @@ AVX512_INLINE __m512i exponent_offset(__m512i byte, const elem_fmt *f) {
 }
 
 AVX512_INLINE void store_codes(uint8_t *q, __mmask16 m, __m512i codes) {
-    _mm512_mask_cvtepi32_storeu_epi8(q, m, codes);
+    __m128i bytes = _mm512_cvtepi32_epi8(codes);
+    if (m == 0xFFFF)
+        _mm_storeu_si128((__m128i *)q, bytes);
+    else
+        _mm_mask_storeu_epi8(q, m, bytes);
 }
 
 /* ---------------------------------------------------------------------------- quantization */
+
+/* Lane i of the result is the largest lane of v[i]: four rounds of pairwise lane shuffles
+ * and maxima, 45 instructions for 16 blocks instead of a 9-instruction reduction per block. */
+AVX512_INLINE __m512i lane_maxima16(__m512i v[16]) {
+    static const int32_t LO[4][16] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    };
+    static const int32_t HI[4][16] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+        {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31},
+    };
+    for (int round = 0, n = 16; round < 4; round++, n /= 2) {
+        __m512i lo = _mm512_loadu_si512(LO[round]), hi = _mm512_loadu_si512(HI[round]);
+        for (int i = 0; i < n / 2; i++)
+            v[i] = _mm512_max_epu32(_mm512_permutex2var_epi32(v[2 * i], lo, v[2 * i + 1]),
+                                    _mm512_permutex2var_epi32(v[2 * i], hi, v[2 * i + 1]));
+    }
+    return v[0];
+}
+
+/* 16 whole blocks (512 values from element `off`; q is the base of the output, s points at
+ * the 16 scale bytes) of one row: maxima of all 16 first, so the scales are computed
+ * as one vector, then a second pass over the (L1-resident) input converts. */
+AVX512_INLINE void quant_16_blocks(int dtype, const elem_fmt *f, const void *src, int64_t off,
+                                   uint8_t *q, uint8_t *s, int mode) {
+    __m512i amax[16];
+    for (int b = 0; b < 16; b++)
+        amax[b] = _mm512_max_epu32(abs_bits(load16(src, dtype, off + 32 * b, 0xFFFF)),
+                                   abs_bits(load16(src, dtype, off + 32 * b + 16, 0xFFFF)));
+    __m512i bytes = scale_bytes16(lane_maxima16(amax), mode, f->emax);
+    _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(bytes));
+    int32_t offsets[16], inv_bits[16];
+    _mm512_storeu_si512(offsets, exponent_offset(bytes, f));
+    _mm512_storeu_si512(inv_bits, _mm512_castps_si512(inv_scales16(bytes)));
+    __mmask16 bad = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
+    for (int b = 0; b < 16; b++) {
+        int64_t o = off + 32 * b;
+        __m512i x0 = load16(src, dtype, o, 0xFFFF), x1 = load16(src, dtype, o + 16, 0xFFFF);
+        __m512i offset = _mm512_set1_epi32(offsets[b]);
+        __m512i p0 = prepare16(x0, f), p1 = prepare16(x1, f);
+        __mmask16 slow0, slow1;
+        __m512i c0 = encode_fast16(p0, offset, f, &slow0);
+        __m512i c1 = encode_fast16(p1, offset, f, &slow1);
+        if (slow0 | slow1 | (bad >> b & 1)) {
+            __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits[b]));
+            c0 = _mm512_mask_mov_epi32(c0, slow0, to_fp8_16(x0, inv, f));
+            c1 = _mm512_mask_mov_epi32(c1, slow1, to_fp8_16(x1, inv, f));
+            if (bad >> b & 1) c0 = c1 = _mm512_set1_epi32(0x7F);
+        }
+        _mm256_storeu_si256((__m256i *)(q + o),
+                            _mm256_set_m128i(_mm512_cvtepi32_epi8(c1), _mm512_cvtepi32_epi8(c0)));
+    }
+}
 
 AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t r0, int64_t r1,
                                    int64_t n, uint8_t *q, uint8_t *s, int mode) {
     const elem_fmt *f = &FORMATS[elem];
     int64_t nb = (n + BLOCK - 1) / BLOCK;
     for (int64_t r = r0; r < r1; r++) {
-        for (int64_t b = 0; b < nb; b++) {
+        int64_t b = 0;
+        for (; b + 16 <= n / BLOCK; b += 16)
+            quant_16_blocks(dtype, f, src, r * n + b * BLOCK, q, s + r * nb + b, mode);
+        for (; b < nb; b++) {
             int64_t off = r * n + b * BLOCK;
             int len = (int)(n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK);
             __mmask16 m0 = lanes(len), m1 = lanes(len - 16);
@@ -115,8 +190,9 @@ AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t
             uint32_t amax = _mm512_reduce_max_epu32(_mm512_max_epu32(abs_bits(x0), abs_bits(x1)));
             uint32_t byte = scale_byte(amax, mode, f->emax);
             s[r * nb + b] = (uint8_t)byte;
-            if (byte == 0xFFu) {
-                memset(q + off, 0x7F, (size_t)len);
+            if (byte == 0xFFu) { /* stores, not memset: a call would spill every vector constant */
+                store_codes(q + off, m0, _mm512_set1_epi32(0x7F));
+                store_codes(q + off + 16, m1, _mm512_set1_epi32(0x7F));
                 continue;
             }
             __m512 inv = _mm512_set1_ps(f32_from_bits(inv_scale_bits(byte)));
@@ -162,42 +238,85 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
         }
 }
 
-/* One block of rows x a chunk of columns (c0 a multiple of 32): the first pass converts each
- * row block for the row-wise copy while it is in registers and gathers the column maxima; the
- * second rereads the tile (from L1/L2) for the column-wise copy. */
-AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, int64_t row0,
-                                   int nrows, int64_t c0, int ncols, uint8_t *qr, uint8_t *sr,
-                                   uint8_t *qc, uint8_t *sc, int mode) {
-    const elem_fmt *f = &FORMATS[elem];
+#define DUAL_SUB 512 /* columns per dual sub-tile: its prepared values (32 KiB) stay in L1 */
+
+/* One block of rows x up to DUAL_SUB columns (c0 a multiple of 32). The first pass converts
+ * each row block for the row-wise copy while it is in registers, keeps the scale-independent
+ * rounding of every element ("prep", 16 bits) and gathers the column maxima; the second pass
+ * only rebiases the kept values for the column-wise copy, rereading the input just for the
+ * rare lanes that land on element subnormals. */
+AVX512_INLINE void quant_dual_sub(int dtype, const elem_fmt *f, const void *src, int64_t K,
+                                  int64_t row0, int nrows, int64_t c0, int ncols, uint8_t *qr,
+                                  uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode) {
     int64_t nbk = (K + BLOCK - 1) / BLOCK;
-    __m512i amax[COL_CHUNK / 16];
+    uint16_t prep[BLOCK][DUAL_SUB];
+    __m512i amax[DUAL_SUB / 16];
     int nv = (ncols + 15) / 16;
     for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
     for (int r = 0; r < nrows; r++) {
+        if (ncols == DUAL_SUB) { /* 16 whole row blocks: scales as one vector, as in quant_16_blocks */
+            int64_t off = (row0 + r) * K + c0;
+            __m512i blk[16];
+            for (int b = 0; b < 16; b++) {
+                __m512i x0 = load16(src, dtype, off + 32 * b, 0xFFFF);
+                __m512i x1 = load16(src, dtype, off + 32 * b + 16, 0xFFFF);
+                __m512i a0 = abs_bits(x0), a1 = abs_bits(x1);
+                amax[2 * b] = _mm512_max_epu32(amax[2 * b], a0);
+                amax[2 * b + 1] = _mm512_max_epu32(amax[2 * b + 1], a1);
+                blk[b] = _mm512_max_epu32(a0, a1);
+                _mm256_storeu_si256((__m256i *)&prep[r][32 * b], _mm512_cvtepi32_epi16(prepare16(x0, f)));
+                _mm256_storeu_si256((__m256i *)&prep[r][32 * b + 16], _mm512_cvtepi32_epi16(prepare16(x1, f)));
+            }
+            __m512i bytes = scale_bytes16(lane_maxima16(blk), mode, f->emax);
+            _mm_storeu_si128((__m128i *)(sr + (row0 + r) * nbk + c0 / BLOCK), _mm512_cvtepi32_epi8(bytes));
+            int32_t offsets[16], inv_bits[16];
+            _mm512_storeu_si512(offsets, exponent_offset(bytes, f));
+            _mm512_storeu_si512(inv_bits, _mm512_castps_si512(inv_scales16(bytes)));
+            __mmask16 bad = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
+            for (int b = 0; b < 16; b++) {
+                __m512i offset = _mm512_set1_epi32(offsets[b]);
+                __mmask16 slow0, slow1;
+                __m512i c0v = encode_fast16(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&prep[r][32 * b])), offset, f, &slow0);
+                __m512i c1v = encode_fast16(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&prep[r][32 * b + 16])), offset, f, &slow1);
+                if (slow0 | slow1 | (bad >> b & 1)) {
+                    __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits[b]));
+                    c0v = _mm512_mask_mov_epi32(c0v, slow0, to_fp8_16(load16(src, dtype, off + 32 * b, 0xFFFF), inv, f));
+                    c1v = _mm512_mask_mov_epi32(c1v, slow1, to_fp8_16(load16(src, dtype, off + 32 * b + 16, 0xFFFF), inv, f));
+                    if (bad >> b & 1) c0v = c1v = _mm512_set1_epi32(0x7F);
+                }
+                _mm256_storeu_si256((__m256i *)(qr + off + 32 * b),
+                                    _mm256_set_m128i(_mm512_cvtepi32_epi8(c1v), _mm512_cvtepi32_epi8(c0v)));
+            }
+            continue;
+        }
         for (int j = 0; j < ncols; j += BLOCK) {
             int64_t off = (row0 + r) * K + c0 + j;
             int len = ncols - j < BLOCK ? ncols - j : BLOCK;
             __mmask16 m0 = lanes(len), m1 = lanes(len - 16);
             __m512i x0 = load16(src, dtype, off, m0), x1 = load16(src, dtype, off + 16, m1);
             __m512i a0 = abs_bits(x0), a1 = abs_bits(x1);
+            __m512i p0 = prepare16(x0, f), p1 = prepare16(x1, f);
+            _mm256_storeu_si256((__m256i *)&prep[r][j], _mm512_cvtepi32_epi16(p0));
+            _mm256_storeu_si256((__m256i *)&prep[r][j + 16], _mm512_cvtepi32_epi16(p1));
             amax[j / 16] = _mm512_max_epu32(amax[j / 16], a0);
-            if (m1) amax[j / 16 + 1] = _mm512_max_epu32(amax[j / 16 + 1], a1);
+            amax[j / 16 + 1] = _mm512_max_epu32(amax[j / 16 + 1], a1);
             uint32_t byte = scale_byte(_mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1)), mode, f->emax);
             sr[(row0 + r) * nbk + (c0 + j) / BLOCK] = (uint8_t)byte;
             if (byte == 0xFFu) {
-                memset(qr + off, 0x7F, (size_t)len);
+                store_codes(qr + off, m0, _mm512_set1_epi32(0x7F));
+                store_codes(qr + off + 16, m1, _mm512_set1_epi32(0x7F));
                 continue;
             }
             __m512 inv = _mm512_set1_ps(f32_from_bits(inv_scale_bits(byte)));
             __m512i offset = exponent_offset(_mm512_set1_epi32((int)byte), f);
-            store_codes(qr + off, m0, encode16(prepare16(x0, f), offset, x0, inv, f));
-            store_codes(qr + off + 16, m1, encode16(prepare16(x1, f), offset, x1, inv, f));
+            store_codes(qr + off, m0, encode16(p0, offset, x0, inv, f));
+            store_codes(qr + off + 16, m1, encode16(p1, offset, x1, inv, f));
         }
     }
     uint8_t *scrow = sc + (row0 / BLOCK) * K + c0;
-    __m512 inv[COL_CHUNK / 16];
-    __m512i offset[COL_CHUNK / 16];
-    __mmask16 bad[COL_CHUNK / 16];
+    __m512 inv[DUAL_SUB / 16];
+    __m512i offset[DUAL_SUB / 16];
+    __mmask16 bad[DUAL_SUB / 16];
     for (int v = 0; v < nv; v++) {
         __m512i bytes = scale_bytes16(amax[v], mode, f->emax);
         store_codes(scrow + 16 * v, lanes(ncols - 16 * v), bytes);
@@ -209,18 +328,30 @@ AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t
     for (int r = 0; r < nrows; r++)
         for (int v = 0; v < nv; v++) {
             int64_t off = (row0 + r) * K + c0 + 16 * v;
-            __mmask16 m = lanes(ncols - 16 * v);
-            __m512i x = load16(src, dtype, off, m);
-            __m512i codes = encode16(prepare16(x, f), offset[v], x, inv[v], f);
+            __mmask16 m = lanes(ncols - 16 * v), slow;
+            __m512i p = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)&prep[r][16 * v]));
+            __m512i codes = encode_fast16(p, offset[v], f, &slow);
+            if (slow & m)
+                codes = _mm512_mask_mov_epi32(codes, slow, to_fp8_16(load16(src, dtype, off, m), inv[v], f));
             store_codes(qc + off, m, _mm512_mask_mov_epi32(codes, bad[v], nan));
         }
+}
+
+AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, int64_t row0,
+                                   int nrows, int64_t c0, int ncols, uint8_t *qr, uint8_t *sr,
+                                   uint8_t *qc, uint8_t *sc, int mode) {
+    for (int j = 0; j < ncols; j += DUAL_SUB) {
+        int n = ncols - j < DUAL_SUB ? ncols - j : DUAL_SUB;
+        quant_dual_sub(dtype, &FORMATS[elem], src, K, row0, nrows, c0 + j, n, qr, sr, qc, sc, mode);
+    }
 }
 
 /* -------------------------------------------------------------------------- dequantization */
 
 /* 16 FP8 codes to their exact fp32 values. */
 AVX512_INLINE __m512 fp8_values16(const uint8_t *q, __mmask16 m, int elem) {
-    __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, q));
+    __m128i raw = m == 0xFFFF ? _mm_loadu_si128((const __m128i *)q) : _mm_maskz_loadu_epi8(m, q);
+    __m512i c = _mm512_cvtepu8_epi32(raw);
     __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
     __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
     __m512i v;
@@ -248,7 +379,10 @@ AVX512_INLINE __m512 fp8_values16(const uint8_t *q, __mmask16 m, int elem) {
 
 AVX512_INLINE void store_out16(void *out, int out_dtype, int64_t off, __mmask16 m, __m512 v) {
     if (out_dtype == OUT_F32) {
-        _mm512_mask_storeu_ps((float *)out + off, m, v);
+        if (m == 0xFFFF)
+            _mm512_storeu_ps((float *)out + off, v);
+        else
+            _mm512_mask_storeu_ps((float *)out + off, m, v);
         return;
     }
     __m512i b = _mm512_castps_si512(v);
@@ -256,7 +390,11 @@ AVX512_INLINE void store_out16(void *out, int out_dtype, int64_t off, __mmask16 
     __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
     __mmask16 nan = _mm512_cmpgt_epu32_mask(abs_bits(b), _mm512_set1_epi32(0x7F800000));
-    _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + off, m, _mm512_mask_mov_epi32(rounded, nan, quiet));
+    __m256i halves = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+    if (m == 0xFFFF)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + off), halves);
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)out + off, m, halves);
 }
 
 AVX512_INLINE __m512 scale_values16(const uint8_t *s, __mmask16 m) {
