@@ -9,6 +9,7 @@
 
 #ifdef HP_HAVE_AVX512
 #include <immintrin.h>
+#include <stdlib.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -173,12 +174,217 @@ AVX512_INLINE void quant_16_blocks(int dtype, const elem_fmt *f, const void *src
     }
 }
 
+#define DUAL_SUB 512 /* columns per dual sub-tile: its prepared values (32 KiB) stay in L1 */
+
+/* ------------------------------------------------- bf16 inputs: 32 lanes of 16 bits at a time
+ *
+ * A bf16 value is the top half of its fp32 bits, so the rounding of prepare16 can run on the
+ * 16-bit patterns directly: (a + half - 1 + lsb) >> (mant_shift - 16) gives the same rounded
+ * exponent/mantissa field as the fp32 form (the low 16 fp32 bits are zero). One zmm then holds a
+ * whole block of 32 and every step costs half as much. Lanes that need the exact slow path are
+ * rare; they go through the 32-bit to_fp8_16. */
+
+typedef struct {
+    __m512i half_minus_one, min_normal, max_code;
+    int shift;
+} fmt_bf16;
+
+AVX512_INLINE fmt_bf16 bf16_format(const elem_fmt *f) {
+    fmt_bf16 g;
+    g.shift = f->mant_shift - 16;
+    g.half_minus_one = _mm512_set1_epi16((short)((1 << (g.shift - 1)) - 1));
+    g.min_normal = _mm512_set1_epi16((short)(1 << (23 - f->mant_shift)));
+    g.max_code = _mm512_set1_epi16((short)f->max_code);
+    return g;
+}
+
+/* Rounded exponent/mantissa fields of |x| (16-bit lanes), sign in bit 15. */
+AVX512_INLINE __m512i prepare32(__m512i x, const fmt_bf16 *g) {
+    __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi16(a, g->shift), _mm512_set1_epi16(1));
+    __m512i r = _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(a, g->half_minus_one), lsb), g->shift);
+    return _mm512_or_si512(r, _mm512_and_si512(x, _mm512_set1_epi16((short)0x8000)));
+}
+
+/* Codes (16-bit lanes) of prepared values under per-lane exponent offsets. */
+AVX512_INLINE __m512i encode_fast32(__m512i prep, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
+    __m512i r = _mm512_and_si512(prep, _mm512_set1_epi16(0x7FFF));
+    __m512i t = _mm512_sub_epi16(r, offset);
+    *slow = _mm512_cmplt_epi16_mask(t, g->min_normal) | _mm512_cmplt_epi16_mask(r, g->min_normal);
+    __m512i sign = _mm512_srli_epi16(_mm512_and_si512(prep, _mm512_set1_epi16((short)0x8000)), 8);
+    return _mm512_or_si512(_mm512_min_epi16(t, g->max_code), sign);
+}
+
+/* The exact codes of 32 bf16 values with per-half inverse scales, as 16-bit lanes. */
+AVX512_INLINE __m512i exact_codes32(__m512i x, __m512 inv_lo, __m512 inv_hi, const elem_fmt *f) {
+    __m512i lo = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16);
+    __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16);
+    __m256i clo = _mm512_cvtepi32_epi16(to_fp8_16(lo, inv_lo, f));
+    __m256i chi = _mm512_cvtepi32_epi16(to_fp8_16(hi, inv_hi, f));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(clo), chi, 1);
+}
+
+/* Two 16-lane 32-bit vectors as one 32-lane 16-bit vector (values fit in 16 bits). */
+AVX512_INLINE __m512i narrow_pair(__m512i lo, __m512i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+}
+
+AVX512_INLINE __m512i load32_bf16(const void *src, int64_t off, __mmask32 m) {
+    const uint16_t *p = (const uint16_t *)src + off;
+    return m == 0xFFFFFFFFu ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p);
+}
+
+AVX512_INLINE void store32_codes(uint8_t *q, __mmask32 m, __m512i codes) {
+    __m256i bytes = _mm512_cvtepi16_epi8(codes);
+    if (m == 0xFFFFFFFFu)
+        _mm256_storeu_si256((__m256i *)q, bytes);
+    else
+        _mm256_mask_storeu_epi8(q, m, bytes);
+}
+
+/* Largest 16-bit pattern of each 32-lane vector, in 32-bit lanes. */
+AVX512_INLINE __m512i pair_max16(__m512i a) {
+    return _mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(a, 16));
+}
+
+/* Per-block scale bytes and 16-bit exponent offsets from 16 block maxima (16-bit patterns). */
+AVX512_INLINE __m512i bf16_block_bytes(__m512i amax16_in_32, int mode, const elem_fmt *f) {
+    return scale_bytes16(_mm512_slli_epi32(amax16_in_32, 16), mode, f->emax);
+}
+
+/* 16 whole row blocks (512 bf16 values from element `off`), rows path and dual pass 1 alike;
+ * prep, when given, receives the prepared values and col_amax the column maxima. */
+AVX512_INLINE void bf16_16_blocks(const elem_fmt *f, const fmt_bf16 *g, const void *src, int64_t off,
+                                  uint8_t *q, uint8_t *s, int mode, uint16_t *prep, __m512i *col_amax) {
+    __m512i blk[16];
+    for (int b = 0; b < 16; b++) {
+        __m512i x = load32_bf16(src, off + 32 * b, 0xFFFFFFFFu);
+        __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
+        blk[b] = pair_max16(a);
+        if (col_amax) col_amax[b] = _mm512_max_epu16(col_amax[b], a);
+        if (prep) _mm512_storeu_si512(prep + 32 * b, prepare32(x, g));
+    }
+    __m512i bytes = bf16_block_bytes(lane_maxima16(blk), mode, f);
+    _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(bytes));
+    int32_t offsets[16], inv_bits[16];
+    _mm512_storeu_si512(offsets, exponent_offset(bytes, f));
+    _mm512_storeu_si512(inv_bits, _mm512_castps_si512(inv_scales16(bytes)));
+    __mmask16 bad = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
+    for (int b = 0; b < 16; b++) {
+        __m512i p = prep ? _mm512_loadu_si512(prep + 32 * b) : prepare32(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), g);
+        __mmask32 slow;
+        __m512i codes = encode_fast32(p, _mm512_set1_epi16((short)offsets[b]), g, &slow);
+        if (slow | (bad >> b & 1)) {
+            __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits[b]));
+            __m512i exact = exact_codes32(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), inv, inv, f);
+            codes = _mm512_mask_mov_epi16(codes, slow, exact);
+            if (bad >> b & 1) codes = _mm512_set1_epi16(0x7F);
+        }
+        store32_codes(q + off + 32 * b, 0xFFFFFFFFu, codes);
+    }
+}
+
+/* Column scales of up to 32 columns from their maxima (16-bit patterns): bytes stored, 16-bit
+ * offsets, inverse scales of both halves and the NaN lanes returned. */
+AVX512_INLINE void bf16_col_scales(__m512i amax, int mode, const elem_fmt *f, uint8_t *s, __mmask32 m,
+                                   __m512i *offset, __m512 *inv_lo, __m512 *inv_hi, __mmask32 *bad) {
+    __m512i lo = bf16_block_bytes(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(amax)), mode, f);
+    __m512i hi = bf16_block_bytes(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(amax, 1)), mode, f);
+    __m512i bytes = narrow_pair(lo, hi);
+    store32_codes(s, m, bytes);
+    *offset = narrow_pair(exponent_offset(lo, f), exponent_offset(hi, f));
+    *inv_lo = inv_scales16(lo);
+    *inv_hi = inv_scales16(hi);
+    *bad = _mm512_cmpeq_epi16_mask(bytes, _mm512_set1_epi16(0xFF));
+}
+
+/* Codes of one row of up to 32 columns under column scales; x is reread only for slow lanes. */
+AVX512_INLINE void bf16_col_codes(const fmt_bf16 *g, const elem_fmt *f, __m512i p, const void *src,
+                                  int64_t off, __mmask32 m, __m512i offset, __m512 inv_lo, __m512 inv_hi,
+                                  __mmask32 bad, uint8_t *q) {
+    __mmask32 slow;
+    __m512i codes = encode_fast32(p, offset, g, &slow);
+    slow &= m;
+    if (slow) codes = _mm512_mask_mov_epi16(codes, slow, exact_codes32(load32_bf16(src, off, m), inv_lo, inv_hi, f));
+    store32_codes(q + off, m, _mm512_mask_mov_epi16(codes, bad, _mm512_set1_epi16(0x7F)));
+}
+
+AVX512_INLINE __mmask32 lanes32(int n) {
+    return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (n > 0 ? n : 0)) - 1u);
+}
+
+/* Column scales of a block of rows, walked row by row (rows lie 8 KiB apart: walking down a
+ * column of them would keep every access in one L1 set). */
+typedef struct {
+    __m512i offset[COL_CHUNK / 32];
+    __m512 inv_lo[COL_CHUNK / 32], inv_hi[COL_CHUNK / 32];
+    __mmask32 bad[COL_CHUNK / 32];
+} bf16_col_scale_set;
+
+AVX512_INLINE void bf16_scale_set(const __m512i *amax, int ncols, int mode, const elem_fmt *f, uint8_t *s,
+                                  bf16_col_scale_set *set) {
+    for (int v = 0; v < (ncols + 31) / 32; v++)
+        bf16_col_scales(amax[v], mode, f, s + 32 * v, lanes32(ncols - 32 * v), &set->offset[v], &set->inv_lo[v],
+                        &set->inv_hi[v], &set->bad[v]);
+}
+
+AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, int64_t row0, int nrows,
+                             int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int mode) {
+    fmt_bf16 g = bf16_format(f);
+    int nv = (ncols + 31) / 32;
+    __m512i amax[COL_CHUNK / 32];
+    for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
+    for (int r = 0; r < nrows; r++)
+        for (int v = 0; v < nv; v++)
+            amax[v] = _mm512_max_epu16(amax[v], _mm512_and_si512(load32_bf16(src, (row0 + r) * width + c0 + 32 * v,
+                                                                             lanes32(ncols - 32 * v)),
+                                                                 _mm512_set1_epi16(0x7FFF)));
+    bf16_col_scale_set set;
+    bf16_scale_set(amax, ncols, mode, f, srow + c0, &set);
+    for (int r = 0; r < nrows; r++)
+        for (int v = 0; v < nv; v++) {
+            int64_t off = (row0 + r) * width + c0 + 32 * v;
+            __mmask32 m = lanes32(ncols - 32 * v);
+            bf16_col_codes(&g, f, prepare32(load32_bf16(src, off, m), &g), src, off, m, set.offset[v], set.inv_lo[v],
+                           set.inv_hi[v], set.bad[v], q);
+        }
+}
+
+/* Dual for bf16: a block of rows x ncols columns (a multiple of 512, at most COL_CHUNK), each
+ * row walked in one long contiguous stream (the hardware prefetchers lose track of many short
+ * ones); the prepared values wait in an L2-sized buffer for the column pass. */
+AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int64_t row0, int nrows, int64_t c0,
+                             int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode,
+                             uint16_t *prep) {
+    fmt_bf16 g = bf16_format(f);
+    int64_t nbk = K / BLOCK;
+    int nv = ncols / 32;
+    __m512i amax[COL_CHUNK / 32];
+    for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
+    for (int r = 0; r < nrows; r++)
+        for (int j = 0; j < ncols; j += 512)
+            bf16_16_blocks(f, &g, src, (row0 + r) * K + c0 + j, qr, sr + (row0 + r) * nbk + (c0 + j) / BLOCK, mode,
+                           prep + (int64_t)r * ncols + j, amax + j / 32);
+    bf16_col_scale_set set;
+    bf16_scale_set(amax, ncols, mode, f, sc + (row0 / BLOCK) * K + c0, &set);
+    for (int r = 0; r < nrows; r++)
+        for (int v = 0; v < nv; v++)
+            bf16_col_codes(&g, f, _mm512_loadu_si512(prep + (int64_t)r * ncols + 32 * v), src,
+                           (row0 + r) * K + c0 + 32 * v, 0xFFFFFFFFu, set.offset[v], set.inv_lo[v], set.inv_hi[v],
+                           set.bad[v], qc);
+}
+
 AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t r0, int64_t r1,
                                    int64_t n, uint8_t *q, uint8_t *s, int mode) {
     const elem_fmt *f = &FORMATS[elem];
     int64_t nb = (n + BLOCK - 1) / BLOCK;
     for (int64_t r = r0; r < r1; r++) {
         int64_t b = 0;
+        if (dtype == IN_BF16) {
+            fmt_bf16 g = bf16_format(f);
+            for (; b + 16 <= n / BLOCK; b += 16)
+                bf16_16_blocks(f, &g, src, r * n + b * BLOCK, q, s + r * nb + b, mode, 0, 0);
+        }
         for (; b + 16 <= n / BLOCK; b += 16)
             quant_16_blocks(dtype, f, src, r * n + b * BLOCK, q, s + r * nb + b, mode);
         for (; b < nb; b++) {
@@ -210,6 +416,10 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
                                    int64_t row0, int nrows, int64_t c0, int ncols, uint8_t *q,
                                    uint8_t *srow, int mode) {
     const elem_fmt *f = &FORMATS[elem];
+    if (dtype == IN_BF16) {
+        bf16_cols(f, src, width, row0, nrows, c0, ncols, q, srow, mode);
+        return;
+    }
     __m512i amax[COL_CHUNK / 16];
     __m512 inv[COL_CHUNK / 16];
     __m512i offset[COL_CHUNK / 16];
@@ -237,8 +447,6 @@ AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t
             store_codes(q + off, m, _mm512_mask_mov_epi32(codes, bad[v], nan));
         }
 }
-
-#define DUAL_SUB 512 /* columns per dual sub-tile: its prepared values (32 KiB) stay in L1 */
 
 /* One block of rows x up to DUAL_SUB columns (c0 a multiple of 32). The first pass converts
  * each row block for the row-wise copy while it is in registers, keeps the scale-independent
@@ -340,6 +548,14 @@ AVX512_INLINE void quant_dual_sub(int dtype, const elem_fmt *f, const void *src,
 AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, int64_t row0,
                                    int nrows, int64_t c0, int ncols, uint8_t *qr, uint8_t *sr,
                                    uint8_t *qc, uint8_t *sc, int mode) {
+    if (dtype == IN_BF16 && ncols % 512 == 0 && K % BLOCK == 0) {
+        uint16_t *prep = malloc((size_t)BLOCK * (size_t)ncols * sizeof(uint16_t));
+        if (prep) {
+            bf16_dual(&FORMATS[elem], src, K, row0, nrows, c0, ncols, qr, sr, qc, sc, mode, prep);
+            free(prep);
+            return;
+        }
+    }
     for (int j = 0; j < ncols; j += DUAL_SUB) {
         int n = ncols - j < DUAL_SUB ? ncols - j : DUAL_SUB;
         quant_dual_sub(dtype, &FORMATS[elem], src, K, row0, nrows, c0 + j, n, qr, sr, qc, sc, mode);

@@ -12,7 +12,7 @@ enum { ELEM_E4M3 = 0, ELEM_E5M2 = 1 };
 enum { SCALE_RCEIL = 0, SCALE_FLOOR = 1 };
 enum { OUT_F32 = 0, OUT_BF16 = 1 };
 #define BLOCK 32
-#define COL_CHUNK 1024 /* most columns one column-wise or dual task covers; a multiple of 32 */
+#define COL_CHUNK 4096 /* most columns one column-wise or dual task covers; a multiple of 512 */
 
 typedef struct {
     uint32_t max_bits;     /* fp32 bits of the largest finite element value (448 / 57344) */

@@ -188,7 +188,8 @@ def test_torch_compile_traces_through_quantize():
 def test_every_bf16_bit_pattern(isa, mode, elem):
     # All 65536 bf16 values, shuffled into blocks so that each meets many different scales.
     bits = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = bits[torch.randperm(len(bits), generator=torch.Generator().manual_seed(7))].reshape(256, 256)
+    # 64 x 1024: rows of 32 blocks and 512-column tiles take the wide bf16 fast paths
+    x = bits[torch.randperm(len(bits), generator=torch.Generator().manual_seed(7))].reshape(64, 1024)
     x = torch.where(torch.isfinite(x), x, 0)  # NaN/Inf blocks are covered elsewhere; keep blocks finite
     for axis in (0, 1):
         got = mx.quantize(x, axis, scale_mode=mode, elem_dtype=elem)
@@ -196,3 +197,24 @@ def test_every_bf16_bit_pattern(isa, mode, elem):
     row, col = mx.quantize_dual(x, scale_mode=mode, elem_dtype=elem)
     assert_same_quantization(row, *reference.quantize(x, 1, elem, mode))
     assert_same_quantization(col, *reference.quantize(x, 0, elem, mode))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_corner_cases_in_wide_tiles(isa, dtype, mode, elem):
+    # The corner-case rows tiled to 1094 columns and 76 rows: whole 512-column tiles, groups of
+    # 16 row blocks and partial tails, with NaN/Inf blocks, subnormals and saturation inside them.
+    base = special_rows(dtype)
+    x = base.repeat(7, 16)[:76, : 1024 + 70]
+    x[50:, 200:] = x[50:, 200:] * 2.0**-9  # more lanes that land on element subnormals
+    for axis in (0, 1):
+        got = mx.quantize(x, axis, scale_mode=mode, elem_dtype=elem)
+        assert_same_quantization(got, *reference.quantize(x, axis, elem, mode))
+    for k in (1024, 1024 + 70):
+        row, col = mx.quantize_dual(x[:, :k].contiguous(), scale_mode=mode, elem_dtype=elem)
+        assert_same_quantization(row, *reference.quantize(x[:, :k], 1, elem, mode))
+        assert_same_quantization(col, *reference.quantize(x[:, :k], 0, elem, mode))
+    offsets = torch.tensor([0, 7, 40, 40, 76])
+    got = mx.quantize_grouped(x, offsets, scale_mode=mode, elem_dtype=elem)
+    assert_same_quantization(got, *reference.quantize_grouped(x, offsets, elem, mode))
