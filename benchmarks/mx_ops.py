@@ -3,12 +3,14 @@
     python benchmarks/mx_ops.py                 # 8192x4096 bf16, the acceptance shape
     python benchmarks/mx_ops.py --m 1024 --k 1024 --n 1024   # a quick run (make demo)
 
-Prints a table of median times and ratios and writes JSON (--json PATH).
+Prints a table of median times and ratios and writes JSON (--json PATH). Each ratio compares
+runs interleaved one by one, so that drift of the machine falls on both sides alike.
 
-Every contender runs in this one process under the same allocator setting. By default that is
-PyTorch's own THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for large CPU tensors), which we recommend for
-CPU training: without it each fresh 32 MiB output costs ~8k page faults, which on this kind of
-machine take longer than the quantization itself. Pass --no-thp to measure without it.
+Every contender runs under the same allocator setting (--allocator):
+  cached   glibc keeps freed large blocks for reuse (mallopt), as jemalloc/tcmalloc would: fresh
+           output tensors then cost no page faults (the default; what we recommend for CPU runs)
+  thp      PyTorch's own THP_MEM_ALLOC_ENABLE=1: 2 MiB pages for large tensors
+  default  glibc as it comes: every large tensor is a fresh mmap, ~8k page faults per 32 MiB
 """
 
 from __future__ import annotations
@@ -20,13 +22,44 @@ import statistics
 import sys
 import time
 
-if "--no-thp" not in sys.argv:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once by torch's CPU allocator
+
+def _allocator_from_argv() -> str:
+    for i, arg in enumerate(sys.argv):
+        if arg.startswith("--allocator="):
+            return arg.split("=", 1)[1]
+        if arg == "--allocator" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+    return "cached"
+
+
+ALLOCATOR = _allocator_from_argv()
+if ALLOCATOR == "thp":
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read once, at torch's first large allocation
+elif ALLOCATOR == "cached":
+    import ctypes
+
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve blocks up to 1 GiB from the heap
+    _libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap mapped
 
 import torch  # noqa: E402
 
 from hyperparallel import mx  # noqa: E402
 from hyperparallel.mx.backends import cpu  # noqa: E402
+
+
+def paired_seconds(fn_a, fn_b, warmup: int, repeat: int) -> tuple[float, float]:
+    """Median times of two functions run alternately."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    times_a, times_b = [], []
+    for _ in range(repeat):
+        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 def median_seconds(fn, warmup: int, repeat: int) -> float:
@@ -55,6 +88,7 @@ def run(m: int, k: int, n: int, repeat: int) -> list[dict]:
     y = torch.empty_like(x)
     rows = []
 
+
     def row(name, seconds, baseline_name=None, baseline=None, target=None):
         entry = {"op": name, "ms": seconds * 1e3}
         if baseline is not None:
@@ -62,30 +96,27 @@ def run(m: int, k: int, n: int, repeat: int) -> list[dict]:
         rows.append(entry)
         return seconds
 
-    t_quant = median_seconds(lambda: mx.quantize(x), 3, repeat)
-    t_copy = median_seconds(lambda: y.copy_(x), 3, repeat)
     to_mx = torchao_to_mx()
     if to_mx is not None:
-        t_ao = median_seconds(lambda: to_mx(x, torch.float8_e4m3fn, 32), 2, max(3, repeat // 4))
+        t_floor, t_ao = paired_seconds(
+            lambda: mx.quantize(x, scale_mode="floor"), lambda: to_mx(x, torch.float8_e4m3fn, 32), 2, max(3, repeat // 2)
+        )
         row("torchao to_mx (floor)", t_ao)
-        t_floor = median_seconds(lambda: mx.quantize(x, scale_mode="floor"), 3, repeat)
         row("quantize (floor) vs torchao to_mx", t_floor, "torchao", t_ao, "<= 0.05 (20x faster)")
-    t_clone = median_seconds(lambda: x.clone(), 3, repeat)
+    t_quant, t_copy = paired_seconds(lambda: mx.quantize(x), lambda: y.copy_(x), 3, repeat)
     row("y.copy_(x) (preallocated y)", t_copy)
-    row("x.clone() (allocates, like quantize)", t_clone)
     row("quantize (rceil) vs copy_", t_quant, "copy_", t_copy, "<= 3.0")
-    row("quantize (rceil) vs clone", t_quant, "clone", t_clone)
-    t_dual = median_seconds(lambda: mx.quantize_dual(x), 3, repeat)
-    row("quantize_dual vs quantize", t_dual, "quantize", t_quant, "<= 1.6")
-
-    mm_repeat = max(3, repeat // 4)
-    t_bf16 = median_seconds(lambda: torch.mm(x, w), 1, mm_repeat)
-    row(f"bf16 torch.mm {m}x{k}x{n}", t_bf16)
+    t_quant2, t_clone = paired_seconds(lambda: mx.quantize(x), lambda: x.clone(), 3, repeat)
+    row("x.clone() (allocates, like quantize)", t_clone)
+    row("quantize (rceil) vs clone", t_quant2, "clone", t_clone)
+    t_dual, t_quant3 = paired_seconds(lambda: mx.quantize_dual(x), lambda: mx.quantize(x), 3, repeat)
+    row("quantize_dual vs quantize", t_dual, "quantize", t_quant3, "<= 1.6")
 
     def mx_path():
         return mx.mx_mm(mx.quantize(x, 1), mx.quantize(w, 0))
 
-    t_mx = median_seconds(mx_path, 1, mm_repeat)
+    t_mx, t_bf16 = paired_seconds(mx_path, lambda: torch.mm(x, w), 1, max(3, repeat // 4))
+    row(f"bf16 torch.mm {m}x{k}x{n}", t_bf16)
     row("quantize a, b + mx_mm vs bf16 mm", t_mx, "torch.mm", t_bf16, "<= 1.10")
     return rows
 
@@ -106,13 +137,14 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--no-thp", action="store_true", help="leave PyTorch's huge-page allocation off")
+    parser.add_argument("--allocator", choices=["cached", "thp", "default"], default="cached",
+                        help="process allocator setting for every contender (see the module docstring)")
     args = parser.parse_args(argv)
     rows = run(args.m, args.k, args.n, args.repeat)
     header = (
         f"MX ops, bf16 input {args.m}x{args.k} (mm N={args.n}), torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, cpu kernels: {cpu.isa()}, "
-        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}"
+        f"allocator: {ALLOCATOR}"
     )
     print_table(rows, header)
     if args.json:

@@ -74,21 +74,23 @@ HP_INLINE float scale_value(uint8_t byte) {
 
 /* One implementation of the per-tile work, for one instruction set. The OpenMP drivers in
  * mx_quant.c split the work into tasks and call these; each call is single-threaded. */
+/* `stream` asks for non-temporal stores of the codes: the driver sets it for outputs too large
+ * to stay in cache; kernels may ignore it. */
 typedef struct {
     const char *name;
     /* rows [r0, r1) of a row-major [rows, n] input, blocks along n */
     void (*quant_rows)(const void *src, int dtype, int64_t r0, int64_t r1, int64_t n, uint8_t *q,
-                       uint8_t *s, int elem, int mode);
+                       uint8_t *s, int elem, int mode, int stream);
     /* one block of rows [row0, row0 + nrows), nrows <= 32, columns [c0, c0 + ncols), ncols <=
      * COL_CHUNK, of a
      * row-major [*, width] input; srow is the scale row of that block */
     void (*quant_cols)(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
-                       int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode);
+                       int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode, int stream);
     /* one block of rows x columns [c0, c0 + ncols) of an [M, K] input, c0 a multiple of 32:
      * both the row-wise and the column-wise copies */
     void (*quant_dual)(const void *src, int dtype, int64_t K, int64_t row0, int nrows, int64_t c0,
                        int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int elem,
-                       int mode);
+                       int mode, int stream);
     void (*dequant_rows)(const uint8_t *q, const uint8_t *s, int64_t r0, int64_t r1, int64_t n,
                          int elem, void *out, int out_dtype);
     void (*dequant_cols)(const uint8_t *q, const uint8_t *srow, int64_t width, int64_t row0,

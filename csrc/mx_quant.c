@@ -16,6 +16,9 @@
  */
 #include "mx_common.h"
 
+/* Outputs at least this large are written with non-temporal stores (see mx_kernels). */
+#define STREAM_MIN_BYTES ((int64_t)16 << 20)
+
 static const mx_kernels *chosen = 0;
 
 static const mx_kernels *best_available(void) {
@@ -51,7 +54,7 @@ void hp_mx_quant_rows(const void *src, int dtype, int64_t rows, int64_t n, uint8
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t r0 = t * rows_per_task;
         int64_t r1 = r0 + rows_per_task < rows ? r0 + rows_per_task : rows;
-        k->quant_rows(src, dtype, r0, r1, n, q, s, elem, mode);
+        k->quant_rows(src, dtype, r0, r1, n, q, s, elem, mode, rows * n >= STREAM_MIN_BYTES);
     }
 }
 
@@ -63,6 +66,7 @@ void hp_mx_quant_cols(const void *src, int dtype, int64_t width, int64_t nblocks
     const mx_kernels *k = active();
     int64_t nchunks = (width + COL_CHUNK - 1) / COL_CHUNK;
     int64_t ntasks = nblocks * nchunks;
+    int stream = nblocks * BLOCK * width >= STREAM_MIN_BYTES;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks * COL_CHUNK * BLOCK > 65536)
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t b = t / nchunks, c = t % nchunks;
@@ -70,7 +74,7 @@ void hp_mx_quant_cols(const void *src, int dtype, int64_t width, int64_t nblocks
         int ncols = (int)(width - c0 < COL_CHUNK ? width - c0 : COL_CHUNK);
         if (blk_len[b] > 0)
             k->quant_cols(src, dtype, width, blk_start[b], (int)blk_len[b], c0, ncols, q,
-                            s + blk_srow[b] * width, elem, mode);
+                          s + blk_srow[b] * width, elem, mode, stream);
     }
 }
 
@@ -80,13 +84,14 @@ void hp_mx_quant_dual(const void *src, int dtype, int64_t M, int64_t K, uint8_t 
     int64_t nrb = (M + BLOCK - 1) / BLOCK;
     int64_t nchunks = (K + COL_CHUNK - 1) / COL_CHUNK;
     int64_t ntasks = nrb * nchunks;
+    int stream = 2 * M * K >= STREAM_MIN_BYTES;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t rb = t / nchunks, c0 = (t % nchunks) * COL_CHUNK;
         int64_t row0 = rb * BLOCK;
         int nrows = (int)(M - row0 < BLOCK ? M - row0 : BLOCK);
         int ncols = (int)(K - c0 < COL_CHUNK ? K - c0 : COL_CHUNK);
-        k->quant_dual(src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode);
+        k->quant_dual(src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode, stream);
     }
 }
 

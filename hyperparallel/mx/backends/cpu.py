@@ -32,6 +32,7 @@ _SIGNATURES = {
     "hp_mx_set_isa": [_INT],
     "hp_mx_isa": [],
 }
+_RESTYPES = {"hp_mx_set_isa": ctypes.c_char_p, "hp_mx_isa": ctypes.c_char_p}
 
 
 def _load_library() -> ctypes.CDLL | None:
@@ -42,7 +43,7 @@ def _load_library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_char_p if name in ("hp_mx_set_isa", "hp_mx_isa") else None
+        fn.restype = _RESTYPES.get(name)
     return lib
 
 
