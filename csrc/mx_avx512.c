@@ -197,21 +197,18 @@ AVX512_INLINE fmt_bf16 bf16_format(const elem_fmt *f) {
     return g;
 }
 
-/* Rounded exponent/mantissa fields of |x| (16-bit lanes), sign in bit 15. */
-AVX512_INLINE __m512i prepare32(__m512i x, const fmt_bf16 *g) {
+/* Codes (16-bit lanes) of 32 bf16 values under per-lane exponent offsets (see exponent_offset):
+ * the rounding of prepare16 on 16-bit patterns, then the rebias of encode_fast16. Lanes set in
+ * *slow still need exact_codes32. */
+AVX512_INLINE __m512i encode_bf16(__m512i x, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
     __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi16(a, g->shift), _mm512_set1_epi16(1));
     __m512i r = _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(a, g->half_minus_one), lsb), g->shift);
-    return _mm512_or_si512(r, _mm512_and_si512(x, _mm512_set1_epi16((short)0x8000)));
-}
-
-/* Codes (16-bit lanes) of prepared values under per-lane exponent offsets. */
-AVX512_INLINE __m512i encode_fast32(__m512i prep, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
-    __m512i r = _mm512_and_si512(prep, _mm512_set1_epi16(0x7FFF));
     __m512i t = _mm512_sub_epi16(r, offset);
     *slow = _mm512_cmplt_epi16_mask(t, g->min_normal) | _mm512_cmplt_epi16_mask(r, g->min_normal);
-    __m512i sign = _mm512_srli_epi16(_mm512_and_si512(prep, _mm512_set1_epi16((short)0x8000)), 8);
-    return _mm512_or_si512(_mm512_min_epi16(t, g->max_code), sign);
+    /* min(t, max_code) | (x >> 8 & 0x80) */
+    return _mm512_ternarylogic_epi32(_mm512_min_epi16(t, g->max_code), _mm512_srli_epi16(x, 8),
+                                     _mm512_set1_epi16(0x80), 0xF8);
 }
 
 /* The exact codes of 32 bf16 values with per-half inverse scales, as 16-bit lanes. */
@@ -283,9 +280,9 @@ AVX512_INLINE void bf16_16_blocks(const elem_fmt *f, const fmt_bf16 *g, const vo
     __mmask16 bad = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
     __m512i codes[2];
     for (int b = 0; b < 16; b++) {
-        __m512i p = prepare32(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), g);
         __mmask32 slow;
-        codes[b & 1] = encode_fast32(p, _mm512_set1_epi16((short)offsets[b]), g, &slow);
+        codes[b & 1] = encode_bf16(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), _mm512_set1_epi16((short)offsets[b]), g,
+                                   &slow);
         if (slow | (bad >> b & 1)) {
             __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits[b]));
             __m512i exact = exact_codes32(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), inv, inv, f);
@@ -310,14 +307,13 @@ AVX512_INLINE void bf16_col_scales(__m512i amax, int mode, const elem_fmt *f, ui
     *bad = _mm512_cmpeq_epi16_mask(bytes, _mm512_set1_epi16(0xFF));
 }
 
-/* Codes of one row of up to 32 columns under column scales; x is reread only for slow lanes. */
-AVX512_INLINE __m512i bf16_col_codes(const fmt_bf16 *g, const elem_fmt *f, __m512i p, const void *src,
-                                     int64_t off, __mmask32 m, __m512i offset, __m512 inv_lo, __m512 inv_hi,
-                                     __mmask32 bad) {
+/* Codes of one row of up to 32 columns under column scales. */
+AVX512_INLINE __m512i bf16_col_codes(const fmt_bf16 *g, const elem_fmt *f, __m512i x, __mmask32 m,
+                                     __m512i offset, __m512 inv_lo, __m512 inv_hi, __mmask32 bad) {
     __mmask32 slow;
-    __m512i codes = encode_fast32(p, offset, g, &slow);
+    __m512i codes = encode_bf16(x, offset, g, &slow);
     slow &= m;
-    if (slow) codes = _mm512_mask_mov_epi16(codes, slow, exact_codes32(load32_bf16(src, off, m), inv_lo, inv_hi, f));
+    if (slow) codes = _mm512_mask_mov_epi16(codes, slow, exact_codes32(x, inv_lo, inv_hi, f));
     return _mm512_mask_mov_epi16(codes, bad, _mm512_set1_epi16(0x7F));
 }
 
@@ -357,18 +353,17 @@ AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, 
         int v = 0;
         for (; v + 2 <= ncols / 32; v += 2) {
             int64_t off = (row0 + r) * width + c0 + 32 * v;
-            __m512i lo = bf16_col_codes(&g, f, prepare32(load32_bf16(src, off, 0xFFFFFFFFu), &g), src, off, 0xFFFFFFFFu,
-                                        set.offset[v], set.inv_lo[v], set.inv_hi[v], set.bad[v]);
-            __m512i hi = bf16_col_codes(&g, f, prepare32(load32_bf16(src, off + 32, 0xFFFFFFFFu), &g), src, off + 32,
-                                        0xFFFFFFFFu, set.offset[v + 1], set.inv_lo[v + 1], set.inv_hi[v + 1],
-                                        set.bad[v + 1]);
+            __m512i lo = bf16_col_codes(&g, f, load32_bf16(src, off, 0xFFFFFFFFu), 0xFFFFFFFFu, set.offset[v],
+                                        set.inv_lo[v], set.inv_hi[v], set.bad[v]);
+            __m512i hi = bf16_col_codes(&g, f, load32_bf16(src, off + 32, 0xFFFFFFFFu), 0xFFFFFFFFu,
+                                        set.offset[v + 1], set.inv_lo[v + 1], set.inv_hi[v + 1], set.bad[v + 1]);
             store64_codes(q + off, lo, hi, stream);
         }
         for (; v < nv; v++) {
             int64_t off = (row0 + r) * width + c0 + 32 * v;
             __mmask32 m = lanes32(ncols - 32 * v);
-            store32_codes(q + off, m, bf16_col_codes(&g, f, prepare32(load32_bf16(src, off, m), &g), src, off, m,
-                                                     set.offset[v], set.inv_lo[v], set.inv_hi[v], set.bad[v]));
+            store32_codes(q + off, m, bf16_col_codes(&g, f, load32_bf16(src, off, m), m, set.offset[v],
+                                                     set.inv_lo[v], set.inv_hi[v], set.bad[v]));
         }
     }
 }
@@ -393,11 +388,10 @@ AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int6
     for (int r = 0; r < nrows; r++)
         for (int v = 0; v < nv; v += 2) {
             int64_t off = (row0 + r) * K + c0 + 32 * v;
-            __m512i lo = bf16_col_codes(&g, f, prepare32(load32_bf16(src, off, 0xFFFFFFFFu), &g), src, off,
-                                        0xFFFFFFFFu, set.offset[v], set.inv_lo[v], set.inv_hi[v], set.bad[v]);
-            __m512i hi = bf16_col_codes(&g, f, prepare32(load32_bf16(src, off + 32, 0xFFFFFFFFu), &g), src,
-                                        off + 32, 0xFFFFFFFFu, set.offset[v + 1], set.inv_lo[v + 1],
-                                        set.inv_hi[v + 1], set.bad[v + 1]);
+            __m512i lo = bf16_col_codes(&g, f, load32_bf16(src, off, 0xFFFFFFFFu), 0xFFFFFFFFu, set.offset[v],
+                                        set.inv_lo[v], set.inv_hi[v], set.bad[v]);
+            __m512i hi = bf16_col_codes(&g, f, load32_bf16(src, off + 32, 0xFFFFFFFFu), 0xFFFFFFFFu,
+                                        set.offset[v + 1], set.inv_lo[v + 1], set.inv_hi[v + 1], set.bad[v + 1]);
             store64_codes(qc + off, lo, hi, stream);
         }
 }
