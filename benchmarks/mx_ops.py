@@ -137,9 +137,12 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--isa", choices=["best", "generic"], default="best",
+                        help="CPU kernels: the best for this processor, or the portable ones")
     parser.add_argument("--allocator", choices=["cached", "thp", "default"], default="cached",
                         help="process allocator setting for every contender (see the module docstring)")
     args = parser.parse_args(argv)
+    cpu.use_best_isa(args.isa == "best")
     rows = run(args.m, args.k, args.n, args.repeat)
     header = (
         f"MX ops, bf16 input {args.m}x{args.k} (mm N={args.n}), torch {torch.__version__}, "

@@ -661,14 +661,14 @@ AVX512_INLINE void dequant_rows_body(int out_dtype, int elem, const uint8_t *q, 
 AVX512_INLINE void dequant_cols_body(int out_dtype, int elem, const uint8_t *q, const uint8_t *srow,
                                      int64_t width, int64_t row0, int nrows, int64_t c0, int ncols,
                                      void *out) {
-    for (int j = 0; j < ncols; j += 16) {
-        __mmask16 m = lanes(ncols - j);
-        __m512 sc = scale_values16(srow + c0 + j, m);
-        for (int r = 0; r < nrows; r++) {
+    __m512 sc[COL_CHUNK / 16]; /* row by row, not down the columns: see quant_cols_body */
+    for (int j = 0; j < ncols; j += 16) sc[j / 16] = scale_values16(srow + c0 + j, lanes(ncols - j));
+    for (int r = 0; r < nrows; r++)
+        for (int j = 0; j < ncols; j += 16) {
             int64_t off = (row0 + r) * width + c0 + j;
-            store_out16(out, out_dtype, off, m, _mm512_mul_ps(fp8_values16(q + off, m, elem), sc));
+            __mmask16 m = lanes(ncols - j);
+            store_out16(out, out_dtype, off, m, _mm512_mul_ps(fp8_values16(q + off, m, elem), sc[j / 16]));
         }
-    }
 }
 
 /* ----------------------------------------------- entry points with constant dtype and format */

@@ -29,9 +29,11 @@ def _exact_dtype(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> t
     s = mx.scale.view(torch.uint8)
     if s.numel() == 0:
         return torch.bfloat16
-    finite = torch.where(s == SCALE_NAN, s.new_full((), SCALE_BIAS), s)
-    e_min = int(finite.min()) - SCALE_BIAS
-    e_max = int(finite.max()) - SCALE_BIAS
+    lo_byte, hi_byte = (int(v) for v in torch.aminmax(s))
+    if hi_byte == SCALE_NAN:  # NaN blocks dequantize to NaN in any dtype: range over the others
+        finite = s[s != SCALE_NAN]
+        lo_byte, hi_byte = (int(finite.min()), int(finite.max())) if finite.numel() else (SCALE_BIAS, SCALE_BIAS)
+    e_min, e_max = lo_byte - SCALE_BIAS, hi_byte - SCALE_BIAS
     candidates = (torch.bfloat16, torch.float32) if out_dtype == torch.bfloat16 else (torch.float32,)
     for dtype in candidates:
         lo, hi = _NORMAL_RANGE[dtype]

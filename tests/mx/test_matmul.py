@@ -101,3 +101,15 @@ def test_grouped_mm_refuses_mismatched_groups():
         mx.mx_grouped_mm(a, b, offsets)
     with pytest.raises(ShapeError, match="3 offsets for 2 experts"):
         mx.mx_grouped_mm(mx.quantize(x, 1), mx.quantize(torch.randn(2, 32, 8), 1), torch.tensor([10, 20, 40]))
+
+
+def test_nan_block_poisons_only_its_outputs():
+    x = torch.randn(4, 64)
+    x[1, 40] = float("nan")  # row 1, second block along K
+    a = mx.quantize(x, 1)
+    b = mx.quantize(torch.randn(64, 8), 0)
+    out = mx.mx_mm(a, b, torch.float32)
+    assert bool(out[1].isnan().all())
+    finite_rows = torch.tensor([0, 2, 3])
+    a64, b64 = a.dequantize(torch.float64)[finite_rows], b.dequantize(torch.float64)
+    assert_fp32_accumulation_accurate(out[finite_rows], a64, b64)
