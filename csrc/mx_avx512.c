@@ -200,15 +200,24 @@ AVX512_INLINE fmt_bf16 bf16_format(const elem_fmt *f) {
 /* Codes (16-bit lanes) of 32 bf16 values under per-lane exponent offsets (see exponent_offset):
  * the rounding of prepare16 on 16-bit patterns, then the rebias of encode_fast16. Lanes set in
  * *slow still need exact_codes32. */
-AVX512_INLINE __m512i encode_bf16(__m512i x, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
+/* The scale-independent rounding of 32 bf16 values: rounded exponent/mantissa fields. */
+AVX512_INLINE __m512i round_bf16(__m512i x, const fmt_bf16 *g) {
     __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi16(a, g->shift), _mm512_set1_epi16(1));
-    __m512i r = _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(a, g->half_minus_one), lsb), g->shift);
+    return _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(a, g->half_minus_one), lsb), g->shift);
+}
+
+/* Codes from rounded fields r under per-lane exponent offsets; x supplies the signs. */
+AVX512_INLINE __m512i encode_rounded(__m512i r, __m512i x, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
     __m512i t = _mm512_sub_epi16(r, offset);
     *slow = _mm512_cmplt_epi16_mask(t, g->min_normal) | _mm512_cmplt_epi16_mask(r, g->min_normal);
     /* min(t, max_code) | (x >> 8 & 0x80) */
     return _mm512_ternarylogic_epi32(_mm512_min_epi16(t, g->max_code), _mm512_srli_epi16(x, 8),
                                      _mm512_set1_epi16(0x80), 0xF8);
+}
+
+AVX512_INLINE __m512i encode_bf16(__m512i x, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
+    return encode_rounded(round_bf16(x, g), x, offset, g, slow);
 }
 
 /* The exact codes of 32 bf16 values with per-half inverse scales, as 16-bit lanes. */
@@ -259,18 +268,31 @@ AVX512_INLINE __m512i bf16_block_bytes(__m512i amax16_in_32, int mode, const ele
     return scale_bytes16(_mm512_slli_epi32(amax16_in_32, 16), mode, f->emax);
 }
 
+/* Codes of one row block of 32 bf16 values whose scale has the given exponent offset and
+ * inverse-scale bits; bad marks a NaN/Inf block. */
+AVX512_INLINE __m512i bf16_block_codes(const elem_fmt *f, const fmt_bf16 *g, const void *src, int64_t off,
+                                       int32_t offset, int32_t inv_bits, int bad) {
+    __m512i x = load32_bf16(src, off, 0xFFFFFFFFu);
+    __mmask32 slow;
+    __m512i codes = encode_bf16(x, _mm512_set1_epi16((short)offset), g, &slow);
+    if (slow | bad) {
+        __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits));
+        codes = _mm512_mask_mov_epi16(codes, slow, exact_codes32(x, inv, inv, f));
+        if (bad) codes = _mm512_set1_epi16(0x7F);
+    }
+    return codes;
+}
+
 /* 16 whole row blocks (512 bf16 values from element `off`; q is the base of the output, s
- * points at the 16 scale bytes), rows path and dual pass 1 alike; col_amax, when given,
- * gathers the column maxima. The maxima of all 16 blocks come first so that their scales are
- * one vector; the second loop rereads the input from L1 and converts. */
+ * points at the 16 scale bytes). The maxima of all 16 blocks come first so that their scales
+ * are one vector; the second loop rereads the input from L1 and converts. */
 AVX512_INLINE void bf16_16_blocks(const elem_fmt *f, const fmt_bf16 *g, const void *src, int64_t off,
-                                  uint8_t *q, uint8_t *s, int mode, __m512i *col_amax, int stream) {
+                                  uint8_t *q, uint8_t *s, int mode, int stream) {
     __m512i blk[16];
     for (int b = 0; b < 16; b++) {
         __m512i x = load32_bf16(src, off + 32 * b, 0xFFFFFFFFu);
         __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
         blk[b] = pair_max16(a);
-        if (col_amax) col_amax[b] = _mm512_max_epu16(col_amax[b], a);
     }
     __m512i bytes = bf16_block_bytes(lane_maxima16(blk), mode, f);
     _mm_storeu_si128((__m128i *)s, _mm512_cvtepi32_epi8(bytes));
@@ -278,18 +300,10 @@ AVX512_INLINE void bf16_16_blocks(const elem_fmt *f, const fmt_bf16 *g, const vo
     _mm512_storeu_si512(offsets, exponent_offset(bytes, f));
     _mm512_storeu_si512(inv_bits, _mm512_castps_si512(inv_scales16(bytes)));
     __mmask16 bad = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
-    __m512i codes[2];
-    for (int b = 0; b < 16; b++) {
-        __mmask32 slow;
-        codes[b & 1] = encode_bf16(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), _mm512_set1_epi16((short)offsets[b]), g,
-                                   &slow);
-        if (slow | (bad >> b & 1)) {
-            __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32(inv_bits[b]));
-            __m512i exact = exact_codes32(load32_bf16(src, off + 32 * b, 0xFFFFFFFFu), inv, inv, f);
-            codes[b & 1] = _mm512_mask_mov_epi16(codes[b & 1], slow, exact);
-            if (bad >> b & 1) codes[b & 1] = _mm512_set1_epi16(0x7F);
-        }
-        if (b & 1) store64_codes(q + off + 32 * (b - 1), codes[0], codes[1], stream);
+    for (int b = 0; b < 16; b += 2) { /* pairs: one 64-byte store per two blocks */
+        __m512i lo = bf16_block_codes(f, g, src, off + 32 * b, offsets[b], inv_bits[b], bad >> b & 1);
+        __m512i hi = bf16_block_codes(f, g, src, off + 32 * b + 32, offsets[b + 1], inv_bits[b + 1], bad >> (b + 1) & 1);
+        store64_codes(q + off + 32 * b, lo, hi, stream);
     }
 }
 
@@ -368,32 +382,61 @@ AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, 
     }
 }
 
-/* Dual for bf16: a block of rows x ncols columns (a multiple of 512, at most COL_CHUNK), each
- * row walked in one long contiguous stream (the hardware prefetchers lose track of many short
- * ones). The column pass rereads the tile from L2 and redoes the rounding: keeping the rounded
- * values in a buffer instead measured slower. */
+/* Dual for bf16: a block of rows x ncols columns (a multiple of 512, at most COL_CHUNK). The
+ * first pass only finds maxima: per row block (its scale goes straight to sr) and per column.
+ * The second pass rounds each element once and rebiases it twice, for the row-wise and the
+ * column-wise code. Rows are walked in long contiguous streams (the hardware prefetchers lose
+ * track of many short ones); the second pass rereads the tile from L2. */
 AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int64_t row0, int nrows, int64_t c0,
                              int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode, int stream) {
     fmt_bf16 g = bf16_format(f);
     int64_t nbk = K / BLOCK;
     int nv = ncols / 32;
+    int mbits = 23 - f->mant_shift;
     __m512i amax[COL_CHUNK / 32];
     for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
-    for (int r = 0; r < nrows; r++)
-        for (int j = 0; j < ncols; j += 512)
-            bf16_16_blocks(f, &g, src, (row0 + r) * K + c0 + j, qr, sr + (row0 + r) * nbk + (c0 + j) / BLOCK, mode,
-                           amax + j / 32, stream);
+    for (int r = 0; r < nrows; r++) {
+        for (int j = 0; j < ncols; j += 512) {
+            __m512i blk[16];
+            for (int b = 0; b < 16; b++) {
+                __m512i a = _mm512_and_si512(load32_bf16(src, (row0 + r) * K + c0 + j + 32 * b, 0xFFFFFFFFu),
+                                             _mm512_set1_epi16(0x7FFF));
+                blk[b] = pair_max16(a);
+                amax[j / 32 + b] = _mm512_max_epu16(amax[j / 32 + b], a);
+            }
+            __m512i bytes = bf16_block_bytes(lane_maxima16(blk), mode, f);
+            _mm_storeu_si128((__m128i *)(sr + (row0 + r) * nbk + (c0 + j) / BLOCK), _mm512_cvtepi32_epi8(bytes));
+        }
+    }
     bf16_col_scale_set set;
     bf16_scale_set(amax, ncols, mode, f, sc + (row0 / BLOCK) * K + c0, &set);
-    for (int r = 0; r < nrows; r++)
+    __m512i nan = _mm512_set1_epi16(0x7F);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t *row_bytes = sr + (row0 + r) * nbk + c0 / BLOCK;
         for (int v = 0; v < nv; v += 2) {
             int64_t off = (row0 + r) * K + c0 + 32 * v;
-            __m512i lo = bf16_col_codes(&g, f, load32_bf16(src, off, 0xFFFFFFFFu), 0xFFFFFFFFu, set.offset[v],
-                                        set.inv_lo[v], set.inv_hi[v], set.bad[v]);
-            __m512i hi = bf16_col_codes(&g, f, load32_bf16(src, off + 32, 0xFFFFFFFFu), 0xFFFFFFFFu,
-                                        set.offset[v + 1], set.inv_lo[v + 1], set.inv_hi[v + 1], set.bad[v + 1]);
-            store64_codes(qc + off, lo, hi, stream);
+            __m512i rows_out[2], cols_out[2];
+            for (int h = 0; h < 2; h++) {
+                __m512i x = load32_bf16(src, off + 32 * h, 0xFFFFFFFFu);
+                __m512i rounded = round_bf16(x, &g);
+                uint32_t byte = row_bytes[v + h];
+                __m512i row_offset = _mm512_set1_epi16((short)((((int)byte - 127) << mbits) + f->rebias));
+                __mmask32 slow_r, slow_c;
+                __m512i cr = encode_rounded(rounded, x, row_offset, &g, &slow_r);
+                __m512i cc = encode_rounded(rounded, x, set.offset[v + h], &g, &slow_c);
+                if (slow_r | (byte == 0xFFu)) {
+                    __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32((int)inv_scale_bits(byte)));
+                    cr = _mm512_mask_mov_epi16(cr, slow_r, exact_codes32(x, inv, inv, f));
+                    if (byte == 0xFFu) cr = nan;
+                }
+                if (slow_c) cc = _mm512_mask_mov_epi16(cc, slow_c, exact_codes32(x, set.inv_lo[v + h], set.inv_hi[v + h], f));
+                rows_out[h] = cr;
+                cols_out[h] = _mm512_mask_mov_epi16(cc, set.bad[v + h], nan);
+            }
+            store64_codes(qr + off, rows_out[0], rows_out[1], stream);
+            store64_codes(qc + off, cols_out[0], cols_out[1], stream);
         }
+    }
 }
 
 AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t r0, int64_t r1,
@@ -405,7 +448,7 @@ AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t
         if (dtype == IN_BF16) {
             fmt_bf16 g = bf16_format(f);
             for (; b + 16 <= n / BLOCK; b += 16)
-                bf16_16_blocks(f, &g, src, r * n + b * BLOCK, q, s + r * nb + b, mode, 0, stream);
+                bf16_16_blocks(f, &g, src, r * n + b * BLOCK, q, s + r * nb + b, mode, stream);
         }
         for (; b + 16 <= n / BLOCK; b += 16)
             quant_16_blocks(dtype, f, src, r * n + b * BLOCK, q, s + r * nb + b, mode);
