@@ -123,7 +123,7 @@ def run(m: int, k: int, n: int, repeat: int) -> list[dict]:
 
 def print_table(rows, header):
     print(header)
-    print(f"| {'op':<36} | {'ms':>9} | {'ratio':>7} | {'target':<22} |")
+    print(f"| {'op':<36} | {'ms':>9} | {'ratio':>7} | {'target (8192x4096)':<22} |")
     print(f"|{'-' * 38}|{'-' * 11}|{'-' * 9}|{'-' * 24}|")
     for r in rows:
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
