@@ -201,7 +201,7 @@ def test_dequantize_every_code_and_scale(elem):
     """Each of the 256 codes under each of the 256 scale bytes (0xFF is NaN, byte 0 is 2**-127)."""
     data = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(elem)  # row r: every code
     scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8).view(torch.float8_e8m0fnu)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # float64 goes to the reference
         got = tb.dequantize(data, scale, 1, None, dtype)
         expected = reference.dequantize(data, scale, 1, None, dtype)
         assert_same_values(got, expected)

@@ -4,7 +4,8 @@ A backend is a module with four functions (all tensors on its device):
     quantize(x, axis, elem_dtype, scale_mode) -> (data, scale)
     quantize_dual(x2d, elem_dtype, scale_mode) -> (row_data, row_scale, col_data, col_scale)
     quantize_grouped(x2d, offsets, elem_dtype, scale_mode) -> (data, scale)
-    dequantize(data, scale, axis, group_offsets, dtype) -> tensor
+    dequantize(data, scale, axis, group_offsets, dtype) -> tensor  (fp32, bf16, fp16; float64
+        always goes to the reference, whose float64 holds every exact value)
 Every backend matches ``hyperparallel.mx.reference`` byte for byte.
 
 By default CPU tensors use "cpu" (native kernels) and CUDA tensors "triton". A caller forces one

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from hyperparallel.mx import outputs
 from hyperparallel.mx.format import BLOCK_SIZE, num_blocks
 from hyperparallel.mx.groups import grouped_scale_rows
 
@@ -415,42 +416,31 @@ def _grouped_index(offsets: torch.Tensor, n: int, device: torch.device) -> torch
 
 @torch.library.custom_op("hyperparallel::mx_quantize_triton", mutates_args=())
 def _quantize(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = list(x.shape)
-    n = shape[axis]
-    outer = 1
-    for d in shape[:axis]:
-        outer *= d
-    inner = 1
-    for d in shape[axis + 1 :]:
-        inner *= d
-    data = torch.empty(shape, dtype=elem_dtype, device=x.device)
-    scale = torch.empty(shape[:axis] + [num_blocks(n)] + shape[axis + 1 :], dtype=torch.uint8, device=x.device)
+    data, scale = outputs.quantized(x, axis, elem_dtype)
+    outer, n, inner = outputs.split_at_axis(x.shape, axis)
     if x.numel():
         _kernels()
         meta = _quant_meta(x, elem_dtype, scale_mode)
+        q, s = data.view(torch.uint8), scale.view(torch.uint8)
         with _on(x.device):
             if inner == 1:
-                _quant_rows(_bits(x), data.view(torch.uint8), scale, outer, n, meta)
+                _quant_rows(_bits(x), q, s, outer, n, meta)
             else:
-                _quant_cols(_bits(x), data.view(torch.uint8), scale, outer * num_blocks(n), inner, n, None, meta)
-    return data, scale.view(torch.float8_e8m0fnu)
+                _quant_cols(_bits(x), q, s, outer * num_blocks(n), inner, n, None, meta)
+    return data, scale
 
 
 @_quantize.register_fake
 def _(x, axis, elem_dtype, scale_mode):
-    shape = list(x.shape)
-    scale_shape = shape[:axis] + [num_blocks(shape[axis])] + shape[axis + 1 :]
-    return x.new_empty(shape, dtype=elem_dtype), x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu)
+    return outputs.quantized(x, axis, elem_dtype)
 
 
 @torch.library.custom_op("hyperparallel::mx_quantize_dual_triton", mutates_args=())
 def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     M, K = x.shape
     dev = x.device
-    row_data = torch.empty(M, K, dtype=elem_dtype, device=dev)
-    row_scale = torch.empty(M, num_blocks(K), dtype=torch.uint8, device=dev)
-    col_data = torch.empty(M, K, dtype=elem_dtype, device=dev)
-    col_scale = torch.empty(num_blocks(M), K, dtype=torch.uint8, device=dev)
+    out = outputs.dual(x, elem_dtype)
+    row_data, row_scale, col_data, col_scale = (t.view(torch.uint8) for t in out)
     if x.numel():
         _kernels()
         nbk = num_blocks(K)
@@ -458,60 +448,45 @@ def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) ->
         tiles_k = triton.cdiv(nbk, blocks)
         with _on(dev):
             _launch(
-                _quant_dual_kernel, num_blocks(M) * tiles_k, _bits(x), row_data.view(torch.uint8), row_scale,
-                col_data.view(torch.uint8), col_scale, M, K, nbk, tiles_k, BLOCKS=blocks,
-                **_quant_meta(x, elem_dtype, scale_mode),
+                _quant_dual_kernel, num_blocks(M) * tiles_k, _bits(x), row_data, row_scale, col_data, col_scale,
+                M, K, nbk, tiles_k, BLOCKS=blocks, **_quant_meta(x, elem_dtype, scale_mode),
             )
-    e8m0 = torch.float8_e8m0fnu
-    return row_data, row_scale.view(e8m0), col_data, col_scale.view(e8m0)
+    return out
 
 
 @_quantize_dual.register_fake
 def _(x, elem_dtype, scale_mode):
-    M, K = x.shape
-    e8m0 = torch.float8_e8m0fnu
-    return (
-        x.new_empty(M, K, dtype=elem_dtype), x.new_empty(M, num_blocks(K), dtype=e8m0),
-        x.new_empty(M, K, dtype=elem_dtype), x.new_empty(num_blocks(M), K, dtype=e8m0),
-    )
+    return outputs.dual(x, elem_dtype)
 
 
 @torch.library.custom_op("hyperparallel::mx_quantize_grouped_triton", mutates_args=())
 def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     dev = x.device
-    scale_rows = grouped_scale_rows(M, offsets.shape[0])
-    data = torch.empty(M, K, dtype=elem_dtype, device=dev)
+    data, scale = outputs.grouped(x, offsets.shape[0], elem_dtype)
     if x.numel() == 0:  # no block at all: every scale row is unused
-        return data, torch.zeros(scale_rows, K, dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
-    scale = torch.empty(scale_rows, K, dtype=torch.uint8, device=dev)  # the kernel writes every row
+        return data, scale
     _kernels()
     with _on(dev):
         table = _grouped_table(offsets, M, dev)
-        _quant_cols(_bits(x), data.view(torch.uint8), scale, scale_rows, K, M, table,
+        _quant_cols(_bits(x), data.view(torch.uint8), scale.view(torch.uint8), scale.shape[0], K, M, table,
                     _quant_meta(x, elem_dtype, scale_mode))
-    return data, scale.view(torch.float8_e8m0fnu)
+    return data, scale
 
 
 @_quantize_grouped.register_fake
 def _(x, offsets, elem_dtype, scale_mode):
-    M, K = x.shape
-    return x.new_empty(M, K, dtype=elem_dtype), x.new_empty(grouped_scale_rows(M, offsets.shape[0]), K, dtype=torch.float8_e8m0fnu)
+    return outputs.grouped(x, offsets.shape[0], elem_dtype)
 
 
 @torch.library.custom_op("hyperparallel::mx_dequantize_triton", mutates_args=())
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offsets: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     out_dtype = dtype if dtype in _OUT_NATIVE else torch.float32
-    shape = list(data.shape)
     dev = data.device
-    out = torch.empty(shape, dtype=out_dtype, device=dev)
+    out = outputs.dequantized(data, out_dtype)
     if data.numel():
         _kernels()
-        n = shape[axis]
-        outer = 1
-        for d in shape[:axis]:
-            outer *= d
-        inner = data.numel() // (outer * n)
+        outer, n, inner = outputs.split_at_axis(data.shape, axis)
         axis_last = inner == 1
         R, C = (outer, n) if axis_last else (outer * n, inner)
         block_c = _pow2(C, lo=16, hi=256)
@@ -532,7 +507,7 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offset
 
 @_dequantize.register_fake
 def _(data, scale, axis, group_offsets, dtype):
-    return data.new_empty(data.shape, dtype=dtype)
+    return outputs.dequantized(data, dtype)
 
 
 def quantize(x, axis, elem_dtype, scale_mode):
@@ -548,10 +523,6 @@ def quantize_grouped(x, offsets, elem_dtype, scale_mode):
 
 
 def dequantize(data, scale, axis, group_offsets, dtype):
-    if dtype == torch.float64:  # float32 cannot hold every scaled value (overflow); the reference can
-        from hyperparallel.mx import reference
-
-        return reference.dequantize(data, scale, axis, group_offsets, dtype)
     axis = axis % data.dim()
     if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
         # a transposed view (MXTensor.t()): work on the contiguous storage, transpose back
