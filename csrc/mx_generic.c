@@ -30,6 +30,7 @@
 
 #define TILE_COLS 256 /* columns of one column-wise tile: 32 rows x 256 fp32 fit in L1 */
 #define DUAL_COLS 128 /* columns of one dual tile */
+
 /* IEEE half bits -> fp32 bits, exact, including subnormals, Inf and NaN. */
 HP_INLINE uint32_t half_to_f32_bits(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -37,8 +38,8 @@ HP_INLINE uint32_t half_to_f32_bits(uint16_t h) {
     uint32_t mant = h & 0x3FFu;
     uint32_t normal = sign | ((exp + 112u) << 23) | (mant << 13);
     uint32_t special = sign | 0x7F800000u | (mant << 13);
-    uint32_t sub = sign | bits_from_f32((float)mant * 5.9604644775390625e-8f); /* m * 2^-24 */
-    return exp == 0 ? sub : (exp == 31 ? special : normal);
+    uint32_t sub = sign | bits_from_f32((float)(int)mant * 5.9604644775390625e-8f); /* m * 2^-24 */
+    return select_bits(mask_if(exp == 0), sub, select_bits(mask_if(exp == 31), special, normal));
 }
 
 /* Load n values starting at element index `off` of `src` as fp32 bits. */
@@ -66,16 +67,53 @@ HP_INLINE uint8_t to_fp8(uint32_t x, float inv_scale, const elem_fmt *f) {
     uint32_t normal = (r >> f->mant_shift) - (uint32_t)f->rebias;
     /* subnormal: adding a magic value makes the FPU round to the subnormal step */
     uint32_t sub = bits_from_f32(f32_from_bits(a) + f32_from_bits(f->magic_bits)) - f->magic_bits;
-    return (uint8_t)(sign | (a >= f->normal_bits ? normal : sub));
+    return (uint8_t)(sign | select_bits(mask_if(a >= f->normal_bits), normal, sub));
+}
+
+/* What a scale byte subtracts from an element's rounded exponent/mantissa field. */
+HP_INLINE int32_t exponent_offset(uint32_t byte, const elem_fmt *f) {
+    return ((int32_t)byte - 127) * (1 << (23 - f->mant_shift)) + f->rebias;
+}
+
+/* The fast conversion (see prepare16 in mx_avx512.c): rounding |x| to the element's mantissa
+ * width does not depend on the power-of-two scale, which then only rebiases the exponent
+ * field. Element x[i] uses offset[i * stride] (stride 0: one scale for the run). Returns
+ * nonzero when some element lands on an element subnormal (or is an fp32 subnormal): that run
+ * must be redone exactly. Branch-free, so that it vectorizes. */
+HP_INLINE uint32_t fast_codes(const uint32_t *x, int n, const int32_t *offset, int stride, const elem_fmt *f,
+                              uint8_t *q) {
+    const int shift = f->mant_shift, min_normal = 1 << (23 - shift);
+    uint32_t slow = 0;
+    for (int i = 0; i < n; i++) {
+        uint32_t a = x[i] & 0x7FFFFFFFu;
+        int32_t r = (int32_t)((a + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u)) >> shift);
+        int32_t t = r - offset[i * stride];
+        slow |= (uint32_t)(t < min_normal) | (uint32_t)(r < min_normal);
+        int32_t c = t < f->max_code ? t : f->max_code;
+        q[i] = (uint8_t)((uint32_t)c | ((x[i] >> 24) & 0x80u));
+    }
+    return slow;
 }
 
 HP_INLINE void convert(const uint32_t *x, int n, uint32_t byte, const elem_fmt *f, uint8_t *q) {
     if (byte == 0xFFu) {
-        memset(q, 0x7F, (size_t)n);
+        for (int i = 0; i < n; i++) q[i] = 0x7F; /* a loop, not memset: a call would spill */
         return;
     }
+    int32_t offset = exponent_offset(byte, f);
+    if (!fast_codes(x, n, &offset, 0, f, q)) return;
     float inv = f32_from_bits(inv_scale_bits(byte));
     for (int i = 0; i < n; i++) q[i] = to_fp8(x[i], inv, f);
+}
+
+/* One row of a column-wise tile: element j scaled by column j's byte. */
+HP_INLINE void convert_cols(const uint32_t *x, int n, const uint32_t *bytes, const int32_t *offsets,
+                            const float *inv, int any_bad, const elem_fmt *f, uint8_t *q) {
+    if (fast_codes(x, n, offsets, 1, f, q))
+        for (int j = 0; j < n; j++) q[j] = to_fp8(x[j], inv[j], f);
+    if (any_bad)
+        for (int j = 0; j < n; j++)
+            if (bytes[j] == 0xFFu) q[j] = 0x7F;
 }
 
 HP_INLINE uint32_t block_amax(const uint32_t *x, int n) {
@@ -158,6 +196,7 @@ HP_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t wid
     uint32_t buf[BLOCK][TILE_COLS];
     uint32_t amax[TILE_COLS];
     uint32_t bytes[TILE_COLS];
+    int32_t offsets[TILE_COLS];
     float inv[TILE_COLS];
     for (int j = 0; j < ncols; j++) amax[j] = 0;
     for (int r = 0; r < nrows; r++) {
@@ -171,16 +210,12 @@ HP_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t wid
     for (int j = 0; j < ncols; j++) {
         bytes[j] = scale_byte(amax[j], mode, f->emax);
         srow[c0 + j] = (uint8_t)bytes[j];
+        offsets[j] = exponent_offset(bytes[j], f);
         inv[j] = f32_from_bits(inv_scale_bits(bytes[j]));
         any_bad |= bytes[j] == 0xFFu;
     }
-    for (int r = 0; r < nrows; r++) {
-        uint8_t *qr = q + (row0 + r) * width + c0;
-        for (int j = 0; j < ncols; j++) qr[j] = to_fp8(buf[r][j], inv[j], f);
-        if (any_bad)
-            for (int j = 0; j < ncols; j++)
-                if (bytes[j] == 0xFFu) qr[j] = 0x7F;
-    }
+    for (int r = 0; r < nrows; r++)
+        convert_cols(buf[r], ncols, bytes, offsets, inv, any_bad, f, q + (row0 + r) * width + c0);
 }
 
 HP_CLONES
@@ -204,6 +239,7 @@ HP_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, 
     uint32_t buf[BLOCK][DUAL_COLS];
     uint32_t amax[DUAL_COLS];
     uint32_t bytes[DUAL_COLS];
+    int32_t offsets[DUAL_COLS];
     float inv[DUAL_COLS];
     for (int j = 0; j < ncols; j++) amax[j] = 0;
     for (int r = 0; r < nrows; r++) {
@@ -218,16 +254,12 @@ HP_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, 
     for (int j = 0; j < ncols; j++) {
         bytes[j] = scale_byte(amax[j], mode, f->emax);
         sc[(row0 / BLOCK) * K + c0 + j] = (uint8_t)bytes[j];
+        offsets[j] = exponent_offset(bytes[j], f);
         inv[j] = f32_from_bits(inv_scale_bits(bytes[j]));
         any_bad |= bytes[j] == 0xFFu;
     }
-    for (int r = 0; r < nrows; r++) {
-        uint8_t *out = qc + (row0 + r) * K + c0;
-        for (int j = 0; j < ncols; j++) out[j] = to_fp8(buf[r][j], inv[j], f);
-        if (any_bad)
-            for (int j = 0; j < ncols; j++)
-                if (bytes[j] == 0xFFu) out[j] = 0x7F;
-    }
+    for (int r = 0; r < nrows; r++)
+        convert_cols(buf[r], ncols, bytes, offsets, inv, any_bad, f, qc + (row0 + r) * K + c0);
     /* row-wise copy: c0 is a multiple of 32, so the tile holds whole row blocks */
     for (int r = 0; r < nrows; r++) {
         for (int j = 0; j < ncols; j += BLOCK) {
