@@ -78,7 +78,11 @@ AVX512_INLINE __m512i prepare16(__m512i x, const elem_fmt *f) {
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, f->mant_shift), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (f->mant_shift - 1)) - 1)), lsb);
     __m512i sign = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x8000));
-    return _mm512_or_si512(_mm512_srli_epi32(r, f->mant_shift), sign);
+    /* fp32 subnormal inputs get field 0, which sends them to the exact path: their rounded
+     * field could carry into exponent 1 and look normal while rounding at the wrong bit */
+    __m512i field = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x00800000)),
+                                           _mm512_srli_epi32(r, f->mant_shift));
+    return _mm512_or_si512(field, sign);
 }
 
 /* fp8 codes of prepared lanes for scales whose exponent field offsets are `offset` (see
@@ -87,7 +91,7 @@ AVX512_INLINE __m512i encode_fast16(__m512i prep, __m512i offset, const elem_fmt
     __m512i r = _mm512_and_si512(prep, _mm512_set1_epi32(0x7FFF));
     __m512i t = _mm512_sub_epi32(r, offset);
     __m512i min_normal = _mm512_set1_epi32(1 << (23 - f->mant_shift));
-    *slow = _mm512_cmplt_epi32_mask(t, min_normal) | _mm512_cmplt_epi32_mask(r, min_normal);
+    *slow = _mm512_cmplt_epi32_mask(t, min_normal) | _mm512_cmplt_epi32_mask(r, min_normal); /* r: see prepare16 */
     __m512i sign = _mm512_and_si512(_mm512_srli_epi32(prep, 8), _mm512_set1_epi32(0x80));
     return _mm512_or_si512(_mm512_min_epi32(t, _mm512_set1_epi32(f->max_code)), sign);
 }
@@ -210,7 +214,9 @@ AVX512_INLINE __m512i round_bf16(__m512i x, const fmt_bf16 *g) {
 /* Codes from rounded fields r under per-lane exponent offsets; x supplies the signs. */
 AVX512_INLINE __m512i encode_rounded(__m512i r, __m512i x, __m512i offset, const fmt_bf16 *g, __mmask32 *slow) {
     __m512i t = _mm512_sub_epi16(r, offset);
-    *slow = _mm512_cmplt_epi16_mask(t, g->min_normal) | _mm512_cmplt_epi16_mask(r, g->min_normal);
+    /* subnormal inputs (exponent field 0) take the exact path: tested on the input, because a
+     * rounded field can carry into exponent 1 and look normal while rounding at the wrong bit */
+    *slow = _mm512_cmplt_epi16_mask(t, g->min_normal) | _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x7F80));
     /* min(t, max_code) | (x >> 8 & 0x80) */
     return _mm512_ternarylogic_epi32(_mm512_min_epi16(t, g->max_code), _mm512_srli_epi16(x, 8),
                                      _mm512_set1_epi16(0x80), 0xF8);

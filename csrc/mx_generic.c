@@ -88,7 +88,8 @@ HP_INLINE uint32_t fast_codes(const uint32_t *x, int n, const int32_t *offset, i
         uint32_t a = x[i] & 0x7FFFFFFFu;
         int32_t r = (int32_t)((a + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u)) >> shift);
         int32_t t = r - offset[i * stride];
-        slow |= (uint32_t)(t < min_normal) | (uint32_t)(r < min_normal);
+        /* subnormal inputs are tested unrounded: rounding can carry them into exponent 1 */
+        slow |= (uint32_t)(t < min_normal) | (uint32_t)(a < 0x00800000u);
         int32_t c = t < f->max_code ? t : f->max_code;
         q[i] = (uint8_t)((uint32_t)c | ((x[i] >> 24) & 0x80u));
     }

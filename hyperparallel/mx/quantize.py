@@ -1,4 +1,7 @@
-"""Dynamic MX quantization: one axis, both axes in one pass, grouped rows (MoE)."""
+"""Dynamic MX quantization: one axis, both axes in one pass, grouped rows (MoE).
+
+Quantization is not differentiable: inputs are detached (hyperparallel.lowp adds autograd).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def quantize(
     """Quantize `x` (fp32, bf16 or fp16) in blocks of 32 along `axis`."""
     _check(x, scale_mode, elem_dtype, block_size)
     axis = normalize_axis(axis, x.dim())
-    data, scale = get_backend(backend, x.device).quantize(x, axis, elem_dtype, scale_mode)
+    data, scale = get_backend(backend, x.device).quantize(x.detach(), axis, elem_dtype, scale_mode)
     return MXTensor(data, scale, axis, scale_mode)
 
 
@@ -54,7 +57,7 @@ def quantize_dual(
     _check(x, scale_mode, elem_dtype, block_size)
     if x.dim() != 2:
         raise ShapeError(f"quantize_dual takes a 2-D tensor, got shape {tuple(x.shape)}")
-    rd, rs, cd, cs = get_backend(backend, x.device).quantize_dual(x, elem_dtype, scale_mode)
+    rd, rs, cd, cs = get_backend(backend, x.device).quantize_dual(x.detach(), elem_dtype, scale_mode)
     return MXTensor(rd, rs, 1, scale_mode), MXTensor(cd, cs, 0, scale_mode)
 
 
@@ -77,8 +80,9 @@ def quantize_grouped(
     if x.dim() != 2:
         raise ShapeError(f"quantize_grouped takes a 2-D tensor, got shape {tuple(x.shape)}")
     check_offsets(offsets, x.shape[0])
-    data, scale = get_backend(backend, x.device).quantize_grouped(x, offsets, elem_dtype, scale_mode)
-    return MXTensor(data, scale, 0, scale_mode, group_offsets=offsets)
+    data, scale = get_backend(backend, x.device).quantize_grouped(x.detach(), offsets, elem_dtype, scale_mode)
+    # a copy: MoE code often reuses its routing buffers, which must not change this tensor
+    return MXTensor(data, scale, 0, scale_mode, group_offsets=offsets.detach().clone())
 
 
 def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:

@@ -218,3 +218,69 @@ def test_corner_cases_in_wide_tiles(isa, dtype, mode, elem):
     offsets = torch.tensor([0, 7, 40, 40, 76])
     got = mx.quantize_grouped(x, offsets, scale_mode=mode, elem_dtype=elem)
     assert_same_quantization(got, *reference.quantize_grouped(x, offsets, elem, mode))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_blocks_of_neighbouring_values(isa, dtype, mode, elem):
+    # Every finite bf16 magnitude, in ascending order, so that each block holds neighbours and
+    # its scale is set by them: blocks made only of subnormals and tiny normals get scales
+    # near 2^-127, where fp32-subnormal inputs land on normal elements.
+    magnitudes = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    signs = torch.randint(0, 2, (len(magnitudes),), generator=torch.Generator().manual_seed(3)) * 2 - 1
+    values = torch.cat([magnitudes * signs.to(torch.bfloat16), torch.zeros(64 * 512 - len(magnitudes), dtype=torch.bfloat16)])
+    x = values.reshape(64, 512).to(dtype)  # rows of 16 whole blocks; 512-wide tiles
+    for axis in (0, 1):
+        got = mx.quantize(x, axis, scale_mode=mode, elem_dtype=elem)
+        assert_same_quantization(got, *reference.quantize(x, axis, elem, mode))
+    row, col = mx.quantize_dual(x, scale_mode=mode, elem_dtype=elem)
+    assert_same_quantization(row, *reference.quantize(x, 1, elem, mode))
+    assert_same_quantization(col, *reference.quantize(x, 0, elem, mode))
+    xt = x.t().contiguous()  # columns of neighbours: the column-wise kernels see them too
+    got = mx.quantize(xt, 0, scale_mode=mode, elem_dtype=elem)
+    assert_same_quantization(got, *reference.quantize(xt, 0, elem, mode))
+
+
+def test_wide_rows_span_several_column_chunks():
+    # 4096 + 544 columns: column-wise and dual tasks start at column 4096 too, and the tail
+    # chunk is not a multiple of 512
+    x = random_input((40, 4096 + 544), torch.bfloat16, seed=11, specials=True)
+    for axis in (0, 1):
+        assert_same_quantization(mx.quantize(x, axis), *reference.quantize(x, axis, E4M3, "rceil"))
+    row, col = mx.quantize_dual(x)
+    assert_same_quantization(row, *reference.quantize(x, 1, E4M3, "rceil"))
+    assert_same_quantization(col, *reference.quantize(x, 0, E4M3, "rceil"))
+
+
+def test_outputs_large_enough_for_streaming_stores(isa):
+    # >= 16 MiB of codes switches the kernels to non-temporal stores
+    x = random_input((4100, 4128), torch.bfloat16, seed=12, specials=True)
+    for axis in (0, 1):
+        assert_same_quantization(mx.quantize(x, axis), *reference.quantize(x, axis, E4M3, "rceil"))
+    row, col = mx.quantize_dual(x)
+    assert_same_quantization(row, *reference.quantize(x, 1, E4M3, "rceil"))
+    assert_same_quantization(col, *reference.quantize(x, 0, E4M3, "rceil"))
+
+
+def test_grouped_keeps_its_own_offsets_and_ignores_autograd():
+    offsets = torch.tensor([10, 40])
+    x = torch.randn(40, 64, requires_grad=True)
+    got = mx.quantize_grouped(x, offsets)
+    offsets[0] = 30  # the caller reuses its routing buffer
+    assert got.group_offsets.tolist() == [10, 40]
+    assert not got.data.requires_grad
+    expected = reference.quantize_grouped(x.detach(), torch.tensor([10, 40]), E4M3, "rceil")
+    assert_same_quantization(got, *expected)
+
+
+def test_torch_compile_traces_dual_and_grouped():
+    def f(x, offsets):
+        row, col = mx.quantize_dual(x)
+        g = mx.quantize_grouped(x, offsets)
+        return row.dequantize() + col.dequantize() + g.dequantize()
+
+    x = random_input((64, 96), torch.float32, seed=4, specials=False)
+    offsets = torch.tensor([20, 20, 64])
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, offsets), f(x, offsets), rtol=0, atol=0)

@@ -113,3 +113,14 @@ def test_nan_block_poisons_only_its_outputs():
     finite_rows = torch.tensor([0, 2, 3])
     a64, b64 = a.dequantize(torch.float64)[finite_rows], b.dequantize(torch.float64)
     assert_fp32_accumulation_accurate(out[finite_rows], a64, b64)
+
+
+def test_scales_beyond_float32_use_float64():
+    # block scales near 2^120 put values at the edge of float32: the product runs in float64
+    x = torch.randn(8, 64) * 2.0**120
+    x[:, 0] = 1.5 * 2.0**127  # scale 2^119: its elements reach 448 * 2^119 > float32 max
+    a = mx.quantize(x, 1)
+    b = mx.quantize(torch.randn(64, 4) * 2.0**-125, 0)
+    assert _exact_dtype(a, torch.float32, None) == torch.float64
+    out = mx.mx_mm(a, b, torch.float32)
+    assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
