@@ -11,15 +11,31 @@ the ``reference`` backend always uses fp64.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hyperparallel.errors import ShapeError
-from hyperparallel.mx.format import SCALE_BIAS, SCALE_NAN, element_format
+from hyperparallel.mx.format import BLOCK_SIZE, SCALE_BIAS, SCALE_NAN, element_format
 from hyperparallel.mx.groups import check_offsets
 from hyperparallel.mx.tensor import MXTensor
 
 # Magnitudes of the smallest nonzero and largest element of each format, as powers of two.
 _ELEM_RANGE = {torch.float8_e4m3fn: (-9, 9), torch.float8_e5m2: (-16, 16)}
 _NORMAL_RANGE = {torch.bfloat16: (-126, 128), torch.float32: (-149, 128)}
+
+
+def _blocks_below_are_zero(mx: MXTensor, byte: int) -> bool:
+    """Whether every block whose scale byte is below `byte` holds only zeros. All-zero blocks
+    get scale byte 0, which would otherwise rule out bf16 for the whole operand."""
+    if byte <= 0:
+        return True
+    small = mx.scale.view(torch.uint8) < byte
+    if not bool(small.any()):
+        return True
+    if mx.group_offsets is not None:
+        return False  # grouped scale rows do not map to data blocks by shape alone: stay exact
+    data = mx.data.view(torch.uint8).movedim(mx.axis, -1)
+    blocks = F.pad(data, (0, -data.shape[-1] % BLOCK_SIZE)).reshape(*data.shape[:-1], -1, BLOCK_SIZE)
+    return not bool((blocks[small.movedim(mx.axis, -1)] & 0x7F).any())
 
 
 def _exact_dtype(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> torch.dtype:
@@ -29,15 +45,16 @@ def _exact_dtype(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> t
     s = mx.scale.view(torch.uint8)
     if s.numel() == 0:
         return torch.bfloat16
-    lo_byte, hi_byte = (int(v) for v in torch.aminmax(s))
+    hi_byte = int(s.max())
     if hi_byte == SCALE_NAN:  # NaN blocks dequantize to NaN in any dtype: range over the others
         finite = s[s != SCALE_NAN]
-        lo_byte, hi_byte = (int(finite.min()), int(finite.max())) if finite.numel() else (SCALE_BIAS, SCALE_BIAS)
-    e_min, e_max = lo_byte - SCALE_BIAS, hi_byte - SCALE_BIAS
+        hi_byte = int(finite.max()) if finite.numel() else SCALE_BIAS
+    e_max = hi_byte - SCALE_BIAS
     candidates = (torch.bfloat16, torch.float32) if out_dtype == torch.bfloat16 else (torch.float32,)
     for dtype in candidates:
         lo, hi = _NORMAL_RANGE[dtype]
-        if e_min + lo_elem >= lo and e_max + hi_elem < hi:
+        smallest_exact_byte = lo - lo_elem + SCALE_BIAS  # blocks scaled lower may underflow
+        if e_max + hi_elem < hi and _blocks_below_are_zero(mx, smallest_exact_byte):
             return dtype
     return torch.float64
 

@@ -124,3 +124,20 @@ def test_scales_beyond_float32_use_float64():
     assert _exact_dtype(a, torch.float32, None) == torch.float64
     out = mx.mx_mm(a, b, torch.float32)
     assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
+
+
+def test_zero_blocks_keep_the_bf16_path_and_tiny_ones_do_not():
+    x = torch.randn(16, 128)
+    x[3, 32:64] = 0.0  # an all-zero block: scale byte 0
+    a = mx.quantize(x, 1)
+    assert int(a.scale.view(torch.uint8).min()) == 0
+    assert _exact_dtype(a, torch.bfloat16, None) == torch.bfloat16
+    x[3, 40] = 2.0**-130  # now that block holds a value bf16 cannot: widen
+    tiny = mx.quantize(x, 1)
+    assert _exact_dtype(tiny, torch.bfloat16, None) == torch.float32
+    for operand in (a, tiny):
+        b = mx.quantize(torch.randn(128, 8), 0)
+        out = mx.mx_mm(operand, b, torch.bfloat16)
+        assert_fp32_accumulation_accurate(out, operand.dequantize(torch.float64), b.dequantize(torch.float64))
+    col = mx.quantize(x.t().contiguous(), 0)  # the same along axis 0
+    assert _exact_dtype(col, torch.bfloat16, None) == torch.float32
