@@ -14,32 +14,10 @@
  * the best instruction set the processor has (AVX-512 intrinsics, else portable C), chosen once
  * at run time; hp_mx_set_isa lets tests run the portable kernels on an AVX-512 machine too.
  */
-#define _DEFAULT_SOURCE /* madvise and MADV_HUGEPAGE under -std=c11 */
 #include "mx_common.h"
 
 /* Outputs at least this large are written with non-temporal stores (see mx_kernels). */
 #define STREAM_MIN_BYTES ((int64_t)16 << 20)
-
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
-/* A fresh multi-MiB output from the allocator is usually a new mmap whose first touch costs a
- * page fault every 4 KiB, more than the quantization itself. Asking for transparent huge pages
- * on the 2 MiB-aligned interior of large outputs cuts that 512-fold; it is only a hint (a no-op
- * where THP is off, and for memory already faulted in). */
-static void advise_huge_pages(void *p, int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)2 << 20;
-    if (bytes < (int64_t)(8 * huge)) return;
-    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1);
-    uintptr_t end = ((uintptr_t)p + (uintptr_t)bytes) & ~(huge - 1);
-    if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-}
 
 static const mx_kernels *chosen = 0;
 
@@ -69,7 +47,6 @@ const char *hp_mx_isa(void) { return active()->name; }
 void hp_mx_quant_rows(const void *src, int dtype, int64_t rows, int64_t n, uint8_t *q, uint8_t *s,
                       int elem, int mode, int nthreads) {
     const mx_kernels *k = active();
-    advise_huge_pages(q, rows * n);
     /* chunks of ~64 KiB of output so that small inputs stay on one thread */
     int64_t rows_per_task = n >= 65536 ? 1 : 65536 / (n > 0 ? n : 1);
     int64_t ntasks = (rows + rows_per_task - 1) / rows_per_task;
@@ -90,7 +67,6 @@ void hp_mx_quant_cols(const void *src, int dtype, int64_t width, int64_t nblocks
     int64_t nchunks = (width + COL_CHUNK - 1) / COL_CHUNK;
     int64_t ntasks = nblocks * nchunks;
     int stream = nblocks * BLOCK * width >= STREAM_MIN_BYTES;
-    if (nblocks > 0) advise_huge_pages(q, (blk_start[nblocks - 1] + blk_len[nblocks - 1]) * width);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks * COL_CHUNK * BLOCK > 65536)
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t b = t / nchunks, c = t % nchunks;
@@ -109,8 +85,6 @@ void hp_mx_quant_dual(const void *src, int dtype, int64_t M, int64_t K, uint8_t 
     int64_t nchunks = (K + COL_CHUNK - 1) / COL_CHUNK;
     int64_t ntasks = nrb * nchunks;
     int stream = 2 * M * K >= STREAM_MIN_BYTES;
-    advise_huge_pages(qr, M * K);
-    advise_huge_pages(qc, M * K);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * K > 65536)
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t rb = t / nchunks, c0 = (t % nchunks) * COL_CHUNK;
@@ -124,7 +98,6 @@ void hp_mx_quant_dual(const void *src, int dtype, int64_t M, int64_t K, uint8_t 
 void hp_mx_dequant_rows(const uint8_t *q, const uint8_t *s, int64_t rows, int64_t n, int elem,
                         void *out, int out_dtype, int nthreads) {
     const mx_kernels *k = active();
-    advise_huge_pages(out, rows * n * (out_dtype == OUT_F32 ? 4 : 2));
     int64_t rows_per_task = n >= 65536 ? 1 : 65536 / (n > 0 ? n : 1);
     int64_t ntasks = (rows + rows_per_task - 1) / rows_per_task;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks > 1)
@@ -139,8 +112,6 @@ void hp_mx_dequant_cols(const uint8_t *q, const uint8_t *s, int64_t width, int64
                         const int64_t *blk_start, const int64_t *blk_len, const int64_t *blk_srow,
                         int elem, void *out, int out_dtype, int nthreads) {
     const mx_kernels *k = active();
-    if (nblocks > 0)
-        advise_huge_pages(out, (blk_start[nblocks - 1] + blk_len[nblocks - 1]) * width * (out_dtype == OUT_F32 ? 4 : 2));
     int64_t nchunks = (width + COL_CHUNK - 1) / COL_CHUNK;
     int64_t ntasks = nblocks * nchunks;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (ntasks * COL_CHUNK * BLOCK > 65536)
