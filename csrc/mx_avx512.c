@@ -341,6 +341,15 @@ AVX512_INLINE __mmask32 lanes32(int n) {
     return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (n > 0 ? n : 0)) - 1u);
 }
 
+/* Two-pass tiles (column-wise and dual) read the input from memory in the first pass and
+ * only write to it in the second; prefetching the next tile (128 bytes per 64 values here)
+ * into L2 during the second pass keeps the reads going meanwhile. */
+AVX512_INLINE void prefetch_next_bf16(const void *src, int64_t off, int64_t next) {
+    if (!next) return;
+    _mm_prefetch((const char *)((const uint16_t *)src + off + next), _MM_HINT_T1);
+    _mm_prefetch((const char *)((const uint16_t *)src + off + next + 32), _MM_HINT_T1);
+}
+
 /* Column scales of a block of rows, walked row by row (rows lie 8 KiB apart: walking down a
  * column of them would keep every access in one L1 set). */
 typedef struct {
@@ -357,7 +366,8 @@ AVX512_INLINE void bf16_scale_set(const __m512i *amax, int ncols, int mode, cons
 }
 
 AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, int64_t row0, int nrows,
-                             int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int mode, int stream) {
+                             int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int mode, int stream,
+                             int64_t next) {
     fmt_bf16 g = bf16_format(f);
     int nv = (ncols + 31) / 32;
     __m512i amax[COL_CHUNK / 32];
@@ -373,6 +383,7 @@ AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, 
         int v = 0;
         for (; v + 2 <= ncols / 32; v += 2) {
             int64_t off = (row0 + r) * width + c0 + 32 * v;
+            prefetch_next_bf16(src, off, next);
             __m512i lo = bf16_col_codes(&g, f, load32_bf16(src, off, 0xFFFFFFFFu), 0xFFFFFFFFu, set.offset[v],
                                         set.inv_lo[v], set.inv_hi[v], set.bad[v]);
             __m512i hi = bf16_col_codes(&g, f, load32_bf16(src, off + 32, 0xFFFFFFFFu), 0xFFFFFFFFu,
@@ -392,13 +403,18 @@ AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, 
  * first pass only finds maxima: per row block (its scale goes straight to sr) and per column.
  * The second pass rounds each element once and rebiases it twice, for the row-wise and the
  * column-wise code. Rows are walked in long contiguous streams (the hardware prefetchers lose
- * track of many short ones); the second pass rereads the tile from L2. */
+ * track of many short ones); the second pass rereads the tile from L2
+ * while it prefetches the next one. */
 AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int64_t row0, int nrows, int64_t c0,
-                             int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode, int stream) {
+                             int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode, int stream,
+                             int64_t next) {
     fmt_bf16 g = bf16_format(f);
     int64_t nbk = K / BLOCK;
     int nv = ncols / 32;
-    int mbits = 23 - f->mant_shift;
+    /* per row block: its 16-bit exponent offset, kept so the second pass broadcasts it from
+     * memory instead of recomputing it from the scale byte; and which blocks are NaN/Inf */
+    int16_t row_offset[BLOCK][COL_CHUNK / 32];
+    uint16_t row_bad[BLOCK][COL_CHUNK / 512];
     __m512i amax[COL_CHUNK / 32];
     for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
     for (int r = 0; r < nrows; r++) {
@@ -412,6 +428,8 @@ AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int6
             }
             __m512i bytes = bf16_block_bytes(lane_maxima16(blk), mode, f);
             _mm_storeu_si128((__m128i *)(sr + (row0 + r) * nbk + (c0 + j) / BLOCK), _mm512_cvtepi32_epi8(bytes));
+            _mm256_storeu_si256((__m256i *)&row_offset[r][j / 32], _mm512_cvtepi32_epi16(exponent_offset(bytes, f)));
+            row_bad[r][j / 512] = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
         }
     }
     bf16_col_scale_set set;
@@ -421,21 +439,24 @@ AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int6
         const uint8_t *row_bytes = sr + (row0 + r) * nbk + c0 / BLOCK;
         for (int v = 0; v < nv; v += 2) {
             int64_t off = (row0 + r) * K + c0 + 32 * v;
+            unsigned bad_pair = row_bad[r][v / 16] >> (v % 16) & 3u;
+            prefetch_next_bf16(src, off, next);
             __m512i rows_out[2], cols_out[2];
             for (int h = 0; h < 2; h++) {
                 __m512i x = load32_bf16(src, off + 32 * h, 0xFFFFFFFFu);
                 __m512i rounded = round_bf16(x, &g);
-                uint32_t byte = row_bytes[v + h];
-                __m512i row_offset = _mm512_set1_epi16((short)((((int)byte - 127) << mbits) + f->rebias));
                 __mmask32 slow_r, slow_c;
-                __m512i cr = encode_rounded(rounded, x, row_offset, &g, &slow_r);
+                __m512i cr = encode_rounded(rounded, x, _mm512_set1_epi16(row_offset[r][v + h]), &g, &slow_r);
                 __m512i cc = encode_rounded(rounded, x, set.offset[v + h], &g, &slow_c);
-                if (slow_r | (byte == 0xFFu)) {
+                if (slow_r | slow_c | (bad_pair >> h & 1)) { /* rare: the exact path */
+                    uint32_t byte = row_bytes[v + h];
                     __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32((int)inv_scale_bits(byte)));
-                    cr = _mm512_mask_mov_epi16(cr, slow_r, exact_codes32(x, inv, inv, f));
+                    if (slow_r) cr = _mm512_mask_mov_epi16(cr, slow_r, exact_codes32(x, inv, inv, f));
                     if (byte == 0xFFu) cr = nan;
+                    if (slow_c)
+                        cc = _mm512_mask_mov_epi16(cc, slow_c,
+                                                   exact_codes32(x, set.inv_lo[v + h], set.inv_hi[v + h], f));
                 }
-                if (slow_c) cc = _mm512_mask_mov_epi16(cc, slow_c, exact_codes32(x, set.inv_lo[v + h], set.inv_hi[v + h], f));
                 rows_out[h] = cr;
                 cols_out[h] = _mm512_mask_mov_epi16(cc, set.bad[v + h], nan);
             }
@@ -485,10 +506,11 @@ AVX512_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t
  * one L1 set and thrash it. */
 AVX512_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t width,
                                    int64_t row0, int nrows, int64_t c0, int ncols, uint8_t *q,
-                                   uint8_t *srow, int mode, int stream) {
+                                   uint8_t *srow, int mode, int stream, int64_t next) {
+    /* the fp32/fp16 paths are bound by compute, not memory: prefetching there measured slower */
     const elem_fmt *f = &FORMATS[elem];
     if (dtype == IN_BF16) {
-        bf16_cols(f, src, width, row0, nrows, c0, ncols, q, srow, mode, stream);
+        bf16_cols(f, src, width, row0, nrows, c0, ncols, q, srow, mode, stream, next);
         return;
     }
     __m512i amax[COL_CHUNK / 16];
@@ -618,9 +640,9 @@ AVX512_INLINE void quant_dual_sub(int dtype, const elem_fmt *f, const void *src,
 
 AVX512_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, int64_t row0,
                                    int nrows, int64_t c0, int ncols, uint8_t *qr, uint8_t *sr,
-                                   uint8_t *qc, uint8_t *sc, int mode, int stream) {
+                                   uint8_t *qc, uint8_t *sc, int mode, int stream, int64_t next) {
     if (dtype == IN_BF16 && ncols % 512 == 0 && K % BLOCK == 0) {
-        bf16_dual(&FORMATS[elem], src, K, row0, nrows, c0, ncols, qr, sr, qc, sc, mode, stream);
+        bf16_dual(&FORMATS[elem], src, K, row0, nrows, c0, ncols, qr, sr, qc, sc, mode, stream, next);
         return;
     }
     for (int j = 0; j < ncols; j += DUAL_SUB) {
@@ -742,15 +764,15 @@ AVX512 static void quant_rows(const void *src, int dtype, int64_t r0, int64_t r1
 
 AVX512 static void quant_cols(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
                               int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode,
-                              int stream) {
-    SPECIALIZE(quant_cols_body, dtype, elem, src, width, row0, nrows, c0, ncols, q, srow, mode, stream);
+                              int stream, int64_t next) {
+    SPECIALIZE(quant_cols_body, dtype, elem, src, width, row0, nrows, c0, ncols, q, srow, mode, stream, next);
     if (stream) _mm_sfence();
 }
 
 AVX512 static void quant_dual(const void *src, int dtype, int64_t K, int64_t row0, int nrows,
                               int64_t c0, int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc,
-                              uint8_t *sc, int elem, int mode, int stream) {
-    SPECIALIZE(quant_dual_body, dtype, elem, src, K, row0, nrows, c0, ncols, qr, sr, qc, sc, mode, stream);
+                              uint8_t *sc, int elem, int mode, int stream, int64_t next) {
+    SPECIALIZE(quant_dual_body, dtype, elem, src, K, row0, nrows, c0, ncols, qr, sr, qc, sc, mode, stream, next);
     if (stream) _mm_sfence();
 }
 

@@ -83,14 +83,17 @@ typedef struct {
                        uint8_t *s, int elem, int mode, int stream);
     /* one block of rows [row0, row0 + nrows), nrows <= 32, columns [c0, c0 + ncols), ncols <=
      * COL_CHUNK, of a
-     * row-major [*, width] input; srow is the scale row of that block */
+     * row-major [*, width] input; srow is the scale row of that block; `next` as for quant_dual */
     void (*quant_cols)(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
-                       int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode, int stream);
+                       int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode, int stream,
+                       int64_t next);
     /* one block of rows x columns [c0, c0 + ncols) of an [M, K] input, c0 a multiple of 32:
-     * both the row-wise and the column-wise copies */
+     * both the row-wise and the column-wise copies. `next` is where the tile this thread will
+     * probably do next starts, in elements from this one's start (0: none); kernels may
+     * prefetch it (prefetches never fault, so a shorter next tile is harmless) */
     void (*quant_dual)(const void *src, int dtype, int64_t K, int64_t row0, int nrows, int64_t c0,
                        int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int elem,
-                       int mode, int stream);
+                       int mode, int stream, int64_t next);
     void (*dequant_rows)(const uint8_t *q, const uint8_t *s, int64_t r0, int64_t r1, int64_t n,
                          int elem, void *out, int out_dtype);
     void (*dequant_cols)(const uint8_t *q, const uint8_t *srow, int64_t width, int64_t row0,

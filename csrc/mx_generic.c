@@ -222,8 +222,9 @@ HP_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t wid
 HP_CLONES
 static void quant_cols_tile(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
                             int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode,
-                            int stream) {
+                            int stream, int64_t next) {
     (void)stream;
+    (void)next;
     for (int j = 0; j < ncols; j += TILE_COLS) {
         int n = ncols - j < TILE_COLS ? ncols - j : TILE_COLS;
         SPECIALIZE(quant_cols_body, dtype, elem, src, width, row0, nrows, c0 + j, n, q, srow, mode);
@@ -275,8 +276,9 @@ HP_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, 
 HP_CLONES
 static void quant_dual_tile(const void *src, int dtype, int64_t K, int64_t row0, int nrows,
                             int64_t c0, int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc,
-                            uint8_t *sc, int elem, int mode, int stream) {
+                            uint8_t *sc, int elem, int mode, int stream, int64_t next) {
     (void)stream;
+    (void)next;
     for (int j = 0; j < ncols; j += DUAL_COLS) {
         int n = ncols - j < DUAL_COLS ? ncols - j : DUAL_COLS;
         SPECIALIZE(quant_dual_body, dtype, elem, src, K, row0, nrows, c0 + j, n, qr, sr, qc, sc,

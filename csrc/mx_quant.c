@@ -72,9 +72,14 @@ void hp_mx_quant_cols(const void *src, int dtype, int64_t width, int64_t nblocks
         int64_t b = t / nchunks, c = t % nchunks;
         int64_t c0 = c * COL_CHUNK;
         int ncols = (int)(width - c0 < COL_CHUNK ? width - c0 : COL_CHUNK);
+        int64_t next = 0; /* as in hp_mx_quant_dual */
+        if (t + 1 < ntasks) {
+            int64_t b_next = (t + 1) / nchunks, c0_next = ((t + 1) % nchunks) * COL_CHUNK;
+            next = (blk_start[b_next] - blk_start[b]) * width + (c0_next - c0);
+        }
         if (blk_len[b] > 0)
             k->quant_cols(src, dtype, width, blk_start[b], (int)blk_len[b], c0, ncols, q,
-                          s + blk_srow[b] * width, elem, mode, stream);
+                          s + blk_srow[b] * width, elem, mode, stream, next);
     }
 }
 
@@ -91,7 +96,13 @@ void hp_mx_quant_dual(const void *src, int dtype, int64_t M, int64_t K, uint8_t 
         int64_t row0 = rb * BLOCK;
         int nrows = (int)(M - row0 < BLOCK ? M - row0 : BLOCK);
         int ncols = (int)(K - c0 < COL_CHUNK ? K - c0 : COL_CHUNK);
-        k->quant_dual(src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode, stream);
+        /* static scheduling hands each thread a run of consecutive tasks: t + 1 comes next */
+        int64_t next = 0;
+        if (t + 1 < ntasks) {
+            int64_t nrb_next = (t + 1) / nchunks, c0_next = ((t + 1) % nchunks) * COL_CHUNK;
+            next = (nrb_next - rb) * BLOCK * K + (c0_next - c0);
+        }
+        k->quant_dual(src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode, stream, next);
     }
 }
 
