@@ -28,7 +28,7 @@ setup(
     ext_modules=[
         Extension(
             "hyperparallel._mx_native",
-            sources=["csrc/mx_quant.c", "csrc/mx_generic.c", "csrc/mx_avx512.c"],
+            sources=["csrc/mx_quant.c", "csrc/mx_generic.c", "csrc/mx_avx512.c", "csrc/mx_cache.c"],
             include_dirs=["csrc"],
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],

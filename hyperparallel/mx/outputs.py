@@ -1,12 +1,15 @@
 """Output tensors of the quantizers, allocated by shape rules every backend shares.
 
 The backends' real implementations fill these; their fake implementations (for torch.compile)
-return them unfilled, so the two can never disagree on a shape or a dtype.
+return them unfilled, so the two can never disagree on a shape or a dtype. ``empty(shape, dtype)``
+lets a backend choose where the memory comes from (the CPU backend's buffer cache); by default
+it is ``new_empty`` on the input's device.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -19,21 +22,31 @@ def split_at_axis(shape, axis: int) -> tuple[int, int, int]:
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
 
 
-def quantized(x: torch.Tensor, axis: int, elem_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+Empty = Callable[[list[int], torch.dtype], torch.Tensor]
+
+
+def _like(t: torch.Tensor) -> Empty:
+    return lambda shape, dtype: t.new_empty(shape, dtype=dtype)
+
+
+def quantized(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, empty: Empty | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    empty = empty or _like(x)
     shape = list(x.shape)
     scale_shape = shape[:axis] + [num_blocks(shape[axis])] + shape[axis + 1 :]
-    return x.new_empty(shape, dtype=elem_dtype), x.new_empty(scale_shape, dtype=SCALE_DTYPE)
+    return empty(shape, elem_dtype), empty(scale_shape, SCALE_DTYPE)
 
 
-def dual(x: torch.Tensor, elem_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    return (*quantized(x, 1, elem_dtype), *quantized(x, 0, elem_dtype))
+def dual(x: torch.Tensor, elem_dtype: torch.dtype, empty: Empty | None = None) -> tuple[torch.Tensor, ...]:
+    return (*quantized(x, 1, elem_dtype, empty), *quantized(x, 0, elem_dtype, empty))
 
 
-def grouped(x: torch.Tensor, num_groups: int, elem_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped(x: torch.Tensor, num_groups: int, elem_dtype: torch.dtype, empty: Empty | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale rows that no block uses must read as byte 0, so the scales start zeroed."""
+    empty = empty or _like(x)
     M, K = x.shape
-    return x.new_empty(M, K, dtype=elem_dtype), x.new_zeros(grouped_scale_rows(M, num_groups), K, dtype=torch.uint8).view(SCALE_DTYPE)
+    scale = empty([grouped_scale_rows(M, num_groups), K], torch.uint8).zero_()
+    return empty([M, K], elem_dtype), scale.view(SCALE_DTYPE)
 
 
-def dequantized(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return data.new_empty(data.shape, dtype=dtype)
+def dequantized(data: torch.Tensor, dtype: torch.dtype, empty: Empty | None = None) -> torch.Tensor:
+    return (empty or _like(data))(list(data.shape), dtype)

@@ -1,54 +1,23 @@
 """CPU backend: the native C kernels of csrc/ (OpenMP, AVX-512 or portable SIMD).
 
-The shared library is built by the package build (setup.py) as ``hyperparallel/_mx_native*.so``
-and loaded with ctypes: it is plain C, with no Python or PyTorch headers. Each operator is a
-``torch.library`` custom op with a fake implementation, so torch.compile can trace through it.
+The kernels live in the native library (see ``native``). Each operator is a ``torch.library``
+custom op with a fake implementation, so torch.compile can trace through it. Large outputs come
+from a cache of reused buffers (see ``host_cache``): fresh pages would cost more than the kernels.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
-
 import torch
 
 from hyperparallel.mx import outputs
+from hyperparallel.mx.backends.host_cache import empty as _empty
+from hyperparallel.mx.backends.native import LIB as _LIB
 from hyperparallel.mx.groups import batched_blocks, grouped_blocks
 
 _IN_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ELEM_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _MODE_CODES = {"rceil": 0, "floor": 1}
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_SIGNATURES = {
-    "hp_mx_quant_rows": [_P, _INT, _I64, _I64, _P, _P, _INT, _INT, _INT],
-    "hp_mx_quant_cols": [_P, _INT, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT, _INT],
-    "hp_mx_quant_dual": [_P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _INT],
-    "hp_mx_dequant_rows": [_P, _P, _I64, _I64, _INT, _P, _INT, _INT],
-    "hp_mx_dequant_cols": [_P, _P, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _INT],
-    "hp_mx_set_isa": [_INT],
-    "hp_mx_isa": [],
-}
-_RESTYPES = {"hp_mx_set_isa": ctypes.c_char_p, "hp_mx_isa": ctypes.c_char_p}
-
-
-def _load_library() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("hyperparallel._mx_native")
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = _RESTYPES.get(name)
-    return lib
-
-
-_LIB = _load_library()
-
 
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cpu":
@@ -83,7 +52,7 @@ def _block_table(start, length, scale_row):
 @torch.library.custom_op("hyperparallel::mx_quantize_cpu", mutates_args=())
 def _quantize(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
-    data, scale = outputs.quantized(x, axis, elem_dtype)
+    data, scale = outputs.quantized(x, axis, elem_dtype, _empty)
     if x.numel() == 0:
         return data, scale
     outer, n, inner = outputs.split_at_axis(x.shape, axis)
@@ -105,7 +74,7 @@ def _(x, axis, elem_dtype, scale_mode):
 @torch.library.custom_op("hyperparallel::mx_quantize_dual_cpu", mutates_args=())
 def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     x = x.contiguous()
-    out = outputs.dual(x, elem_dtype)
+    out = outputs.dual(x, elem_dtype, _empty)
     if x.numel():
         M, K = x.shape
         _LIB.hp_mx_quant_dual(
@@ -123,7 +92,7 @@ def _(x, elem_dtype, scale_mode):
 @torch.library.custom_op("hyperparallel::mx_quantize_grouped_cpu", mutates_args=())
 def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
-    data, scale = outputs.grouped(x, len(offsets), elem_dtype)
+    data, scale = outputs.grouped(x, len(offsets), elem_dtype, _empty)
     if x.numel():
         blocks = grouped_blocks(offsets)
         _LIB.hp_mx_quant_cols(
@@ -141,7 +110,7 @@ def _(x, offsets, elem_dtype, scale_mode):
 @torch.library.custom_op("hyperparallel::mx_dequantize_cpu", mutates_args=())
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offsets: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     out_dtype = dtype if dtype in _OUT_CODES else torch.float32
-    out = outputs.dequantized(data, out_dtype)
+    out = outputs.dequantized(data, out_dtype, _empty)
     if data.numel():
         outer, n, inner = outputs.split_at_axis(data.shape, axis)
         elem, code, nt = _ELEM_CODES[data.dtype], _OUT_CODES[out_dtype], _threads()
