@@ -8,9 +8,11 @@ runs interleaved one by one, so that drift of the machine falls on both sides al
 
 Every contender runs under the same allocator setting (--allocator):
   cached   glibc keeps freed large blocks for reuse (mallopt), as jemalloc/tcmalloc would: fresh
-           output tensors then cost no page faults (the default; what we recommend for CPU runs)
+           tensors then cost no page faults (the default: the strongest setting for the others)
   thp      PyTorch's own THP_MEM_ALLOC_ENABLE=1: 2 MiB pages for large tensors
   default  glibc as it comes: every large tensor is a fresh mmap, ~8k page faults per 32 MiB
+hyperparallel's CPU outputs come from its own buffer cache (hyperparallel.mx.backends.host_cache),
+so the setting changes what the other contenders cost, not what the MX operators cost.
 """
 
 from __future__ import annotations

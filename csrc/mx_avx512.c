@@ -399,12 +399,22 @@ AVX512_INLINE void bf16_cols(const elem_fmt *f, const void *src, int64_t width, 
     }
 }
 
-/* Dual for bf16: a block of rows x ncols columns (a multiple of 512, at most COL_CHUNK). The
- * first pass only finds maxima: per row block (its scale goes straight to sr) and per column.
- * The second pass rounds each element once and rebiases it twice, for the row-wise and the
- * column-wise code. Rows are walked in long contiguous streams (the hardware prefetchers lose
- * track of many short ones); the second pass rereads the tile from L2
- * while it prefetches the next one. */
+/* Dual for bf16: a block of rows x ncols columns (a multiple of 512, at most COL_CHUNK).
+ *
+ * The first pass only finds maxima: per row block (its scale goes straight to sr) and per
+ * column. The second pass rounds each element once and rebiases it twice, for the row-wise and
+ * the column-wise code; it rereads the tile from L2 while it prefetches the next tile, and it is
+ * the compute-bound part, so it is kept lean:
+ *   - the rebias saturates at zero (unsigned), which codes +-0 exactly, so only nonzero lanes
+ *     whose code falls below the smallest normal need the exact path, one test for both codes;
+ *   - subnormal inputs need no test of their own: their rounded field is at most min_normal,
+ *     so with an offset >= 1 they fall below it, and a negative offset saturates every lane to
+ *     zero. With offset 0 exactly, the lanes that reach min_normal are the subnormals of
+ *     mantissa >= 120 (E4M3) or >= 112 (E5M2), whose exact code is min_normal as well (ties
+ *     to even); test_dual_subnormal_inputs_under_tiny_scales checks every such tile;
+ *   - NaN/Inf blocks are rare: their codes are patched after the pass instead of masked in it.
+ * Rows are walked in long contiguous streams (the hardware prefetchers lose track of many
+ * short ones). */
 AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int64_t row0, int nrows, int64_t c0,
                              int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int mode, int stream,
                              int64_t next) {
@@ -412,10 +422,11 @@ AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int6
     int64_t nbk = K / BLOCK;
     int nv = ncols / 32;
     /* per row block: its 16-bit exponent offset, kept so the second pass broadcasts it from
-     * memory instead of recomputing it from the scale byte; and which blocks are NaN/Inf */
+     * memory; and which blocks are NaN/Inf */
     int16_t row_offset[BLOCK][COL_CHUNK / 32];
     uint16_t row_bad[BLOCK][COL_CHUNK / 512];
     __m512i amax[COL_CHUNK / 32];
+    uint32_t any_row_bad = 0;
     for (int v = 0; v < nv; v++) amax[v] = _mm512_setzero_si512();
     for (int r = 0; r < nrows; r++) {
         for (int j = 0; j < ncols; j += 512) {
@@ -427,41 +438,59 @@ AVX512_INLINE void bf16_dual(const elem_fmt *f, const void *src, int64_t K, int6
                 amax[j / 32 + b] = _mm512_max_epu16(amax[j / 32 + b], a);
             }
             __m512i bytes = bf16_block_bytes(lane_maxima16(blk), mode, f);
+            __m512i offsets = exponent_offset(bytes, f);
             _mm_storeu_si128((__m128i *)(sr + (row0 + r) * nbk + (c0 + j) / BLOCK), _mm512_cvtepi32_epi8(bytes));
-            _mm256_storeu_si256((__m256i *)&row_offset[r][j / 32], _mm512_cvtepi32_epi16(exponent_offset(bytes, f)));
+            _mm256_storeu_si256((__m256i *)&row_offset[r][j / 32], _mm512_cvtepi32_epi16(offsets));
             row_bad[r][j / 512] = _mm512_cmpeq_epi32_mask(bytes, _mm512_set1_epi32(0xFF));
+            any_row_bad |= row_bad[r][j / 512];
         }
     }
     bf16_col_scale_set set;
     bf16_scale_set(amax, ncols, mode, f, sc + (row0 / BLOCK) * K + c0, &set);
-    __m512i nan = _mm512_set1_epi16(0x7F);
+    __mmask32 any_col_bad = 0;
+    for (int v = 0; v < nv; v++) any_col_bad |= set.bad[v];
+    const __m512i nonzero = _mm512_set1_epi16(0x7FFF), sign_bit = _mm512_set1_epi16(0x80);
     for (int r = 0; r < nrows; r++) {
-        const uint8_t *row_bytes = sr + (row0 + r) * nbk + c0 / BLOCK;
         for (int v = 0; v < nv; v += 2) {
             int64_t off = (row0 + r) * K + c0 + 32 * v;
-            unsigned bad_pair = row_bad[r][v / 16] >> (v % 16) & 3u;
             prefetch_next_bf16(src, off, next);
             __m512i rows_out[2], cols_out[2];
             for (int h = 0; h < 2; h++) {
                 __m512i x = load32_bf16(src, off + 32 * h, 0xFFFFFFFFu);
                 __m512i rounded = round_bf16(x, &g);
-                __mmask32 slow_r, slow_c;
-                __m512i cr = encode_rounded(rounded, x, _mm512_set1_epi16(row_offset[r][v + h]), &g, &slow_r);
-                __m512i cc = encode_rounded(rounded, x, set.offset[v + h], &g, &slow_c);
-                if (slow_r | slow_c | (bad_pair >> h & 1)) { /* rare: the exact path */
-                    uint32_t byte = row_bytes[v + h];
-                    __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32((int)inv_scale_bits(byte)));
-                    if (slow_r) cr = _mm512_mask_mov_epi16(cr, slow_r, exact_codes32(x, inv, inv, f));
-                    if (byte == 0xFFu) cr = nan;
+                __m512i sign = _mm512_srli_epi16(x, 8);
+                __m512i tr = _mm512_subs_epu16(rounded, _mm512_set1_epi16(row_offset[r][v + h]));
+                __m512i tc = _mm512_subs_epu16(rounded, set.offset[v + h]);
+                __mmask32 slow = _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(x, nonzero),
+                                                              _mm512_min_epu16(tr, tc), g.min_normal);
+                /* min(t, max_code) | (x >> 8 & 0x80) */
+                rows_out[h] = _mm512_ternarylogic_epi32(_mm512_min_epu16(tr, g.max_code), sign, sign_bit, 0xF8);
+                cols_out[h] = _mm512_ternarylogic_epi32(_mm512_min_epu16(tc, g.max_code), sign, sign_bit, 0xF8);
+                if (slow) { /* rare: codes below the smallest normal, exactly */
+                    __mmask32 nz = _mm512_test_epi16_mask(x, nonzero);
+                    __mmask32 slow_r = _mm512_mask_cmplt_epu16_mask(nz, tr, g.min_normal);
+                    __mmask32 slow_c = _mm512_mask_cmplt_epu16_mask(nz, tc, g.min_normal);
+                    __m512 inv = _mm512_castsi512_ps(_mm512_set1_epi32((int)inv_scale_bits(
+                        sr[(row0 + r) * nbk + (c0 + 32 * (v + h)) / BLOCK])));
+                    if (slow_r) rows_out[h] = _mm512_mask_mov_epi16(rows_out[h], slow_r, exact_codes32(x, inv, inv, f));
                     if (slow_c)
-                        cc = _mm512_mask_mov_epi16(cc, slow_c,
-                                                   exact_codes32(x, set.inv_lo[v + h], set.inv_hi[v + h], f));
+                        cols_out[h] = _mm512_mask_mov_epi16(cols_out[h], slow_c,
+                                                            exact_codes32(x, set.inv_lo[v + h], set.inv_hi[v + h], f));
                 }
-                rows_out[h] = cr;
-                cols_out[h] = _mm512_mask_mov_epi16(cc, set.bad[v + h], nan);
             }
             store64_codes(qr + off, rows_out[0], rows_out[1], stream);
             store64_codes(qc + off, cols_out[0], cols_out[1], stream);
+        }
+    }
+    if (any_row_bad | any_col_bad) { /* NaN/Inf blocks: every code NaN */
+        if (stream) _mm_sfence(); /* the patches below must land after the streamed codes */
+        __m512i nan = _mm512_set1_epi16(0x7F);
+        for (int r = 0; r < nrows; r++) {
+            for (int v = 0; v < nv; v++) {
+                int64_t off = (row0 + r) * K + c0 + 32 * v;
+                if (row_bad[r][v / 16] >> (v % 16) & 1) store32_codes(qr + off, 0xFFFFFFFFu, nan);
+                if (set.bad[v]) store32_codes(qc + off, set.bad[v], nan);
+            }
         }
     }
 }

@@ -284,3 +284,21 @@ def test_torch_compile_traces_dual_and_grouped():
     offsets = torch.tensor([20, 20, 64])
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, offsets), f(x, offsets), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("elem", [E4M3, E5M2])
+def test_dual_subnormal_inputs_under_tiny_scales(isa, mode, elem):
+    # Blocks of bf16 subnormals (both signs, zeros too) led by one value that sets the scale, for
+    # every leading exponent from the subnormals up to 2^-100: every tiny scale the wide bf16
+    # dual kernel can meet, including those whose exponent offset is zero or negative.
+    g = torch.Generator().manual_seed(5)
+    patterns = torch.cat([torch.arange(0, 128), torch.arange(0, 128) + 0x8000]).to(torch.int16)
+    for lead in range(0x0001, 0x0D80, 0x40):
+        bits = patterns[torch.randint(0, len(patterns), (32 * 512,), generator=g)].reshape(32, 512)
+        bits[:, ::32] = lead + torch.randint(0, 0x40, (32, 16), generator=g).to(torch.int16)
+        bits[::7, :] = lead  # rows that lead the column blocks
+        x = bits.view(torch.bfloat16)
+        row, col = mx.quantize_dual(x, scale_mode=mode, elem_dtype=elem)
+        assert_same_quantization(row, *reference.quantize(x, 1, elem, mode))
+        assert_same_quantization(col, *reference.quantize(x, 0, elem, mode))

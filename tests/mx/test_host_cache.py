@@ -70,7 +70,7 @@ def test_cached_outputs_are_exact(fresh_cache, op):
             q = mx.quantize(x, axis=1)
             assert torch.equal(q.dequantize(torch.float32), reference.dequantize(q.data, q.scale, 1, None, torch.float32))
             continue
-        for g, (data, scale) in zip(got, want):
+        for g, (data, scale) in zip(got, want, strict=True):
             assert torch.equal(u8(g.data), u8(data)) and torch.equal(u8(g.scale), u8(scale))
         del got
         gc.collect()
