@@ -1,0 +1,1 @@
+"""The trainer: config schema, data, the training loop, checkpoints, metrics and logging."""

@@ -1,0 +1,106 @@
+"""Config validation: valid files load, each kind of mistake names the key or the file."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.train.config import DEFAULT_CONFIG, apply_overrides, load_config
+
+MINIMAL = "model:\n  family: qwen3\n  config: {hidden_size: 64}\n"
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_default_config_is_valid():
+    cfg = load_config()
+    assert cfg.model.family == "qwen3_moe" and cfg.data.source == "stdlib"
+    assert cfg.grad_accumulation(1) == cfg.training.global_batch // cfg.training.micro_batch
+
+
+def test_defaults_fill_every_section(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.optimizer.name == "adamw" and cfg.parallel.recompute == "off" and cfg.checkpoint.resume == "none"
+
+
+def test_overrides_parse_yaml_scalars_and_reach_nested_keys(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), ["training.steps=7", "model.dtype=bfloat16",
+                                                 "optimizer.betas=[0.8, 0.9]", "model.config.num_hidden_layers=3"])
+    assert cfg.training.steps == 7 and cfg.model.dtype == "bfloat16" and cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.model.config["num_hidden_layers"] == 3
+
+
+def test_grad_accumulation_is_derived_and_checked(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), ["training.global_batch=12", "training.micro_batch=3"])
+    assert cfg.grad_accumulation(1) == 4 and cfg.grad_accumulation(2) == 2
+    with pytest.raises(ConfigError, match=r"training.global_batch \(12\) must be a multiple .* \(3\) x ranks \(3\)"):
+        cfg.grad_accumulation(3)
+
+
+def test_fingerprint_ignores_where_a_run_logs_and_how_long_it_goes(tmp_path):
+    a = load_config(write(tmp_path, MINIMAL))
+    b = load_config(write(tmp_path, MINIMAL), ["logging.run_dir=elsewhere", "training.steps=999", "checkpoint.every=5"])
+    c = load_config(write(tmp_path, MINIMAL), ["optimizer.lr=0.5"])
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+BAD = [
+    ("model: [unclosed", r"malformed YAML at line 1"),
+    ("- a\n- b\n", r"top level must be a mapping"),
+    (MINIMAL + "trainig: {steps: 3}\n", r"unknown key 'trainig'"),
+    (MINIMAL + "training: {stepz: 3}\n", r"unknown key 'training.stepz'"),
+    ("data: {}\n", r"missing key 'model'"),
+    ("model: {family: llama, config: {}}\n", r"model.family: .*got 'llama'"),
+    ("model: {family: qwen3}\n", r"exactly one of model.path .* or model.config"),
+    ("model: {family: qwen3, path: x, config: {}}\n", r"exactly one of model.path"),
+    (MINIMAL + "training: {steps: many}\n", r"training.steps: .*got 'many'"),
+    (MINIMAL + "training: {steps: 0}\n", r"training.steps: .*greater than or equal to 1"),
+    (MINIMAL + "model2: 1\n", r"unknown key 'model2'"),
+    (MINIMAL + "parallel: {tp: 2}\n", r"parallel.tp = 2 is not supported yet"),
+    (MINIMAL + "parallel: {dp_shard: 4}\n", r"parallel.dp_shard = 4 is not supported yet"),
+    (MINIMAL + "parallel: {recompute: some}\n", r"parallel.recompute: .*got 'some'"),
+    (MINIMAL + "low_precision: {enabled: true}\n", r"MXFP8 training is not wired"),
+    (MINIMAL + "optimizer: {name: sgd}\n", r"optimizer.name: .*got 'sgd'"),
+    (MINIMAL + "optimizer: {lr: -1}\n", r"optimizer.lr: .*greater than 0"),
+    (MINIMAL + "scheduler: {kind: step}\n", r"scheduler.kind"),
+    (MINIMAL + "training: {steps: 5}\nscheduler: {warmup_steps: 9}\n", r"warmup_steps \(9\) exceeds training.steps"),
+    (MINIMAL + "data: {source: files}\n", r"data.source is 'files' but data.files is empty"),
+    (MINIMAL + "data: {seq_len: 2}\n", r"data.seq_len"),
+    (MINIMAL + "logging: {run_dir: 'runs/{name}'}\n", r"only placeholder allowed is \{time\}"),
+    (MINIMAL + "checkpoint: {keep_last: 0}\n", r"checkpoint.keep_last"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD, ids=[m for _, m in BAD])
+def test_each_mistake_is_named(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("item, message", [
+    ("training.steps", r"expected KEY=VALUE"),
+    ("=3", r"expected KEY=VALUE"),
+    ("a..b=1", r"expected KEY=VALUE"),
+    ("training.steps.x=1", r"'steps' is not a section"),
+    ("training.steps=[1", r"not valid YAML"),
+])
+def test_bad_overrides_are_named(item, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides({"training": {"steps": 3}}, [item])
+
+
+def test_the_embedded_default_is_the_shipped_file():
+    assert DEFAULT_CONFIG.name == "default.yaml" and DEFAULT_CONFIG.is_file()
+
+
+def test_a_bare_yaml_off_means_off(tmp_path):
+    assert load_config(write(tmp_path, MINIMAL + "parallel: {recompute: off}\n")).parallel.recompute == "off"
