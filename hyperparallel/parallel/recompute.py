@@ -1,0 +1,75 @@
+"""Activation recompute per decoder layer.
+
+- ``full``: a layer keeps only its inputs; backward reruns its forward.
+- ``selective``: a layer keeps the outputs of its matrix products and attention (the expensive
+  ops) and recomputes the cheap element-wise work between them (norms, activations, rotary
+  embeddings, residual adds), which holds most of the activation memory of a layer for little
+  compute. Built on torch.utils.checkpoint's selective checkpoint contexts.
+
+The layer's forward is replaced on the instance, so module names and state-dict keys stay as
+they were (HF checkpoints keep loading).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from hyperparallel.errors import ConfigError
+
+_aten = torch.ops.aten
+# ops whose outputs selective recompute keeps: everything else in a layer is recomputed
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+}
+if hasattr(_aten, "_grouped_mm"):
+    SAVED_OPS.add(_aten._grouped_mm.default)
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _checkpointed(forward, mode: str, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    extra = {"context_fn": _selective_context} if mode == "selective" else {}
+    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM (model.model.layers)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"parallel.recompute: {type(model).__name__} has no decoder layers at model.layers")
+    return layers
+
+
+def apply_recompute(model: nn.Module, mode: str) -> int:
+    """Recompute every decoder layer in `mode` (off | full | selective); returns how many."""
+    if mode == "off":
+        return 0
+    if mode not in ("full", "selective"):
+        raise ConfigError(f"parallel.recompute must be off, full or selective, got {mode!r}")
+    layers = decoder_layers(model)
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        # a KV cache is state that the forward appends to: recompute would append again
+        config.use_cache = False
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward, mode)
+    return len(layers)
