@@ -76,7 +76,9 @@ def build_optimizer(
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = _adamw_groups(trainable, weight_decay, no_decay)
         _check_not_empty(groups)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # the fused kernel (one pass per tensor) is what HF's Trainer uses too; same math
+        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for _, p in trainable)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
 
     muon_params, adamw_params = split_for_muon(model, exclude=muon_exclude)
     groups = [
