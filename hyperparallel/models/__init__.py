@@ -1,0 +1,24 @@
+"""Hugging Face model families: build (meta device, seeded init, or a local checkpoint), MoE
+experts as grouped matmuls, and training FLOPs per token for MFU."""
+
+from .build import build_model, init_weights, make_config
+from .families import FAMILIES, ModelFamily, all_experts_classes, all_router_classes, family_names, get_family
+from .flops import training_flops_per_token
+from .grouped_experts import GroupedExperts, grouped_mm, native_grouped_mm_supported, swap_experts
+
+__all__ = [
+    "FAMILIES",
+    "GroupedExperts",
+    "ModelFamily",
+    "all_experts_classes",
+    "all_router_classes",
+    "build_model",
+    "family_names",
+    "get_family",
+    "grouped_mm",
+    "init_weights",
+    "make_config",
+    "native_grouped_mm_supported",
+    "swap_experts",
+    "training_flops_per_token",
+]

@@ -1,0 +1,196 @@
+"""Build a Hugging Face causal LM for training: from an inline config or a local checkpoint.
+
+An inline config is built on the meta device (no memory, no init), its MoE experts are swapped
+for GroupedExperts, and only then is it materialized on the CPU and initialized from a seed with
+the family's own `_init_weights`. A checkpoint directory is loaded with `from_pretrained`, from
+local files only and from safetensors only (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..errors import CheckpointError, ConfigError
+from .families import ModelFamily, family_for_model_type, get_family
+from .grouped_experts import GroupedExperts, swap_experts
+
+# Spellings older config.json files use; the config classes turn them into `rope_parameters`.
+_LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
+# Keys that build_model sets from its own arguments; an inline value would be ignored or conflict.
+_KEYS_SET_BY_ARGUMENTS = {
+    "dtype": "dtype",
+    "torch_dtype": "dtype",
+    "attn_implementation": "attn_implementation",
+    "_attn_implementation": "attn_implementation",
+    "experts_implementation": "grouped_experts",
+}
+
+
+def build_model(
+    family: str,
+    *,
+    path: str | Path | None = None,
+    config: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    grouped_experts: bool = True,
+) -> PreTrainedModel:
+    """A family's causal LM in train mode with `config.use_cache = False`.
+
+    Exactly one of `path` (a local Hugging Face checkpoint directory; `seed` is then unused) or
+    `config` (a mapping of the family's HF config keys; weights initialized from `seed`).
+    With `grouped_experts`, MoE experts modules are GroupedExperts (same parameter names).
+    """
+    spec = get_family(family)
+    if (path is None) == (config is None):
+        raise ConfigError(
+            "build_model needs exactly one of path= (a local checkpoint directory) or config= (a mapping of HF config keys)"
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16; got {dtype!r}")
+    valid_attention = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if attn_implementation not in valid_attention:
+        raise ConfigError(f"attn_implementation {attn_implementation!r} is not one of {', '.join(valid_attention)}")
+
+    if config is not None:
+        hf_config = make_config(spec, config)
+        with torch.device("meta"):
+            model = spec.model_class._from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        if grouped_experts:
+            swap_experts(model)
+        model.to_empty(device="cpu")
+        init_weights(model, seed)
+    else:
+        model = _load_pretrained(spec, Path(path), dtype, attn_implementation)
+        if grouped_experts:
+            swap_experts(model)
+    model.config.use_cache = False  # training never reads a KV cache; building one costs memory
+    return model.train()
+
+
+def make_config(spec: ModelFamily | str, values: Mapping) -> PretrainedConfig:
+    """The family's config class built from an inline mapping, every key checked against it."""
+    if isinstance(spec, str):
+        spec = get_family(spec)
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"the inline config of family {spec.name!r} must be a mapping of HF config keys; got {type(values).__name__}"
+        )
+    known = [*_known_config_keys(spec.config_class), *spec.extra_config_keys]
+    for key in values:
+        if key in _KEYS_SET_BY_ARGUMENTS:
+            raise ConfigError(
+                f"inline config key {key!r} (family {spec.name!r}) is set by build_model's "
+                f"{_KEYS_SET_BY_ARGUMENTS[key]}= argument; remove it from the config"
+            )
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown key {key!r} in the inline config of family {spec.name!r} "
+                f"({spec.config_class.__name__} has no such field){hint}"
+            )
+    model_type = values.get("model_type", spec.model_types[0])
+    if model_type not in spec.model_types:
+        raise ConfigError(
+            f"inline config key 'model_type' is {model_type!r} but family {spec.name!r} expects {spec.model_types[0]!r}"
+        )
+    fields = {k: v for k, v in values.items() if k != "model_type"}
+    try:
+        hf_config = spec.config_class(**fields)
+    except (TypeError, ValueError, StrictDataclassError) as error:
+        raise ConfigError(f"invalid inline config for family {spec.name!r}: {error}") from error
+    if spec.check is not None:
+        try:
+            spec.check(hf_config)
+        except ConfigError as error:
+            raise ConfigError(f"invalid inline config for family {spec.name!r}: {error}") from error
+    return hf_config
+
+
+@functools.cache
+def _known_config_keys(config_class: type[PretrainedConfig]) -> list[str]:
+    fields = set(config_class().to_dict())
+    fields |= set(inspect.signature(config_class.__init__).parameters) - {"self", "args", "kwargs"}
+    fields |= set(getattr(config_class, "attribute_map", {}))
+    fields |= _LEGACY_CONFIG_KEYS
+    return sorted(k for k in fields if not k.startswith("_"))
+
+
+def init_weights(model: PreTrainedModel, seed: int) -> None:
+    """Initialize every parameter and buffer with the model's own `_init_weights`, from `seed`.
+
+    Reproducible for a seed and device, and independent of the global RNG (whose state is kept).
+    GroupedExperts get the same draws, in the same order, as the HF experts module they replace,
+    so a seed gives the same weights whether or not the experts were swapped. Any earlier
+    "already initialized" marks (from loading) are cleared first: this re-initializes everything.
+    """
+    _clear_initialized_marks(model)
+    device = next(model.parameters()).device
+    fork_devices = [] if device.type == "cpu" else [device]
+    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else None):
+        torch.manual_seed(seed)
+        with torch.no_grad(), hf_init.guard_torch_init_functions():
+            _init_post_order(model, model, model.is_custom_code())
+    model.tie_weights()
+
+
+def _init_post_order(module: nn.Module, owner: PreTrainedModel, is_custom_code: bool) -> None:
+    # The traversal of transformers' PreTrainedModel.initialize_weights (children first, each
+    # sub-model with its own _init_weights), which knows nothing of GroupedExperts.
+    for child in module.children():
+        _init_post_order(child, child if isinstance(child, PreTrainedModel) else owner, is_custom_code)
+    if isinstance(module, GroupedExperts):
+        module.reset_parameters(std=owner.config.initializer_range)
+        module._is_hf_initialized = True
+    else:
+        owner._initialize_weights(module, is_custom_code)
+
+
+def _clear_initialized_marks(model: nn.Module) -> None:
+    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
+        if "_is_hf_initialized" in obj.__dict__:
+            del obj._is_hf_initialized
+
+
+def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+    if not path.is_dir():
+        raise ConfigError(
+            f"model path {str(path)!r} is not a directory; expected a local Hugging Face checkpoint directory"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model path {str(path)!r} has no config.json; expected a Hugging Face checkpoint directory")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ConfigError(f"{config_file} is not a JSON object: {error}") from error
+    if model_type not in spec.model_types:
+        owner = family_for_model_type(model_type)
+        hint = f"; use family {owner.name!r}" if owner else ""
+        raise ConfigError(f"family {spec.name!r} does not match model_type {model_type!r} in {config_file}{hint}")
+    try:
+        return spec.model_class.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            use_safetensors=True,
+        )
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot load the checkpoint in {str(path)!r} (safetensors weights expected): {error}"
+        ) from error

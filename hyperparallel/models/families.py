@@ -1,0 +1,140 @@
+"""The Hugging Face model families hyperparallel builds, and what it needs to know about each.
+
+A family ties a name (what a user writes in YAML) to the transformers config and model classes, the
+`model_type` values a checkpoint's config.json may carry, and the module classes that hold the MoE
+experts and routers, so that other code can find them without matching on parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Experts,
+    DeepseekV3ForCausalLM,
+    DeepseekV3TopkRouter,
+)
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeExperts,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeTopKRouter,
+)
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]  # config.json `model_type` values this family loads
+    config_class: type[PretrainedConfig]
+    model_class: type[PreTrainedModel]
+    experts_classes: tuple[type[nn.Module], ...] = ()  # hold 3-D gate_up_proj [E,2I,H] / down_proj [E,H,I]
+    router_classes: tuple[type[nn.Module], ...] = ()  # `.weight` [E,H]; pick top-k experts per token
+    check: Callable[[PretrainedConfig], None] | None = None  # raises ConfigError for shapes HF accepts but cannot run
+    # Keys the modeling code reads with getattr although the config class declares no such field.
+    extra_config_keys: tuple[str, ...] = ()
+
+
+def _check_attention_heads(config: PretrainedConfig) -> None:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if kv_heads is not None and (kv_heads <= 0 or heads % kv_heads):
+        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+
+
+def _check_qwen3_moe(config: Qwen3MoeConfig) -> None:
+    _check_attention_heads(config)
+    if not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok ({config.num_experts_per_tok}) must be in 1..num_experts ({config.num_experts})"
+        )
+
+
+def _check_deepseek_v3(config: DeepseekV3Config) -> None:
+    _check_attention_heads(config)
+    experts, groups, top_groups, top_k = (
+        config.n_routed_experts,
+        config.n_group,
+        config.topk_group,
+        config.num_experts_per_tok,
+    )
+    # The router scores a group by the sum of its two best experts and then picks top_k among the
+    # experts of the topk_group best groups; these are the shapes for which that is defined.
+    if groups <= 0 or experts % groups or experts // groups < 2:
+        raise ConfigError(
+            f"n_routed_experts ({experts}) must split into n_group ({groups}) groups of at least 2 experts"
+        )
+    if not 0 < top_groups <= groups:
+        raise ConfigError(f"topk_group ({top_groups}) must be in 1..n_group ({groups})")
+    if not 0 < top_k <= top_groups * (experts // groups):
+        raise ConfigError(
+            f"num_experts_per_tok ({top_k}) must be in 1..topk_group * n_routed_experts / n_group "
+            f"({top_groups * (experts // groups)})"
+        )
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "qwen3": ModelFamily(
+        name="qwen3",
+        model_types=("qwen3",),
+        config_class=Qwen3Config,
+        model_class=Qwen3ForCausalLM,
+        check=_check_attention_heads,
+    ),
+    "qwen3_moe": ModelFamily(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        config_class=Qwen3MoeConfig,
+        model_class=Qwen3MoeForCausalLM,
+        experts_classes=(Qwen3MoeExperts,),
+        router_classes=(Qwen3MoeTopKRouter,),
+        check=_check_qwen3_moe,
+        # Qwen3-MoE checkpoints set head_dim (128 in Qwen3-30B-A3B, not hidden / heads = 64).
+        extra_config_keys=("head_dim",),
+    ),
+    # Kimi K2 is the DeepSeek-V3 architecture with other sizes; its config.json says "kimi_k2".
+    "deepseek_v3": ModelFamily(
+        name="deepseek_v3",
+        model_types=("deepseek_v3", "kimi_k2"),
+        config_class=DeepseekV3Config,
+        model_class=DeepseekV3ForCausalLM,
+        experts_classes=(DeepseekV3Experts,),
+        router_classes=(DeepseekV3TopkRouter,),
+        check=_check_deepseek_v3,
+    ),
+}
+
+ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+
+def family_names() -> list[str]:
+    """Every name `get_family` accepts, aliases included."""
+    return sorted([*FAMILIES, *ALIASES])
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family of that name; an alias gets its target's entry under the alias's name (for messages)."""
+    family = FAMILIES.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+    if family is None:
+        raise ConfigError(f"unknown model family {name!r}; expected one of {', '.join(family_names())}")
+    return family if family.name == name else replace(family, name=name)
+
+
+def family_for_model_type(model_type: str) -> ModelFamily | None:
+    """The family whose checkpoints carry this config.json `model_type`, or None."""
+    return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+
+
+def all_experts_classes() -> tuple[type[nn.Module], ...]:
+    return tuple(cls for family in FAMILIES.values() for cls in family.experts_classes)
+
+
+def all_router_classes() -> tuple[type[nn.Module], ...]:
+    return tuple(cls for family in FAMILIES.values() for cls in family.router_classes)

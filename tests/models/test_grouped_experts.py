@@ -1,0 +1,201 @@
+"""GroupedExperts computes what transformers' eager experts loop computes, gradients included.
+
+Tolerances: float32 results agree with the loop to rtol 1e-5 / atol 1e-5 on values of order 1 (the
+matmuls sum in another order); bfloat16 results to rtol 2e-2 plus an atol of two bf16 ulps of the
+tensor's largest element (sums of top-k slots cancel, and the bf16 rounding of each slot shows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from hyperparallel.errors import ShapeError
+from hyperparallel.models import GroupedExperts, get_family, grouped_mm, make_config, swap_experts
+from hyperparallel.models import grouped_experts as ge
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def assert_close_bf16(got, want):
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2.0**-6 * want.abs().max().item())
+
+
+def tiny_config(family: str, name: str):
+    return make_config(get_family(family), yaml.safe_load((CONFIGS / name).read_text()))
+
+
+def reference_grouped_mm(a, b, offsets):
+    starts = [0, *offsets.tolist()[:-1]]
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, offsets.tolist(), strict=True))])
+
+
+@pytest.fixture(params=["native", "padded_bmm"])
+def path(request, monkeypatch):
+    """Run a test once through torch._grouped_mm and once through the padded-bmm fallback."""
+    if request.param == "padded_bmm":
+        monkeypatch.setattr(ge, "native_grouped_mm_supported", lambda a, b: False)
+    return request.param
+
+
+@pytest.mark.parametrize("b_layout", ["row_major", "transposed_weight"])
+def test_grouped_mm_matches_per_group_matmul(path, b_layout):
+    torch.manual_seed(0)
+    a = torch.randn(13, 32, requires_grad=True)
+    if b_layout == "row_major":
+        b = torch.randn(5, 32, 24, requires_grad=True)
+        b_used = b
+    else:  # how experts pass their [E, N, K] weights
+        b = torch.randn(5, 24, 32, requires_grad=True)
+        b_used = b.transpose(-2, -1)
+    offsets = torch.tensor([4, 4, 9, 13, 13], dtype=torch.int32)  # groups 1 and 4 are empty
+
+    out = grouped_mm(a, b_used, offsets)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (a, b), grad)
+    ref = reference_grouped_mm(a, b_used, offsets)
+    ref_grads = torch.autograd.grad(ref, (a, b), grad)
+
+    torch.testing.assert_close(out, ref, **FP32)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, **FP32)
+    if path == "native":
+        assert grads[1].stride() == b.stride()  # the weight gradient arrives in the weight's layout, no copy
+
+
+def test_native_backward_takes_an_expanded_gradient():
+    # torch's own _grouped_mm backward rejects the zero-stride gradient that .sum() produces
+    a = torch.randn(6, 16, requires_grad=True)
+    b = torch.randn(3, 16, 8, requires_grad=True)
+    grouped_mm(a, b, torch.tensor([2, 2, 6], dtype=torch.int32)).sum().backward()
+    assert a.grad is not None and b.grad is not None and torch.all(b.grad[1] == 0)
+
+
+def test_native_rule():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 96))
+    assert ge.native_grouped_mm_supported(torch.empty(3, 8, dtype=bf16), torch.empty(2, 8, 16, dtype=bf16))
+    # strides must be multiples of 16 bytes: 4 float32 or 8 bfloat16 elements
+    assert not ge.native_grouped_mm_supported(torch.empty(3, 62), torch.empty(2, 62, 96))
+    assert not ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 90))
+    assert not ge.native_grouped_mm_supported(torch.empty(3, 60, dtype=bf16), torch.empty(2, 60, 96, dtype=bf16))
+    assert not ge.native_grouped_mm_supported(
+        torch.empty(3, 64, dtype=torch.float64), torch.empty(2, 64, 96, dtype=torch.float64)
+    )
+    assert not ge.native_grouped_mm_supported(torch.empty(3, 64, dtype=f32), torch.empty(2, 64, 96, dtype=bf16))
+    assert ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 96, 64).transpose(-2, -1))
+    assert not ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 192)[:, :, ::2])
+
+
+def test_unaligned_shapes_fall_back_and_stay_correct():
+    a, b = torch.randn(7, 6, dtype=torch.float64), torch.randn(3, 6, 5, dtype=torch.float64)
+    offsets = torch.tensor([0, 3, 7], dtype=torch.int32)
+    torch.testing.assert_close(grouped_mm(a, b, offsets), reference_grouped_mm(a, b, offsets))
+
+
+def test_grouped_mm_shape_errors():
+    with pytest.raises(ShapeError, match=r"a \[M,K\] and b \[E,K,N\]"):
+        grouped_mm(torch.randn(4, 8), torch.randn(2, 6, 3), torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ShapeError, match="offsets of shape"):
+        grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 3), torch.tensor([4], dtype=torch.int32))
+
+
+def hf_experts(family: str, config_name: str, dtype=torch.float32):
+    config = tiny_config(family, config_name)
+    config._experts_implementation = "eager"  # the reference: transformers' loop over experts
+    experts_class = Qwen3MoeExperts if family == "qwen3_moe" else DeepseekV3Experts
+    torch.manual_seed(1)
+    experts = experts_class(config).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    return experts, config
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, idle: int, weight_dtype):
+    """top-k distinct experts per token, never the last `idle` experts; positive weights."""
+    scores = torch.rand(num_tokens, num_experts)
+    scores[:, num_experts - idle :] = -1.0
+    index = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, dtype=weight_dtype).requires_grad_()
+    return index, weights
+
+
+def run(module, hidden, index, weights):
+    """Output and gradients w.r.t. inputs, routing weights and both 3-D parameters."""
+    out = module(hidden, index, weights)
+    grad = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    grads = torch.autograd.grad(out, (hidden, weights, module.gate_up_proj, module.down_proj), grad)
+    return out, grads
+
+
+CASES = [("qwen3_moe", "qwen3_moe_tiny.yaml"), ("deepseek_v3", "kimi_k2_tiny.yaml")]
+
+
+@pytest.mark.parametrize(("family", "config_name"), CASES)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_matches_hf_experts_fp32(path, family, config_name, num_tokens):
+    experts, config = hf_experts(family, config_name)
+    top_k = config.num_experts_per_tok
+    torch.manual_seed(2)
+    hidden = torch.randn(num_tokens, config.hidden_size, requires_grad=True)
+    index, weights = routing(num_tokens, experts.num_experts, top_k, idle=3, weight_dtype=torch.float32)
+
+    if path == "native":  # the tiny shapes are aligned, so the native kernel really runs
+        assert ge.native_grouped_mm_supported(hidden, experts.down_proj.transpose(-2, -1))
+    want = run(experts, hidden, index, weights)
+    got = run(GroupedExperts.from_hf(experts), hidden, index, weights)  # the same Parameter objects
+    torch.testing.assert_close(got[0], want[0], **FP32)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, **FP32)
+    if num_tokens:
+        assert torch.all(got[1][2][-3:] == 0) and torch.all(got[1][3][-3:] == 0)  # idle experts: zero gradient
+
+
+@pytest.mark.parametrize(("family", "config_name"), CASES)
+def test_no_tokens(path, family, config_name):
+    experts, config = hf_experts(family, config_name)
+    hidden = torch.randn(0, config.hidden_size, requires_grad=True)
+    index, weights = routing(0, experts.num_experts, config.num_experts_per_tok, idle=0, weight_dtype=torch.float32)
+    out, grads = run(GroupedExperts.from_hf(experts), hidden, index, weights)
+    assert out.shape == (0, config.hidden_size)
+    assert torch.all(grads[2] == 0) and torch.all(grads[3] == 0)
+
+
+@pytest.mark.parametrize(("family", "config_name"), CASES)
+def test_matches_hf_experts_bf16(path, family, config_name):
+    experts, config = hf_experts(family, config_name, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    hidden = torch.randn(29, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    # DeepSeek's router hands float32 weights to bf16 experts; Qwen3-MoE's casts them to the hidden dtype.
+    weight_dtype = torch.float32 if family == "deepseek_v3" else torch.bfloat16
+    index, weights = routing(29, experts.num_experts, config.num_experts_per_tok, idle=2, weight_dtype=weight_dtype)
+
+    want = run(experts, hidden, index, weights)
+    got = run(GroupedExperts.from_hf(experts), hidden, index, weights)
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    assert_close_bf16(got[0], want[0])
+    for g, w in zip(got[1], want[1], strict=True):
+        assert g.dtype == w.dtype
+        assert_close_bf16(g, w)
+
+
+def test_swap_keeps_parameter_objects_and_names():
+    from hyperparallel.models import build_model
+
+    config = yaml.safe_load((CONFIGS / "qwen3_moe_tiny.yaml").read_text())
+    model = build_model("qwen3_moe", config=config, grouped_experts=False)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+
+    assert swap_experts(model) == config["num_hidden_layers"]
+    assert swap_experts(model) == 0  # nothing left to swap
+    assert list(model.state_dict()) == keys
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert all(isinstance(layer.mlp.experts, GroupedExperts) for layer in model.model.layers)
