@@ -33,6 +33,30 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hyperparallel.train.config import load_config
+
+    config = load_config(args.config, args.set)  # bad input stops here, before any rank starts
+    if args.nproc > 1:
+        from hyperparallel.train.launch import launch
+
+        return launch(args.config, args.set, args.nproc)
+    from hyperparallel.train.loop import train
+
+    summary = train(config)
+    if summary["last_loss"] is not None:
+        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+              f"run dir {summary['run_dir']}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from hyperparallel.train.plot import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperparallel",
@@ -40,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hyperparallel {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = commands.add_parser("train", help="train a model from a YAML config (default: configs/default.yaml)")
+    train.add_argument("config", nargs="?", help="the YAML config (default: the embedded configs/default.yaml)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set training.steps=20 (repeatable)")
+    train.add_argument("--nproc", type=int, default=1, help="ranks to launch on this machine through torchrun")
+    train.set_defaults(func=_train)
+    plot = commands.add_parser("plot", help="draw RUN_DIR/loss.png from RUN_DIR/metrics.jsonl")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_plot)
     bench = commands.add_parser("bench", help="run a benchmark and print its side-by-side table")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see its --help)")

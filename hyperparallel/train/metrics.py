@@ -1,0 +1,133 @@
+"""What a run reports: a live progress bar, metrics.jsonl, TensorBoard events, and peak figures.
+
+metrics.jsonl holds one JSON object per logged step with at least
+``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops`` and
+``mfu``). Only rank 0 writes; step times are the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hyperparallel.train.plot import draw_loss
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # the process's peak resident set: on CPU that is what the run really used
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def measured_cpu_peak_tflops(dtype: torch.dtype) -> float:
+    """What torch.mm reaches here on a large square product: the yardstick for a CPU's MFU."""
+    a = torch.randn(1024, 1024, dtype=dtype)
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(10):  # the best of several: other work on the machine only slows single runs
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / best / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> tuple[float, str]:
+    """The peak that MFU divides by, and where it came from."""
+    if configured:
+        return configured, "logging.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return value, f"{key} dense bf16"
+    return measured_cpu_peak_tflops(dtype), "measured torch.mm"
+
+
+class MetricsLog:
+    """metrics.jsonl, TensorBoard and the console of rank 0 (other ranks write nothing)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress: bool, total_steps: int,
+                 first_step: int):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.records: list[dict] = []
+        self.writer = None
+        self.bar = None
+        if not enabled:
+            return
+        self._keep_up_to(first_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
+        from rich.console import Console
+
+        console = Console(file=sys.stdout)
+        if progress and console.is_terminal:  # a log file gets the step lines only
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.description}"), console=console, transient=False,
+            )
+            self.task = self.bar.add_task("", total=total_steps, completed=first_step)
+            self.bar.start()
+
+    def _keep_up_to(self, step: int) -> None:
+        """A resumed run continues the file: records past the checkpoint's step are dropped."""
+        if not self.path.is_file():
+            return
+        kept = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] <= step]
+        self.records = kept
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(message)
+        else:
+            print(message, flush=True)
+
+    def step(self, step: int, record: dict | None) -> None:
+        """Advance the bar to `step`; `record` (a logged step) goes to every sink."""
+        if not self.enabled:
+            return
+        if record is not None:
+            self.records.append(record)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.writer is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.writer.add_scalar(key, value, step)
+            summary = (f"loss {record['loss']:.4f}  lr {record['lr']:.1e}  gnorm {record['grad_norm']:.2f}  "
+                       f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms  "
+                       f"mfu {record['mfu'] * 100:.0f}%  {record['peak_mem_bytes'] / 2**30:.2f} GiB")
+            if self.bar is not None:
+                self.bar.update(self.task, description=summary)
+            self.print(f"step {step:>6}  {summary}")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.stop()
+        if self.writer is not None:
+            self.writer.close()
+        if self.records:
+            draw_loss(self.records, self.run_dir / "loss.png")

@@ -1,0 +1,109 @@
+"""The training loop end to end: each family trains, resume reproduces, run dirs are complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hyperparallel.errors import CheckpointError, ConfigError
+from hyperparallel.train.config import from_mapping
+from hyperparallel.train.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FRAGMENTS = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "kimi_k2": "kimi_k2_tiny"}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
+
+
+def config(tmp_path, family="qwen3_moe", **sections):
+    inline = yaml.safe_load((ROOT / "configs" / "models" / f"{FRAGMENTS[family]}.yaml").read_text())
+    raw = {
+        "model": {"family": family, "config": inline},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
+        "training": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seed": 1},
+        "scheduler": {"warmup_steps": 2},
+        "logging": {"run_dir": str(tmp_path / "run"), "every": 1, "progress": False},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return from_mapping(raw)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "kimi_k2"])
+def test_each_family_trains_and_fills_its_run_dir(tmp_path, family):
+    summary = train(config(tmp_path, family, training={"steps": 8}, optimizer={"lr": 3e-3}))
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes", "mfu"):
+        assert all(key in r for r in records)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert summary["last_loss"] < summary["first_loss"]
+    assert (run / "config.yaml").is_file() and (run / "loss.png").is_file() and (run / "tokenizer.json").is_file()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000008"]
+
+
+def test_muon_trains(tmp_path):
+    summary = train(config(tmp_path, "qwen3", optimizer={"name": "muon", "lr": 3e-3, "muon_lr": 0.02},
+                           training={"steps": 8}))
+    assert summary["last_loss"] < summary["first_loss"]
+
+
+def losses(summary) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in summary["records"]}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_an_interrupted_run_resumes_to_the_same_losses(tmp_path, optimizer):
+    whole = train(config(tmp_path / "a", optimizer={"name": optimizer}, checkpoint={"every": 3}))
+    first = train(config(tmp_path / "b", optimizer={"name": optimizer}, checkpoint={"every": 3}), stop_after=3)
+    resumed = train(config(tmp_path / "b", optimizer={"name": optimizer}, checkpoint={"every": 3,
+                                                                                      "resume": "latest"}))
+    assert resumed["first_step"] == 3 and losses(first) == {k: v for k, v in losses(whole).items() if k <= 3}
+    assert losses(resumed) == losses(whole)  # exactly: fp32, same data order, same RNG and optimizer state
+    records = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    train(config(tmp_path, "qwen3", checkpoint={"every": 1, "keep_last": 2}))
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step_00000005", "step_00000006"]
+
+
+def test_recompute_trains_to_the_same_losses(tmp_path):
+    plain = train(config(tmp_path / "a", "qwen3"))
+    for mode in ("full", "selective"):
+        again = train(config(tmp_path / mode, "qwen3", parallel={"recompute": mode}))
+        for step, loss in losses(plain).items():
+            assert losses(again)[step] == pytest.approx(loss, rel=1e-5), (mode, step)
+
+
+def test_an_existing_run_is_never_written_into(tmp_path):
+    train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0}))
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0}))
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+
+
+def test_resume_checks_the_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
+        train(config(tmp_path, "qwen3", checkpoint={"resume": str(tmp_path / "nowhere")}))
+    train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0}))
+    with pytest.raises(CheckpointError, match="different model, data or optimizer config"):
+        train(config(tmp_path, "qwen3", training={"steps": 4}, scheduler={"warmup_steps": 0},
+                     optimizer={"lr": 0.5}, checkpoint={"resume": "latest"}))
+
+
+def test_an_impossible_batch_split_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"global_batch \(5\) must be a multiple"):
+        train(config(tmp_path, "qwen3", training={"global_batch": 5}))
+    assert not (tmp_path / "run").exists()
