@@ -23,10 +23,11 @@ test: setup
 	$(PY) -m pytest -p no:cacheprovider tests
 
 demo: setup
-	$(PY) -m hyperparallel bench mx --m 2048 --k 2048 --n 2048 --repeat 5
+	$(PY) -m hyperparallel train
 
 bench: setup
 	$(PY) -m hyperparallel bench mx
+	$(PY) -m hyperparallel bench train
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks

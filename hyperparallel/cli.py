@@ -13,7 +13,7 @@ from pathlib import Path
 from hyperparallel import __version__
 from hyperparallel.errors import HyperparallelError
 
-BENCHMARKS = {"mx": "mx_ops.py"}
+BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py"}
 
 
 def _benchmark_path(name: str) -> Path:
@@ -45,8 +45,10 @@ def _train(args: argparse.Namespace) -> int:
 
     summary = train(config)
     if summary["last_loss"] is not None:
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
-              f"run dir {summary['run_dir']}")
+        run_dir = Path(summary["run_dir"])
+        contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
+        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}\n"
+              f"run dir {run_dir}: {contents}")
     return 0
 
 

@@ -107,3 +107,14 @@ def test_an_impossible_batch_split_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"global_batch \(5\) must be a multiple"):
         train(config(tmp_path, "qwen3", training={"global_batch": 5}))
     assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_events_are_written_when_asked(tmp_path):
+    train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0},
+                 logging={"tensorboard": True}))
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(events[0])).Reload().Tags()["scalars"]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(scalars)
