@@ -28,13 +28,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 _GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
 
-def measured_cpu_peak_tflops(dtype: torch.dtype) -> float:
-    """What torch.mm reaches here on a large square product: the yardstick for a CPU's MFU."""
+def measured_cpu_peak_tflops(dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """What torch.mm reaches here on a large square product: the yardstick for a CPU's MFU.
+
+    The best of the calls made within `seconds`: the first calls pay for warming the thread
+    pool and the clock, and other work on the machine only ever slows a call down."""
     a = torch.randn(1024, 1024, dtype=dtype)
-    for _ in range(10):  # the thread pool and the GEMM library warm up over the first calls
-        torch.mm(a, a)
-    best = float("inf")
-    for _ in range(10):  # the best of several: other work on the machine only slows single runs
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         torch.mm(a, a)
         best = min(best, time.perf_counter() - t0)
