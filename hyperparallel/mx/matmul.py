@@ -41,6 +41,11 @@ def _blocks_below_are_zero(mx: MXTensor, byte: int) -> bool:
 def _exact_dtype(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> torch.dtype:
     if backend == "reference":
         return torch.float64
+    if torch.compiler.is_compiling():
+        # A graph cannot choose a dtype from the scales' values. fp32 holds every element of every
+        # block that quantize() makes from finite inputs, except one whose largest value rounds up
+        # to 2^128 or more (an fp32 input within one FP8 step of fp32's max), which becomes inf.
+        return torch.float32
     lo_elem, hi_elem = _ELEM_RANGE[mx.elem_dtype]
     s = mx.scale.view(torch.uint8)
     if s.numel() == 0:
