@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.lowp.config import LowPrecisionConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
 
@@ -87,16 +88,6 @@ class ParallelSection(Section):
         return self
 
 
-class LowPrecisionSection(Section):
-    enabled: bool = False
-
-    @model_validator(mode="after")
-    def _not_yet(self):
-        if self.enabled:
-            raise ValueError("low_precision.enabled: MXFP8 training is not wired into the trainer yet; use false")
-        return self
-
-
 class OptimizerSection(Section):
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = Field(1e-3, gt=0)
@@ -143,7 +134,7 @@ class TrainConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
-    low_precision: LowPrecisionSection = Field(default_factory=LowPrecisionSection)
+    low_precision: LowPrecisionConfig = Field(default_factory=LowPrecisionConfig)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, training_flops_per_token
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import apply_recompute
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     if cfg.model.path is not None and model.config.vocab_size < dataset.tokenizer.vocab_size:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({dataset.tokenizer.vocab_size}); give data.tokenizer the model's own")
+    conversion = convert(model, cfg.low_precision)  # before parallel plans and sharding, as they expect
     apply_recompute(model, cfg.parallel.recompute)
     trained = model
     if world > 1:  # ranks beyond the parallel plans replicate the model
@@ -149,6 +151,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     log.print(f"{cfg.model.family}: {n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
               f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {world} rank(s), grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}; MFU against {peak:.2f} TFLOP/s ({peak_source})")
+    if cfg.low_precision.enabled:
+        log.print(conversion.summary())
     if start:
         log.print(f"resumed from {resume_from} at step {start}")
 

@@ -8,6 +8,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.lowp.memory import saved_activation_bytes
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.recompute import SAVED_OPS, _policy
 
@@ -42,16 +43,7 @@ def test_recompute_gives_the_same_loss_and_gradients(mode):
 
 
 def _saved_bytes(model, ids) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss.backward()
-    return total
+    return saved_activation_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward())
 
 
 def test_full_recompute_keeps_only_layer_inputs():

@@ -1,0 +1,116 @@
+"""MXLinear: nn.Linear whose three products (forward, input grad, weight grad) run in MXFP8.
+
+    forward   Y  = X  @ W^T    X row-wise (blocks along K)  x  W row-wise (along K)
+    dgrad     dX = dY @ W      dY row-wise (along N)         x  W column-wise (along N)
+    wgrad     dW = dY^T @ X    dY column-wise (along M)      x  X column-wise (along M)
+
+Every operand is blocked along the dimension its product sums over, as the MX formats need.
+X's row and column copies come from one `quantize_dual` pass, as do dY's. Forward keeps for
+backward only X's column-wise copy (when the weight needs a gradient) and W's column-wise copy.
+W's two copies are made once per weight version (its `_version` counter, bumped by every
+in-place update such as the optimizer's) and reused across micro-batches and recompute.
+Outputs and input grads come back in the input's dtype, the weight grad in the weight's; the
+bias is added in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperparallel import mx
+from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.mx.tensor import MXTensor
+
+
+def _mx(data: torch.Tensor, scale: torch.Tensor, axis: int, mode: str) -> MXTensor:
+    return MXTensor(data, scale, axis, mode)
+
+
+class _MXLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_row_data, w_row_scale, w_col_data, w_col_scale, mode, wgrad, save_input):
+        needs_wgrad = ctx.needs_input_grad[1]
+        keep_columnwise = needs_wgrad and wgrad == "mxfp8" and save_input == "columnwise"
+        if keep_columnwise:
+            x_row, x_col = mx.quantize_dual(x, scale_mode=mode)
+        else:
+            x_row = mx.quantize(x, axis=1, scale_mode=mode)
+        w_row = _mx(w_row_data, w_row_scale, 1, mode)
+        y = mx.mx_mm(x_row, w_row.t(), out_dtype=torch.float32)
+        if bias is not None:
+            y = y + bias.float()
+        saved_input = (x_col.data, x_col.scale) if keep_columnwise else ((x, x) if needs_wgrad else (None, None))
+        ctx.save_for_backward(w_col_data, w_col_scale, *saved_input)
+        ctx.keep_columnwise, ctx.mode, ctx.wgrad = keep_columnwise, mode, wgrad
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_col_data, w_col_scale, saved_a, saved_b = ctx.saved_tensors  # unpack once (recompute allows no more)
+        mode = ctx.mode
+        dy = dy.contiguous()
+        needs_dgrad, needs_wgrad, needs_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        mx_wgrad = needs_wgrad and ctx.wgrad == "mxfp8"
+        if mx_wgrad:
+            dy_row, dy_col = mx.quantize_dual(dy, scale_mode=mode)
+        elif needs_dgrad:
+            dy_row = mx.quantize(dy, axis=1, scale_mode=mode)
+        dx = dw = dbias = None
+        if needs_dgrad:
+            dx = mx.mx_mm(dy_row, _mx(w_col_data, w_col_scale, 0, mode), out_dtype=ctx.x_dtype)
+        if mx_wgrad:
+            if ctx.keep_columnwise:
+                x_col = _mx(saved_a, saved_b, 0, mode)
+            else:
+                x_col = mx.quantize(saved_a, axis=0, scale_mode=mode)
+            dw = mx.mx_mm(dy_col.t(), x_col, out_dtype=torch.float32).to(ctx.w_dtype)
+        elif needs_wgrad:  # wgrad: high_precision
+            dw = (dy.t() @ saved_a).to(ctx.w_dtype)
+        if needs_dbias and ctx.has_bias:
+            dbias = dy.float().sum(0).to(ctx.w_dtype)
+        return dx, dw, dbias, None, None, None, None, None, None, None
+
+
+class MXLinear(nn.Module):
+    """An nn.Linear in MXFP8; `from_linear` adopts the Linear's own Parameter objects."""
+
+    def __init__(self, in_features: int, out_features: int, config: LowPrecisionConfig):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.config = config
+        self.weight: nn.Parameter
+        self.bias: nn.Parameter | None
+        self._weight_copies: tuple | None = None  # (version, data_ptr, row data, row scale, col data, col scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: LowPrecisionConfig) -> MXLinear:
+        module = cls(linear.in_features, linear.out_features, config)
+        module.weight = linear.weight  # the same Parameter objects: state dicts and optimizers see no change
+        module.bias = linear.bias
+        return module
+
+    def _quantized_weight(self) -> tuple[torch.Tensor, ...]:
+        w = self.weight
+        if torch.compiler.is_compiling():  # a traced graph quantizes anew; no Python-side cache
+            row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
+            return row.data, row.scale, col.data, col.scale
+        key = (w._version, w.data_ptr(), w.dtype)
+        if self._weight_copies is None or self._weight_copies[0] != key:
+            row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
+            self._weight_copies = (key, row.data, row.scale, col.data, col.scale)
+        return self._weight_copies[1:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2d = x.reshape(-1, self.in_features).contiguous()
+        c = self.config
+        y = _MXLinearFunction.apply(x2d, self.weight, self.bias, *self._quantized_weight(), c.scale_mode, c.wgrad,
+                                    c.save_input)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mxfp8 {c.scale_mode}, wgrad={c.wgrad}, save_input={c.save_input}")
