@@ -109,9 +109,15 @@ def test_weight_copies_are_made_once_per_weight_version(monkeypatch):
         module(x).sum().backward()
     assert calls.count((96, 128)) == 1
     with torch.no_grad():
-        module.weight.add_(0.01)  # what an optimizer step does
+        module.weight.add_(0.01)  # an in-place update
     module(x).sum().backward()
     assert calls.count((96, 128)) == 2
+    fused = torch.optim.AdamW(module.parameters(), lr=0.1, fused=True)  # writes without bumping _version
+    version = module.weight._version
+    fused.step()
+    assert module.weight._version == version
+    module(x).sum().backward()
+    assert calls.count((96, 128)) == 3
 
 
 def test_three_d_and_non_contiguous_inputs():

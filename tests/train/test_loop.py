@@ -118,3 +118,16 @@ def test_tensorboard_events_are_written_when_asked(tmp_path):
 
     scalars = EventAccumulator(str(events[0])).Reload().Tags()["scalars"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(scalars)
+
+
+def test_mxfp8_training_ends_within_3_percent_of_bf16(tmp_path):
+    common = dict(training={"steps": 50}, scheduler={"warmup_steps": 5}, optimizer={"lr": 3e-3})
+    bf16 = train(config(tmp_path / "bf16", "qwen3_moe", **common, model={"dtype": "bfloat16"}))
+    mx = train(config(tmp_path / "mx", "qwen3_moe", **common, model={"dtype": "bfloat16"},
+                      low_precision={"enabled": True}))
+    assert mx["last_loss"] < mx["first_loss"] - 0.5  # it learns
+
+    def end(summary):  # the mean of the last 10 steps: one step's loss is one batch's, and noisy
+        return sum(r["loss"] for r in summary["records"][-10:]) / 10
+
+    assert abs(end(mx) - end(bf16)) <= 0.03 * end(bf16), (end(mx), end(bf16))
