@@ -75,6 +75,58 @@ def _grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> 
     return torch.bmm(dy_slabs.transpose(1, 2), x_slabs)
 
 
+def _project(ctx, x, weight, offsets, r: _Recipe, grad_enabled: bool, saved: list, keep_input: bool = True):
+    """The forward product of one projection; what its backward needs goes onto `saved` and ctx.
+
+    With keep_input=False the caller keeps what the input can be rebuilt from instead."""
+    need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+    need_wgrad = grad_enabled and ctx.needs_input_grad[1]
+    along_k, along_n = _quantize_weight(weight, r, along_n=need_dgrad and r.save_weight_copy)
+    w_kn = replace(along_k, data=along_k.data.transpose(1, 2), scale=along_k.scale.transpose(1, 2), axis=1)
+    x_rows = mx.quantize(x, 1, scale_mode=r.scale_mode, backend=r.backend)
+    y = mx.mx_grouped_mm(x_rows, w_kn, offsets, x.dtype, backend=r.backend)
+    ctx.dgrad_from = ctx.wgrad_from = None  # what backward finds in `saved`, in this order
+    if need_dgrad:
+        ctx.dgrad_from = "mx" if along_n is not None else "weight"
+        saved += [along_n.data, along_n.scale] if along_n is not None else [weight]
+    if need_wgrad:
+        columnwise = r.wgrad == "mxfp8" and r.save_input == "columnwise" and keep_input
+        ctx.wgrad_from = "mx" if columnwise else ("input" if keep_input else "rebuilt")
+        if columnwise:
+            x_cols = mx.quantize_grouped(x, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            saved += [x_cols.data, x_cols.scale]
+        elif keep_input:
+            saved.append(x)
+    ctx.recipe, ctx.x_dtype, ctx.w_dtype = r, x.dtype, weight.dtype
+    return y
+
+
+def _project_backward(ctx, dy, offsets, saved: list, x=None):
+    """dx, dW of one projection from what `_project` saved (`x`: the rebuilt input, if asked)."""
+    r = ctx.recipe
+    dy = dy.contiguous()  # .sum() hands in an expanded gradient
+    dx = dw = None
+    if ctx.dgrad_from is not None:
+        if ctx.dgrad_from == "mx":
+            w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
+        else:
+            w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
+        dy_rows = mx.quantize(dy, 1, scale_mode=r.scale_mode, backend=r.backend)
+        dx = mx.mx_grouped_mm(dy_rows, w_n, offsets, ctx.x_dtype, backend=r.backend)
+    if ctx.wgrad_from is not None:
+        x_in = x if ctx.wgrad_from == "rebuilt" else (saved[0] if ctx.wgrad_from == "input" else None)
+        if r.wgrad == "mxfp8":
+            if ctx.wgrad_from == "mx":
+                x_cols = MXTensor(saved[0], saved[1], 0, r.scale_mode, group_offsets=offsets)
+            else:
+                x_cols = mx.quantize_grouped(x_in, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            dw = mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
+        else:
+            dw = _grouped_wgrad(dy, x_in, offsets).to(ctx.w_dtype)
+    return dx, dw
+
+
 class _MXGroupedLinear(torch.autograd.Function):
     """x [M, K] (rows sorted by expert, `offsets` their cumulative ends) x W [E, N, K] -> [M, N]."""
 
@@ -82,54 +134,62 @@ class _MXGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, offsets, r: _Recipe, grad_enabled: bool):
         # Function.forward always runs without grad; `grad_enabled` says whether a graph is built,
         # so that inference makes no copies for backward.
-        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
-        need_wgrad = grad_enabled and ctx.needs_input_grad[1]
-        along_k, along_n = _quantize_weight(weight, r, along_n=need_dgrad and r.save_weight_copy)
-        w_kn = replace(along_k, data=along_k.data.transpose(1, 2), scale=along_k.scale.transpose(1, 2), axis=1)
-        x_rows = mx.quantize(x, 1, scale_mode=r.scale_mode, backend=r.backend)
-        y = mx.mx_grouped_mm(x_rows, w_kn, offsets, x.dtype, backend=r.backend)
-
         saved = [offsets]
-        ctx.dgrad_from = ctx.wgrad_from = None  # what backward finds in `saved`, in this order
-        if need_dgrad:
-            ctx.dgrad_from = "mx" if along_n is not None else "weight"
-            saved += [along_n.data, along_n.scale] if along_n is not None else [weight]
-        if need_wgrad:
-            columnwise = r.wgrad == "mxfp8" and r.save_input == "columnwise"
-            ctx.wgrad_from = "mx" if columnwise else "input"
-            if columnwise:
-                x_cols = mx.quantize_grouped(x, offsets, scale_mode=r.scale_mode, backend=r.backend)
-                saved += [x_cols.data, x_cols.scale]
-            else:
-                saved.append(x)
+        y = _project(ctx, x, weight, offsets, r, grad_enabled, saved)
         ctx.save_for_backward(*saved)
-        ctx.recipe, ctx.x_dtype, ctx.w_dtype = r, x.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
         offsets, *saved = ctx.saved_tensors  # unpacked once: checkpointing allows no more
-        r = ctx.recipe
-        dy = dy.contiguous()  # .sum() hands in an expanded gradient
-        dx = dw = None
-        if ctx.dgrad_from is not None:
-            if ctx.dgrad_from == "mx":
-                w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
-            else:
-                w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
-            dy_rows = mx.quantize(dy, 1, scale_mode=r.scale_mode, backend=r.backend)
-            dx = mx.mx_grouped_mm(dy_rows, w_n, offsets, ctx.x_dtype, backend=r.backend)
-        if ctx.wgrad_from is not None:
-            if r.wgrad == "mxfp8":
-                if ctx.wgrad_from == "mx":
-                    x_cols = MXTensor(saved[0], saved[1], 0, r.scale_mode, group_offsets=offsets)
-                else:
-                    x_cols = mx.quantize_grouped(saved[0], offsets, scale_mode=r.scale_mode, backend=r.backend)
-                dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
-                dw = mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
-            else:
-                dw = _grouped_wgrad(dy, saved[0], offsets).to(ctx.w_dtype)
+        dx, dw = _project_backward(ctx, dy, offsets, saved)
         return dx, dw, None, None, None
+
+
+def _gated(gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+class _MXGatedDown(torch.autograd.Function):
+    """act_fn(gate) * up, then the down projection, keeping only gate_up for backward.
+
+    Left to autograd, the activation would keep gate, act_fn(gate) and up (three [M, I] tensors
+    in high precision) and the down projection its input's MX copy; all of it is rebuilt from
+    gate_up ([M, 2I]) in backward by element-wise work, in the same order, to the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, offsets, act_fn, r: _Recipe, grad_enabled: bool):
+        act = _gated(gate_up, act_fn)
+        saved = [offsets]
+        y = _project(ctx, act, weight, offsets, r, grad_enabled, saved, keep_input=False)
+        ctx.act_fn = act_fn
+        ctx.save_for_backward(*saved, gate_up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        offsets, *saved, gate_up = ctx.saved_tensors  # unpacked once: checkpointing allows no more
+        with torch.enable_grad():
+            gu = gate_up.detach().requires_grad_(ctx.needs_input_grad[0])
+            act = _gated(gu, ctx.act_fn)
+        d_act, dw = _project_backward(ctx, dy, offsets, saved, x=act.detach())
+        d_gate_up = torch.autograd.grad(act, gu, d_act)[0] if ctx.needs_input_grad[0] else None
+        return d_gate_up, dw, None, None, None, None
+
+
+class _AddRowsToTokens(torch.autograd.Function):
+    """Sum rows into their tokens; unlike index_add, backward keeps only the index."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, num_tokens: int):
+        ctx.save_for_backward(token_of_row)
+        return rows.new_zeros(num_tokens, rows.shape[-1]).index_add_(0, token_of_row, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None
 
 
 def _sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,10 +303,9 @@ class MXGroupedExperts(nn.Module):
 
         rows = hidden_states[token_of_row]
         gate_up = _MXGroupedLinear.apply(rows, self.gate_up_proj, offsets, recipe, grad_enabled)
-        gate, up = gate_up.chunk(2, dim=-1)
-        rows = _MXGroupedLinear.apply(self.act_fn(gate) * up, self.down_proj, offsets, recipe, grad_enabled)
+        rows = _MXGatedDown.apply(gate_up, self.down_proj, offsets, self.act_fn, recipe, grad_enabled)
         rows = (rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(hidden_states.dtype)
-        return hidden_states.new_zeros(num_tokens, hidden_states.shape[-1]).index_add(0, token_of_row, rows)
+        return _AddRowsToTokens.apply(rows, token_of_row, num_tokens)
 
     def extra_repr(self) -> str:
         c = self.config
