@@ -22,6 +22,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hyperparallel.lowp import MXLinear
+from hyperparallel.lowp.experts import MXGroupedExperts
+
 from ..errors import CheckpointError, ConfigError
 from .families import ModelFamily, family_for_model_type, get_family
 from .grouped_experts import GroupedExperts, swap_experts
@@ -153,8 +156,13 @@ def _init_post_order(module: nn.Module, owner: PreTrainedModel, is_custom_code: 
     # sub-model with its own _init_weights), which knows nothing of GroupedExperts.
     for child in module.children():
         _init_post_order(child, child if isinstance(child, PreTrainedModel) else owner, is_custom_code)
-    if isinstance(module, GroupedExperts):
+    if isinstance(module, (GroupedExperts, MXGroupedExperts)):
         module.reset_parameters(std=owner.config.initializer_range)
+        module._is_hf_initialized = True
+    elif isinstance(module, MXLinear):  # transformers' init for nn.Linear, which MXLinear replaced
+        module.weight.normal_(mean=0.0, std=owner.config.initializer_range)
+        if module.bias is not None:
+            module.bias.zero_()
         module._is_hf_initialized = True
     else:
         owner._initialize_weights(module, is_custom_code)

@@ -10,7 +10,7 @@ import yaml
 from torch import nn
 
 from hyperparallel.lowp import ConversionReport, LowPrecisionConfig, MXLinear, convert
-from hyperparallel.models import build_model
+from hyperparallel.models import build_model, init_weights
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -69,3 +69,19 @@ def test_a_module_the_kernels_cannot_take_is_skipped_with_its_reason():
 def test_disabled_converts_nothing():
     model = tiny("qwen3", "qwen3_tiny")
     assert convert(model, LowPrecisionConfig(enabled=False)) == ConversionReport()
+
+
+@pytest.mark.parametrize("family, fragment", [("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny")])
+def test_converted_modules_initialize_like_the_originals(family, fragment):
+    # DESIGN's order converts before materializing and initializing: the MX modules must get the
+    # same draws as the modules they replaced
+    plain = tiny(family, fragment)
+    init_weights(plain, seed=0)
+    converted = tiny(family, fragment)
+    convert(converted, LowPrecisionConfig(enabled=True))
+    with torch.no_grad():
+        for p in converted.parameters():
+            p.zero_()
+    init_weights(converted, seed=0)
+    for (name, a), (_, b) in zip(plain.named_parameters(), converted.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
