@@ -29,7 +29,7 @@ import torch
 from hyperparallel.models import build_model
 from hyperparallel.train import data
 from hyperparallel.train.config import load_config
-from hyperparallel.train.loop import _model_config, train
+from hyperparallel.train.loop import inline_model_config, train
 
 
 def ours(cfg, steps: int, workdir: Path) -> tuple[list[float], list[float]]:
@@ -59,7 +59,7 @@ class _Sequences(torch.utils.data.Dataset):
 def hf_trainer(cfg, dataset, steps: int, workdir: Path, experts: str | None) -> tuple[list[float], list[float]]:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
-    model = build_model(cfg.model.family, path=cfg.model.path, config=_model_config(cfg, dataset.tokenizer.vocab_size),
+    model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, dataset.tokenizer.vocab_size),
                         dtype=torch.float32, attn_implementation=cfg.model.attn_implementation,
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:

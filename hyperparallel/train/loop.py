@@ -58,7 +58,7 @@ def _check_run_dir(run_dir: Path, resume: str) -> None:
         )
 
 
-def _model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
+def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
     """The inline model config, its vocabulary sized to the tokenizer when it does not say."""
     if cfg.model.config is None:
         return None
@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
     dtype = DTYPES[cfg.model.dtype]
     model = build_model(
-        cfg.model.family, path=cfg.model.path, config=_model_config(cfg, dataset.tokenizer.vocab_size), dtype=dtype,
+        cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, dataset.tokenizer.vocab_size), dtype=dtype,
         attn_implementation=cfg.model.attn_implementation, seed=cfg.training.seed,
     ).to(device)
     if cfg.model.path is not None and model.config.vocab_size < dataset.tokenizer.vocab_size:
