@@ -1,0 +1,274 @@
+"""fully_shard: each rank keeps only its rows of a module's parameters; the full parameters exist
+from just before the module's forward until its backward is done (or, with
+reshard_after_forward, are freed after forward and gathered again for backward).
+
+Per sharded module ("a group"), all its parameters travel together: the local shards are copied
+into ONE flat buffer in which every rank has a slot of the same padded length, one all-gather
+fills every rank's copy, and views strip the padding. Gradients go the other way: zero-padded
+into one flat buffer, one reduce-scatter (sum, then a divide by the world size: gloo's AVG is
+unreliable), and each rank keeps its valid rows.
+
+Between steps `module.parameters()` yields the shard Parameters, so an optimizer built after
+sharding updates only local rows. During forward and backward the module holds full
+Parameters in their place (the same objects every step), whose gradients are reduce-scattered
+into the shards' `.grad` when backward is done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_info, shard_ranges
+
+_GROUP = "_hp_fsdp_group"
+
+
+@dataclass
+class _Managed:
+    owner: nn.Module
+    name: str
+    info: ShardInfo
+    shard: nn.Parameter
+    full: nn.Parameter
+    row_numel: int
+    slot_rows: int
+
+    @property
+    def slot_numel(self) -> int:
+        return self.slot_rows * self.row_numel
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    fn(out, flat, group=group)
+
+
+class FSDPGroup:
+    def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool):
+        self.module, self.group = module, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.geometry, self.align = geometry, align
+        self.reshard_after_forward = reshard_after_forward
+        self.gradient_sync = True
+        self.managed: list[_Managed] = []
+        self._unsharded = False
+        self._pending_grads = 0
+        self._callback_queued = False
+
+    # ---------------------------------------------------------------------------- sharding
+
+    def shard(self, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        for owner, name, param in params:
+            shape = param.shape
+            full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)
+            info = shard_info(shape, self.rank, self.world, self.geometry, self.align)
+            rows = info.rows
+            local = full_2d[info.offset: info.offset + info.length].clone()
+            shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
+                                 requires_grad=param.requires_grad)
+            shard._hp_shard_info = info
+            full = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+            full.untyped_storage().resize_(0)
+            managed = _Managed(owner, name, info, shard, full, full_2d.shape[1],
+                               padded_rows(rows, self.world, self.geometry, self.align))
+            self.managed.append(managed)
+            owner._parameters[name] = shard
+            if full.requires_grad:
+                full.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -------------------------------------------------------------------------- all-gather
+
+    def unshard(self) -> None:
+        if self._unsharded:
+            return
+        slot = sum(m.slot_numel for m in self.managed)
+        ref = self.managed[0].shard
+        local = torch.zeros(slot, dtype=ref.dtype, device=ref.device)
+        start = 0
+        for m in self.managed:
+            n = m.info.length * m.row_numel
+            local[start: start + n] = m.shard.detach().reshape(-1)
+            start += m.slot_numel
+        gathered = torch.empty(self.world * slot, dtype=ref.dtype, device=ref.device)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=self.group)
+        slots = gathered.view(self.world, slot)
+        start = 0
+        for m in self.managed:
+            ranges = shard_ranges(m.info.rows, self.world, self.geometry, self.align)
+            pieces = [slots[r, start: start + length * m.row_numel] for r, (_, length) in enumerate(ranges)]
+            full = m.full
+            if full.untyped_storage().size() == 0:
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+            # writing the gathered values must not look like an in-place change to autograd: saved
+            # tensors of an earlier forward refer to this storage and are meant to see them
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+                full.view(-1).copy_(torch.cat(pieces))
+            m.owner._parameters[m.name] = full
+            start += m.slot_numel
+        self._unsharded = True
+
+    def reshard(self) -> None:
+        for m in self.managed:
+            m.full.untyped_storage().resize_(0)
+            m.owner._parameters[m.name] = m.shard
+        self._unsharded = False
+
+    # ------------------------------------------------------------------------- reduce-scatter
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        if self.gradient_sync:
+            self.reduce_gradients()
+        else:
+            self._keep_local_full_grads()
+        self.reshard()
+
+    def _keep_local_full_grads(self) -> None:
+        # no_sync: accumulate the full gradient locally; it is reduced with the next synced step
+        for m in self.managed:
+            if m.full.grad is not None:
+                m._accumulated = m.full.grad if getattr(m, "_accumulated", None) is None else m._accumulated + m.full.grad
+                m.full.grad = None
+
+    def reduce_gradients(self) -> None:
+        trainable = [m for m in self.managed if m.full.requires_grad]
+        if not trainable:
+            return
+        slot = sum(m.slot_numel for m in trainable)
+        ref = trainable[0].full
+        flat = torch.zeros(self.world, slot, dtype=ref.dtype, device=ref.device)
+        start = 0
+        for m in trainable:
+            grad = m.full.grad
+            extra = getattr(m, "_accumulated", None)
+            if extra is not None:
+                grad = extra if grad is None else grad + extra
+                m._accumulated = None
+            if grad is not None:
+                g2d = grad.reshape(m.info.rows, m.row_numel)
+                ranges = shard_ranges(m.info.rows, self.world, self.geometry, self.align)
+                for r, (offset, length) in enumerate(ranges):
+                    flat[r, start: start + length * m.row_numel] = g2d[offset: offset + length].reshape(-1)
+            m.full.grad = None
+            start += m.slot_numel
+        out = torch.empty(slot, dtype=ref.dtype, device=ref.device)
+        _reduce_scatter(out, flat.view(-1), self.group)
+        out.div_(self.world)
+        start = 0
+        for m in trainable:
+            n = m.info.length * m.row_numel
+            g = out[start: start + n].view_as(m.shard).clone()
+            m.shard.grad = g if m.shard.grad is None else m.shard.grad + g
+            start += m.slot_numel
+
+
+def _direct_params(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Parameters of `module` not inside an already sharded submodule, each object once."""
+    found, seen = [], set()
+
+    def visit(mod: nn.Module, top: bool):
+        if not top and hasattr(mod, _GROUP):
+            return
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                found.append((mod, name, p))
+        for child in mod.children():
+            visit(child, False)
+
+    visit(module, True)
+    return found
+
+
+def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
+                geometry: str = "chunk", align: int = 1) -> nn.Module:
+    """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
+
+    Apply to each block first, then to the root. Returns `module` (sharded in place)."""
+    if not dist.is_initialized():
+        raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
+    if hasattr(module, _GROUP):
+        raise ConfigError(f"{type(module).__name__} is already sharded: apply fully_shard once per module")
+    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward)
+    params = _direct_params(module)
+    if not params:
+        setattr(module, _GROUP, group)
+        return module
+    dtypes = {p.dtype for _, _, p in params}
+    if len(dtypes) > 1:
+        raise ConfigError(f"fully_shard: one group's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+    group.shard(params)
+    setattr(module, _GROUP, group)
+    module.register_forward_pre_hook(lambda mod, args: group.unshard())
+
+    def after_forward(mod, args, output):
+        if group.reshard_after_forward and torch.is_grad_enabled():
+            _regather_before_backward(group, output)
+            for m in group.managed:
+                m.full.untyped_storage().resize_(0)
+            group._unsharded = False
+        elif not torch.is_grad_enabled():
+            group.reshard()
+        return output
+
+    module.register_forward_hook(after_forward)
+    return module
+
+
+def _regather_before_backward(group: FSDPGroup, output) -> None:
+    """Gather the freed full parameters again when backward reaches this module's outputs."""
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return
+    fired = [False]
+
+    def hook(grad):
+        if not fired[0]:
+            fired[0] = True
+            group._unsharded = False
+            group.unshard()
+        return grad
+
+    for t in tensors:
+        t.register_hook(hook)
+
+
+def shard_info_of(param: nn.Parameter) -> ShardInfo:
+    info = getattr(param, "_hp_shard_info", None)
+    if info is None:
+        return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)
+    return info
+
+
+def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
+    for sub in module.modules():
+        group = getattr(sub, _GROUP, None)
+        if group is not None:
+            group.gradient_sync = sync
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None) -> torch.Tensor:
+    """The global gradient norm over every rank's shards; scales the shards' grads to max_norm."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local += g.detach().double().pow(2).sum()
+    dist.all_reduce(local, group=process_group)
+    total = local.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total.float()

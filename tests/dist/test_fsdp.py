@@ -1,0 +1,137 @@
+"""fully_shard on 2 and 3 gloo ranks against one process training the same model on the same batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, shard_info_of
+
+STEPS = 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # deliberately uneven shapes: 13 and 5 rows never split evenly
+    return nn.Sequential(nn.Sequential(nn.Linear(7, 13), nn.Tanh()), nn.Sequential(nn.Linear(13, 5), nn.Tanh()),
+                         nn.Linear(5, 3))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(12, 7, generator=g), torch.randn(12, 3, generator=g)
+
+
+def reference() -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def worker(rank, world, port, geometry, align, reshard, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = make_model()
+    for block in list(model)[:2]:
+        fully_shard(block, geometry=geometry, align=align, reshard_after_forward=reshard)
+    fully_shard(model, geometry=geometry, align=align, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    per_rank = 12 // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+    shards = [(shard_info_of(p), p.detach().clone()) for p in model.parameters()]
+    torch.save(shards, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("geometry, align", [("chunk", 1), ("balanced", 1), ("balanced", 32)])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_sharded_training_matches_one_process(tmp_path, world, geometry, align, reshard):
+    mp.spawn(worker, args=(world, free_port(), geometry, align, reshard, str(tmp_path)), nprocs=world)
+    want = reference()
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for i, full in enumerate(want):
+        rows = full.reshape(full.shape[0], -1) if full.dim() else full.reshape(1, 1)
+        for r in range(world):
+            info, shard = per_rank[r][i]
+            assert info.global_shape == full.shape
+            torch.testing.assert_close(shard.reshape(info.length, rows.shape[1]), rows[info.offset:info.offset + info.length],
+                                       rtol=1e-5, atol=1e-6)
+        assert sum(per_rank[r][i][0].length for r in range(world)) == rows.shape[0]
+
+
+def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
+    from hyperparallel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs torch.distributed initialized"):
+        fully_shard(nn.Linear(2, 2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer = fully_shard(nn.Linear(2, 2))
+        with pytest.raises(ConfigError, match="already sharded"):
+            fully_shard(layer)
+    finally:
+        dist.destroy_process_group()
+
+
+def accumulate_worker(rank, world, port, out_dir):
+    from hyperparallel.fsdp.fully_shard import set_requires_gradient_sync
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = make_model()
+    for block in list(model)[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    x, y = batch(0)
+    per_rank = 12 // world
+    xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    half = per_rank // 2
+    set_requires_gradient_sync(model, False)  # first micro-batch: no communication
+    (torch.nn.functional.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
+    set_requires_gradient_sync(model, True)
+    (torch.nn.functional.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
+    torch.save([(shard_info_of(p), p.grad.clone()) for p in model.parameters()], os.path.join(out_dir, f"g{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
+    mp.spawn(accumulate_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    model = make_model()
+    x, y = batch(0)
+    halves = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 12, 3)]  # 2 ranks x 2 micro-batches of 3
+    loss = sum(torch.nn.functional.mse_loss(model(a), b) for a, b in halves) / 4
+    loss.backward()
+    for i, p in enumerate(model.parameters()):
+        rows = p.grad.reshape(p.shape[0], -1)
+        for r in range(2):
+            info, grad = torch.load(tmp_path / f"g{r}.pt", weights_only=False)[i]
+            torch.testing.assert_close(grad.reshape(info.length, rows.shape[1]),
+                                       rows[info.offset:info.offset + info.length], rtol=1e-5, atol=1e-6)
