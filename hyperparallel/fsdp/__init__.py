@@ -2,8 +2,8 @@
 closing note for what is still to come: prefetch, mixed precision, the sharding-aware Muon,
 trainer wiring)."""
 
-from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, set_requires_gradient_sync, shard_info_of
-from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_info, shard_ranges
+from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, set_requires_gradient_sync, shard_info
+from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_of, shard_ranges
 
 __all__ = [
     "GEOMETRIES",
@@ -12,7 +12,7 @@ __all__ = [
     "fully_shard",
     "padded_rows",
     "set_requires_gradient_sync",
+    "shard_of",
     "shard_info",
-    "shard_info_of",
     "shard_ranges",
 ]

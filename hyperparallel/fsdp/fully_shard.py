@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_info, shard_ranges
+from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
 
 _GROUP = "_hp_fsdp_group"
 
@@ -67,7 +67,7 @@ class FSDPGroup:
         for owner, name, param in params:
             shape = param.shape
             full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)
-            info = shard_info(shape, self.rank, self.world, self.geometry, self.align)
+            info = shard_of(shape, self.rank, self.world, self.geometry, self.align)
             rows = info.rows
             local = full_2d[info.offset: info.offset + info.length].clone()
             shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
@@ -245,7 +245,7 @@ def _regather_before_backward(group: FSDPGroup, output) -> None:
         t.register_hook(hook)
 
 
-def shard_info_of(param: nn.Parameter) -> ShardInfo:
+def shard_info(param: nn.Parameter) -> ShardInfo:
     info = getattr(param, "_hp_shard_info", None)
     if info is None:
         return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)

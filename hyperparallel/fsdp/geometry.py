@@ -60,7 +60,7 @@ def shard_ranges(rows: int, world_size: int, geometry: str = "chunk", align: int
     return ranges
 
 
-def shard_info(shape, rank: int, world_size: int, geometry: str = "chunk", align: int = 1) -> ShardInfo:
+def shard_of(shape, rank: int, world_size: int, geometry: str = "chunk", align: int = 1) -> ShardInfo:
     """The shard of a parameter of `shape` that `rank` holds."""
     shape = torch.Size(shape)
     rows = shape[0] if len(shape) else 1  # a 0-d parameter is one row

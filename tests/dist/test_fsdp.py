@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, shard_info_of
+from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, shard_info
 
 STEPS = 4
 
@@ -59,7 +59,7 @@ def worker(rank, world, port, geometry, align, reshard, out_dir):
         clip_grad_norm_(model, 0.5)
         opt.step()
         opt.zero_grad()
-    shards = [(shard_info_of(p), p.detach().clone()) for p in model.parameters()]
+    shards = [(shard_info(p), p.detach().clone()) for p in model.parameters()]
     torch.save(shards, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -118,7 +118,7 @@ def accumulate_worker(rank, world, port, out_dir):
     (torch.nn.functional.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
     set_requires_gradient_sync(model, True)
     (torch.nn.functional.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
-    torch.save([(shard_info_of(p), p.grad.clone()) for p in model.parameters()], os.path.join(out_dir, f"g{rank}.pt"))
+    torch.save([(shard_info(p), p.grad.clone()) for p in model.parameters()], os.path.join(out_dir, f"g{rank}.pt"))
     dist.destroy_process_group()
 
 

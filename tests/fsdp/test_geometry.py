@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_info, shard_ranges
+from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
 
 
 def lengths(rows, world, geometry, align=1):
@@ -46,9 +46,9 @@ def test_shards_tile_the_rows_in_rank_order_on_aligned_boundaries(rows, world, g
 
 
 def test_shard_info_of_any_parameter_shape():
-    assert shard_info((5, 3), 1, 4, "balanced") == ShardInfo(torch.Size([5, 3]), 2, 1)
-    assert shard_info((5,), 3, 4, "chunk") == ShardInfo(torch.Size([5]), 5, 0)  # an empty shard
-    scalar = shard_info((), 0, 2)
+    assert shard_of((5, 3), 1, 4, "balanced") == ShardInfo(torch.Size([5, 3]), 2, 1)
+    assert shard_of((5,), 3, 4, "chunk") == ShardInfo(torch.Size([5]), 5, 0)  # an empty shard
+    scalar = shard_of((), 0, 2)
     assert scalar.rows == 1 and (scalar.offset, scalar.length) == (0, 1)
 
 
