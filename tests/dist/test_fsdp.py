@@ -70,7 +70,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("geometry, align", [("chunk", 1), ("balanced", 1), ("balanced", 32)])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_sharded_training_matches_one_process(tmp_path, world, geometry, align, reshard):
