@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
@@ -79,6 +80,7 @@ class FSDPGroup:
                                padded_rows(rows, self.world, self.geometry, self.align))
             self.managed.append(managed)
             owner._parameters[name] = shard
+            param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
             if full.requires_grad:
                 full.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -173,6 +175,33 @@ class FSDPGroup:
             start += m.slot_numel
 
 
+def _refuse_optimizers_built_before_sharding(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_hp_replaced_by_shard", False):
+                raise ConfigError(
+                    f"{type(optimizer).__name__} was built before fully_shard: it holds the unsharded parameters, "
+                    f"which no longer train; build the optimizer after sharding, from model.parameters()"
+                )
+
+
+register_optimizer_step_pre_hook(_refuse_optimizers_built_before_sharding)
+
+
+def _check_same_group(module: nn.Module, group) -> None:
+    """Blocks and their root must shard over the same ranks."""
+    size, ranks = dist.get_world_size(group), dist.get_process_group_ranks(group or dist.group.WORLD)
+    for name, sub in module.named_modules():
+        child = getattr(sub, _GROUP, None)
+        if child is not None and sub is not module:
+            child_ranks = dist.get_process_group_ranks(child.group or dist.group.WORLD)
+            if child_ranks != ranks:
+                raise ConfigError(
+                    f"fully_shard: {name} is sharded over ranks {child_ranks} but its parent over {ranks} "
+                    f"(world size {size}); shard a model and its blocks over the same process group"
+                )
+
+
 def _direct_params(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Parameters of `module` not inside an already sharded submodule, each object once."""
     found, seen = [], set()
@@ -200,6 +229,9 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
         raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
     if hasattr(module, _GROUP):
         raise ConfigError(f"{type(module).__name__} is already sharded: apply fully_shard once per module")
+    if dist.get_rank(process_group) < 0:
+        raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the process_group it was given")
+    _check_same_group(module, process_group)
     group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward)
     params = _direct_params(module)
     if not params:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -41,9 +40,9 @@ def reference() -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def worker(rank, world, port, geometry, align, reshard, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, geometry, align, reshard, out_dir):
+    # a file rendezvous: no TCP port that another test could be holding
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = make_model()
     for block in list(model)[:2]:
@@ -64,17 +63,11 @@ def worker(rank, world, port, geometry, align, reshard, out_dir):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("geometry, align", [("chunk", 1), ("balanced", 1), ("balanced", 32)])
 @pytest.mark.parametrize("reshard", [True, False])
 def test_sharded_training_matches_one_process(tmp_path, world, geometry, align, reshard):
-    mp.spawn(worker, args=(world, free_port(), geometry, align, reshard, str(tmp_path)), nprocs=world)
+    mp.spawn(worker, args=(world, geometry, align, reshard, str(tmp_path)), nprocs=world)
     want = reference()
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for i, full in enumerate(want):
@@ -101,11 +94,11 @@ def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
         dist.destroy_process_group()
 
 
-def accumulate_worker(rank, world, port, out_dir):
+def accumulate_worker(rank, world, out_dir):
     from hyperparallel.fsdp.fully_shard import set_requires_gradient_sync
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous: no TCP port that another test could be holding
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     model = make_model()
     for block in list(model)[:2]:
         fully_shard(block)
@@ -123,7 +116,7 @@ def accumulate_worker(rank, world, port, out_dir):
 
 
 def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
-    mp.spawn(accumulate_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(accumulate_worker, args=(2, str(tmp_path)), nprocs=2)
     model = make_model()
     x, y = batch(0)
     halves = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 12, 3)]  # 2 ranks x 2 micro-batches of 3
@@ -135,3 +128,43 @@ def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
             info, grad = torch.load(tmp_path / f"g{r}.pt", weights_only=False)[i]
             torch.testing.assert_close(grad.reshape(info.length, rows.shape[1]),
                                        rows[info.offset:info.offset + info.length], rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_built_before_sharding_is_refused():
+    from hyperparallel.errors import ConfigError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_model()
+        early = torch.optim.AdamW(model.parameters())
+        fully_shard(model)
+        model(torch.randn(2, 7)).sum().backward()
+        with pytest.raises(ConfigError, match="built before fully_shard"):
+            early.step()
+        torch.optim.AdamW(model.parameters()).step()  # built after: fine
+    finally:
+        dist.destroy_process_group()
+
+
+def mismatch_worker(rank, world, out_dir):
+    from hyperparallel.errors import ConfigError
+
+    # a file rendezvous: no TCP port that another test could be holding
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    model = make_model()
+    pair = dist.new_group([0, 1])
+    try:
+        fully_shard(model[0], process_group=pair)  # rank 2 is not in it
+        fully_shard(model)  # the world (3 ranks) around a block sharded over 2
+        message = "no error"
+    except ConfigError as error:
+        message = str(error)
+    open(os.path.join(out_dir, f"m{rank}.txt"), "w").write(message)
+    dist.destroy_process_group()
+
+
+def test_a_block_sharded_over_other_ranks_than_its_root_is_refused(tmp_path):
+    mp.spawn(mismatch_worker, args=(3, str(tmp_path)), nprocs=3)
+    for r in range(2):
+        assert "sharded over ranks [0, 1] but its parent over [0, 1, 2]" in (tmp_path / f"m{r}.txt").read_text()
+    assert "rank 2 is not a member of the process_group" in (tmp_path / "m2.txt").read_text()
