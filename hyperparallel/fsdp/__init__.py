@@ -2,11 +2,18 @@
 closing note for what is still to come: prefetch, mixed precision, the sharding-aware Muon,
 trainer wiring)."""
 
-from hyperparallel.fsdp.fully_shard import clip_grad_norm_, fully_shard, set_requires_gradient_sync, shard_info
+from hyperparallel.fsdp.fully_shard import (
+    MixedPrecision,
+    clip_grad_norm_,
+    fully_shard,
+    set_requires_gradient_sync,
+    shard_info,
+)
 from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_of, shard_ranges
 
 __all__ = [
     "GEOMETRIES",
+    "MixedPrecision",
     "ShardInfo",
     "clip_grad_norm_",
     "fully_shard",

@@ -30,6 +30,16 @@ from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_
 _GROUP = "_hp_fsdp_group"
 
 
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Shards (and the optimizer's master weights) keep their own dtype; forward and backward run
+    on full parameters in `param_dtype`, and gradients are reduced in `reduce_dtype` (default:
+    param_dtype) before landing in the shards' dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
 @dataclass
 class _Managed:
     owner: nn.Module
@@ -51,8 +61,10 @@ def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
 
 
 class FSDPGroup:
-    def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool):
+    def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
+                 mp_policy: MixedPrecision | None = None):
         self.module, self.group = module, group
+        self.mp = mp_policy or MixedPrecision()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.geometry, self.align = geometry, align
         self.reshard_after_forward = reshard_after_forward
@@ -74,7 +86,8 @@ class FSDPGroup:
             shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
                                  requires_grad=param.requires_grad)
             shard._hp_shard_info = info
-            full = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+            full = nn.Parameter(torch.empty_like(param, dtype=self.mp.param_dtype or param.dtype),
+                                requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
             managed = _Managed(owner, name, info, shard, full, full_2d.shape[1],
                                padded_rows(rows, self.world, self.geometry, self.align))
@@ -90,7 +103,7 @@ class FSDPGroup:
         if self._unsharded:
             return
         slot = sum(m.slot_numel for m in self.managed)
-        ref = self.managed[0].shard
+        ref = self.managed[0].full  # gathered in the full parameters' (compute) dtype
         local = torch.zeros(slot, dtype=ref.dtype, device=ref.device)
         start = 0
         for m in self.managed:
@@ -149,7 +162,8 @@ class FSDPGroup:
             return
         slot = sum(m.slot_numel for m in trainable)
         ref = trainable[0].full
-        flat = torch.zeros(self.world, slot, dtype=ref.dtype, device=ref.device)
+        reduce_dtype = self.mp.reduce_dtype or ref.dtype
+        flat = torch.zeros(self.world, slot, dtype=reduce_dtype, device=ref.device)
         start = 0
         for m in trainable:
             grad = m.full.grad
@@ -164,13 +178,13 @@ class FSDPGroup:
                     flat[r, start: start + length * m.row_numel] = g2d[offset: offset + length].reshape(-1)
             m.full.grad = None
             start += m.slot_numel
-        out = torch.empty(slot, dtype=ref.dtype, device=ref.device)
+        out = torch.empty(slot, dtype=reduce_dtype, device=ref.device)
         _reduce_scatter(out, flat.view(-1), self.group)
         out.div_(self.world)
         start = 0
         for m in trainable:
             n = m.info.length * m.row_numel
-            g = out[start: start + n].view_as(m.shard).clone()
+            g = out[start: start + n].view_as(m.shard).to(m.shard.dtype, copy=True)
             m.shard.grad = g if m.shard.grad is None else m.shard.grad + g
             start += m.slot_numel
 
@@ -221,7 +235,7 @@ def _direct_params(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter
 
 
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
-                geometry: str = "chunk", align: int = 1) -> nn.Module:
+                mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1) -> nn.Module:
     """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
 
     Apply to each block first, then to the root. Returns `module` (sharded in place)."""
@@ -232,7 +246,7 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     if dist.get_rank(process_group) < 0:
         raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the process_group it was given")
     _check_same_group(module, process_group)
-    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward)
+    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy)
     params = _direct_params(module)
     if not params:
         setattr(module, _GROUP, group)

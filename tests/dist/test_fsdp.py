@@ -168,3 +168,35 @@ def test_a_block_sharded_over_other_ranks_than_its_root_is_refused(tmp_path):
     for r in range(2):
         assert "sharded over ranks [0, 1] but its parent over [0, 1, 2]" in (tmp_path / f"m{r}.txt").read_text()
     assert "rank 2 is not a member of the process_group" in (tmp_path / "m2.txt").read_text()
+
+
+def mixed_precision_worker(rank, world, out_dir):
+    from hyperparallel.fsdp.fully_shard import MixedPrecision
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    model = make_model()
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in list(model)[:2]:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    x, y = batch(0)
+    per_rank = 12 // world
+    out = model(x[rank * per_rank:(rank + 1) * per_rank].bfloat16())
+    torch.nn.functional.mse_loss(out.float(), y[rank * per_rank:(rank + 1) * per_rank]).backward()
+    grads = [(shard_info(p), p.dtype, p.grad.dtype, p.grad.clone()) for p in model.parameters()]
+    torch.save((out.dtype, grads), os.path.join(out_dir, f"mp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards_and_grads(tmp_path):
+    mp.spawn(mixed_precision_worker, args=(2, str(tmp_path)), nprocs=2)
+    model = make_model().bfloat16()  # the reference: the same bf16 compute, one process, full batch
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    for r in range(2):
+        out_dtype, grads = torch.load(tmp_path / f"mp{r}.pt", weights_only=False)
+        assert out_dtype == torch.bfloat16
+        for (info, param_dtype, grad_dtype, grad), p in zip(grads, model.parameters(), strict=True):
+            assert param_dtype == grad_dtype == torch.float32
+            rows = p.grad.float().reshape(p.shape[0], -1)[info.offset:info.offset + info.length]
+            torch.testing.assert_close(grad.reshape(rows.shape), rows, rtol=2e-2, atol=2e-3)
