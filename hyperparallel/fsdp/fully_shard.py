@@ -40,6 +40,17 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
 
 
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where every row of a sharded parameter lives: the process group it is sharded over and
+    each group rank's (offset, length) along dim 0, rank 0 first. What an optimizer that needs
+    whole matrices (Muon) uses to move shards between ranks."""
+
+    process_group: object  # a ProcessGroup, or None for the default (world) group
+    ranges: tuple[tuple[int, int], ...]
+    rank: int  # this process's rank in process_group
+
+
 @dataclass
 class _Managed:
     owner: nn.Module
@@ -86,6 +97,8 @@ class FSDPGroup:
             shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
                                  requires_grad=param.requires_grad)
             shard._hp_shard_info = info
+            shard._hp_shard_placement = ShardPlacement(
+                self.group, tuple(shard_ranges(info.rows, self.world, self.geometry, self.align)), self.rank)
             full = nn.Parameter(torch.empty_like(param, dtype=self.mp.param_dtype or param.dtype),
                                 requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
@@ -296,6 +309,11 @@ def shard_info(param: nn.Parameter) -> ShardInfo:
     if info is None:
         return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)
     return info
+
+
+def shard_placement(param: nn.Parameter) -> ShardPlacement | None:
+    """The placement of a parameter sharded by fully_shard; None for any other tensor."""
+    return getattr(param, "_hp_shard_placement", None)
 
 
 def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
