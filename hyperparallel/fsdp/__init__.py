@@ -4,9 +4,9 @@ trainer wiring)."""
 
 from hyperparallel.fsdp.fully_shard import (
     MixedPrecision,
+    ShardPlacement,
     clip_grad_norm_,
     fully_shard,
-    ShardPlacement,
     set_requires_gradient_sync,
     shard_info,
     shard_placement,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
@@ -60,15 +61,17 @@ class _Managed:
     full: nn.Parameter
     row_numel: int
     slot_rows: int
+    placement: ShardPlacement
+    accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
 
     @property
     def slot_numel(self) -> int:
         return self.slot_rows * self.row_numel
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    fn(out, flat, group=group)
+    return fn(out, flat, group=group, async_op=True)
 
 
 class FSDPGroup:
@@ -82,8 +85,14 @@ class FSDPGroup:
         self.gradient_sync = True
         self.managed: list[_Managed] = []
         self._unsharded = False
-        self._pending_grads = 0
+        self._gather = None  # (work, gathered, local) of a launched all-gather
+        self._reduce = None  # (work, out, flat, managed) of a launched reduce-scatter
+        self._trainable = 0  # parameters whose gradients this group reduces
+        self._grads_ready = 0
+        self._backward_done = False
+        self._in_backward = False  # gathered again for backward: a recompute's forward must not free it
         self._callback_queued = False
+        self.schedule: _Schedule | None = None  # set by the root: forward order, for prefetching
 
     # ---------------------------------------------------------------------------- sharding
 
@@ -97,55 +106,81 @@ class FSDPGroup:
             shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
                                  requires_grad=param.requires_grad)
             shard._hp_shard_info = info
-            shard._hp_shard_placement = ShardPlacement(
+            placement = ShardPlacement(
                 self.group, tuple(shard_ranges(info.rows, self.world, self.geometry, self.align)), self.rank)
+            shard._hp_shard_placement = placement
             full = nn.Parameter(torch.empty_like(param, dtype=self.mp.param_dtype or param.dtype),
                                 requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
             managed = _Managed(owner, name, info, shard, full, full_2d.shape[1],
-                               padded_rows(rows, self.world, self.geometry, self.align))
+                               padded_rows(rows, self.world, self.geometry, self.align), placement)
             self.managed.append(managed)
             owner._parameters[name] = shard
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
             if full.requires_grad:
                 full.register_post_accumulate_grad_hook(self._on_grad)
+                self._trainable += 1
 
     # -------------------------------------------------------------------------- all-gather
 
-    def unshard(self) -> None:
-        if self._unsharded:
+    def start_unshard(self) -> None:
+        """Launch this group's all-gather without waiting for it (a prefetch); unshard() finishes it."""
+        if self._unsharded or self._gather is not None:
             return
         slot = sum(m.slot_numel for m in self.managed)
         ref = self.managed[0].full  # gathered in the full parameters' (compute) dtype
-        local = torch.zeros(slot, dtype=ref.dtype, device=ref.device)
+        local = torch.empty(slot, dtype=ref.dtype, device=ref.device)
         start = 0
         for m in self.managed:
             n = m.info.length * m.row_numel
             local[start: start + n] = m.shard.detach().reshape(-1)
+            local[start + n: start + m.slot_numel] = 0  # padding: never read, but never uninitialized bytes
             start += m.slot_numel
         gathered = torch.empty(self.world * slot, dtype=ref.dtype, device=ref.device)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, local, group=self.group)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = all_gather(gathered, local, group=self.group, async_op=True)
+        self._gather = (work, gathered, local)
+
+    def unshard(self) -> None:
+        if self._unsharded:
+            return
+        self.start_unshard()
+        work, gathered, _ = self._gather
+        self._gather = None
+        work.wait()
+        slot = gathered.numel() // self.world
         slots = gathered.view(self.world, slot)
         start = 0
         for m in self.managed:
-            ranges = shard_ranges(m.info.rows, self.world, self.geometry, self.align)
-            pieces = [slots[r, start: start + length * m.row_numel] for r, (_, length) in enumerate(ranges)]
             full = m.full
             if full.untyped_storage().size() == 0:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
+            flat = full.view(-1)
             # writing the gathered values must not look like an in-place change to autograd: saved
             # tensors of an earlier forward refer to this storage and are meant to see them
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-                full.view(-1).copy_(torch.cat(pieces))
+                for r, (offset, length) in enumerate(m.placement.ranges):
+                    n = length * m.row_numel
+                    flat[offset * m.row_numel: offset * m.row_numel + n].copy_(slots[r, start: start + n])
             m.owner._parameters[m.name] = full
             start += m.slot_numel
         self._unsharded = True
 
-    def reshard(self) -> None:
+    def drop_prefetch(self) -> None:
+        """Forget an all-gather that was prefetched but not used: the shards may change before the next use."""
+        if self._gather is not None:
+            self._gather[0].wait()
+            self._gather = None
+
+    def free_full(self) -> None:
         for m in self.managed:
             m.full.untyped_storage().resize_(0)
-            m.owner._parameters[m.name] = m.shard
         self._unsharded = False
+
+    def reshard(self) -> None:
+        self.free_full()
+        for m in self.managed:
+            m.owner._parameters[m.name] = m.shard
 
     # ------------------------------------------------------------------------- reduce-scatter
 
@@ -153,46 +188,72 @@ class FSDPGroup:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        self._grads_ready += 1
+        if self._grads_ready == self._trainable:
+            # every gradient of this group is final: reduce now, overlapping the rest of backward
+            self._finish_backward()
 
-    def _after_backward(self) -> None:
-        self._callback_queued = False
+    def _finish_backward(self) -> None:
+        if self._backward_done:
+            return
+        self._backward_done = True
+        self._in_backward = False
         if self.gradient_sync:
-            self.reduce_gradients()
+            self._start_reduce()
         else:
             self._keep_local_full_grads()
         self.reshard()
+
+    def _after_backward(self) -> None:
+        """End of the whole backward pass: groups with a parameter that got no gradient reduce now,
+        and every launched reduce-scatter lands in the shards' grads."""
+        self._callback_queued = False
+        self._finish_backward()
+        self._finish_reduce()
+        self._grads_ready, self._backward_done = 0, False
 
     def _keep_local_full_grads(self) -> None:
         # no_sync: accumulate the full gradient locally; it is reduced with the next synced step
         for m in self.managed:
             if m.full.grad is not None:
-                m._accumulated = m.full.grad if getattr(m, "_accumulated", None) is None else m._accumulated + m.full.grad
+                m.accumulated = m.full.grad if m.accumulated is None else m.accumulated + m.full.grad
                 m.full.grad = None
 
-    def reduce_gradients(self) -> None:
+    def _start_reduce(self) -> None:
         trainable = [m for m in self.managed if m.full.requires_grad]
         if not trainable:
             return
         slot = sum(m.slot_numel for m in trainable)
         ref = trainable[0].full
         reduce_dtype = self.mp.reduce_dtype or ref.dtype
-        flat = torch.zeros(self.world, slot, dtype=reduce_dtype, device=ref.device)
+        flat = torch.empty(self.world, slot, dtype=reduce_dtype, device=ref.device)
         start = 0
         for m in trainable:
             grad = m.full.grad
-            extra = getattr(m, "_accumulated", None)
-            if extra is not None:
-                grad = extra if grad is None else grad + extra
-                m._accumulated = None
-            if grad is not None:
-                g2d = grad.reshape(m.info.rows, m.row_numel)
-                ranges = shard_ranges(m.info.rows, self.world, self.geometry, self.align)
-                for r, (offset, length) in enumerate(ranges):
-                    flat[r, start: start + length * m.row_numel] = g2d[offset: offset + length].reshape(-1)
+            if m.accumulated is not None:
+                grad = m.accumulated if grad is None else grad + m.accumulated
+                m.accumulated = None
+            n_slot = m.slot_numel
+            if grad is None:
+                flat[:, start: start + n_slot] = 0
+            else:
+                g_flat = grad.reshape(-1)
+                for r, (offset, length) in enumerate(m.placement.ranges):
+                    n = length * m.row_numel
+                    flat[r, start: start + n] = g_flat[offset * m.row_numel: offset * m.row_numel + n]
+                    flat[r, start + n: start + n_slot] = 0
             m.full.grad = None
-            start += m.slot_numel
+            start += n_slot
         out = torch.empty(slot, dtype=reduce_dtype, device=ref.device)
-        _reduce_scatter(out, flat.view(-1), self.group)
+        work = _reduce_scatter(out, flat.view(-1), self.group)
+        self._reduce = (work, out, flat, trainable)
+
+    def _finish_reduce(self) -> None:
+        if self._reduce is None:
+            return
+        work, out, _, trainable = self._reduce
+        self._reduce = None
+        work.wait()
         out.div_(self.world)
         start = 0
         for m in trainable:
@@ -200,6 +261,11 @@ class FSDPGroup:
             g = out[start: start + n].view_as(m.shard).to(m.shard.dtype, copy=True)
             m.shard.grad = g if m.shard.grad is None else m.shard.grad + g
             start += m.slot_numel
+
+    def reduce_gradients(self) -> None:
+        """Reduce whatever full gradients the group holds now (for callers that drive backward themselves)."""
+        self._start_reduce()
+        self._finish_reduce()
 
 
 def _refuse_optimizers_built_before_sharding(optimizer, args, kwargs) -> None:
@@ -269,26 +335,76 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
         raise ConfigError(f"fully_shard: one group's parameters must share a dtype, got {sorted(map(str, dtypes))}")
     group.shard(params)
     setattr(module, _GROUP, group)
-    module.register_forward_pre_hook(lambda mod, args: group.unshard())
-
-    def after_forward(mod, args, output):
-        if group.reshard_after_forward and torch.is_grad_enabled():
-            _regather_before_backward(group, output)
-            for m in group.managed:
-                m.full.untyped_storage().resize_(0)
-            group._unsharded = False
-        elif not torch.is_grad_enabled():
-            group.reshard()
-        return output
-
-    module.register_forward_hook(after_forward)
+    _Schedule(group, [getattr(sub, _GROUP) for sub in module.modules() if hasattr(sub, _GROUP)])
+    module.register_forward_pre_hook(lambda mod, args: _before_forward(group))
+    module.register_forward_hook(lambda mod, args, output: _after_forward(group, output))
     return module
+
+
+class _Schedule:
+    """The order in which a root's groups run forward, recorded on the first forward. In forward,
+    a group starting launches the next group's all-gather; in backward, a group gathered again
+    launches the one before it: communication runs while the current block computes."""
+
+    def __init__(self, root: FSDPGroup, groups: list[FSDPGroup]):
+        self.root, self.groups = root, groups
+        self.order: list[FSDPGroup] = []
+        self.position: dict[int, int] = {}
+        self.recording = True
+        for g in groups:  # an outer root takes over the schedule of an inner one
+            g.schedule = self
+
+    def begin_forward(self) -> None:
+        for g in self.groups:  # a prefetch left over from the last pass may hold old shards
+            g.drop_prefetch()
+
+    def on_forward(self, group: FSDPGroup) -> None:
+        if self.recording:
+            if id(group) not in self.position:
+                self.position[id(group)] = len(self.order)
+                self.order.append(group)
+            return
+        i = self.position.get(id(group))
+        if i is not None and i + 1 < len(self.order):
+            self.order[i + 1].start_unshard()
+
+    def end_forward(self) -> None:
+        self.recording = False
+
+    def on_backward(self, group: FSDPGroup) -> None:
+        i = self.position.get(id(group))
+        if not self.recording and i is not None and i > 0:
+            before = self.order[i - 1]
+            if before.reshard_after_forward and not before._backward_done:
+                before.start_unshard()
+
+
+def _before_forward(group: FSDPGroup) -> None:
+    schedule = group.schedule
+    if schedule is not None and schedule.root is group:
+        schedule.begin_forward()
+    group.unshard()
+    if schedule is not None:
+        schedule.on_forward(group)
+
+
+def _after_forward(group: FSDPGroup, output):
+    schedule = group.schedule
+    if schedule is not None and schedule.root is group:
+        schedule.end_forward()
+    if not torch.is_grad_enabled():
+        group.reshard()
+    elif group._in_backward:
+        pass  # a recompute inside backward: the parameters stay gathered until the group's gradients are done
+    elif group.reshard_after_forward:
+        _regather_before_backward(group, output)
+        group.free_full()
+    return output
 
 
 def _regather_before_backward(group: FSDPGroup, output) -> None:
     """Gather the freed full parameters again when backward reaches this module's outputs."""
-    tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output])
-               if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
         return
     fired = [False]
@@ -296,8 +412,10 @@ def _regather_before_backward(group: FSDPGroup, output) -> None:
     def hook(grad):
         if not fired[0]:
             fired[0] = True
-            group._unsharded = False
+            group._in_backward = True
             group.unshard()
+            if group.schedule is not None:
+                group.schedule.on_backward(group)
         return grad
 
     for t in tensors:
