@@ -54,8 +54,7 @@ class ShardPlacement:
 
 @dataclass
 class _Managed:
-    owner: nn.Module
-    name: str
+    places: list[tuple[nn.Module, str]]  # where the module holds it (more than one when tied)
     info: ShardInfo
     shard: nn.Parameter
     full: nn.Parameter
@@ -63,6 +62,10 @@ class _Managed:
     slot_rows: int
     placement: ShardPlacement
     accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
+
+    def put(self, param: nn.Parameter) -> None:
+        for owner, name in self.places:
+            owner._parameters[name] = param
 
     @property
     def slot_numel(self) -> int:
@@ -96,8 +99,8 @@ class FSDPGroup:
 
     # ---------------------------------------------------------------------------- sharding
 
-    def shard(self, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-        for owner, name, param in params:
+    def shard(self, params: list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]) -> None:
+        for places, param in params:
             shape = param.shape
             full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)
             info = shard_of(shape, self.rank, self.world, self.geometry, self.align)
@@ -112,10 +115,10 @@ class FSDPGroup:
             full = nn.Parameter(torch.empty_like(param, dtype=self.mp.param_dtype or param.dtype),
                                 requires_grad=param.requires_grad)
             full.untyped_storage().resize_(0)
-            managed = _Managed(owner, name, info, shard, full, full_2d.shape[1],
+            managed = _Managed(places, info, shard, full, full_2d.shape[1],
                                padded_rows(rows, self.world, self.geometry, self.align), placement)
             self.managed.append(managed)
-            owner._parameters[name] = shard
+            managed.put(shard)
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
             if full.requires_grad:
                 full.register_post_accumulate_grad_hook(self._on_grad)
@@ -162,7 +165,7 @@ class FSDPGroup:
                 for r, (offset, length) in enumerate(m.placement.ranges):
                     n = length * m.row_numel
                     flat[offset * m.row_numel: offset * m.row_numel + n].copy_(slots[r, start: start + n])
-            m.owner._parameters[m.name] = full
+            m.put(full)
             start += m.slot_numel
         self._unsharded = True
 
@@ -180,7 +183,7 @@ class FSDPGroup:
     def reshard(self) -> None:
         self.free_full()
         for m in self.managed:
-            m.owner._parameters[m.name] = m.shard
+            m.put(m.shard)
 
     # ------------------------------------------------------------------------- reduce-scatter
 
@@ -295,22 +298,22 @@ def _check_same_group(module: nn.Module, group) -> None:
                 )
 
 
-def _direct_params(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Parameters of `module` not inside an already sharded submodule, each object once."""
-    found, seen = [], set()
+def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Parameters of `module` not inside an already sharded submodule, each object once, with every
+    (module, attribute) place that holds it: a tied embedding and output head share one shard."""
+    found: dict[int, tuple[list[tuple[nn.Module, str]], nn.Parameter]] = {}
 
     def visit(mod: nn.Module, top: bool):
         if not top and hasattr(mod, _GROUP):
             return
         for name, p in mod._parameters.items():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                found.append((mod, name, p))
+            if p is not None:
+                found.setdefault(id(p), ([], p))[0].append((mod, name))
         for child in mod.children():
             visit(child, False)
 
     visit(module, True)
-    return found
+    return list(found.values())
 
 
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
@@ -330,7 +333,7 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     if not params:
         setattr(module, _GROUP, group)
         return module
-    dtypes = {p.dtype for _, _, p in params}
+    dtypes = {p.dtype for _, p in params}
     if len(dtypes) > 1:
         raise ConfigError(f"fully_shard: one group's parameters must share a dtype, got {sorted(map(str, dtypes))}")
     group.shard(params)
