@@ -7,10 +7,15 @@ weights ``[E, out, in]``); each matrix follows torch.optim.Muon exactly. Groups 
 The Muon step is three functions so that a sharded caller can split it: ``advance_momentum`` and
 ``apply_muon_update`` are elementwise (they run on any shard), only ``orthogonalize`` needs the
 whole matrix.
+
+Sharded parameters (``hyperparallel.fsdp.fully_shard``): a 2-D matrix split by rows over several
+ranks is orthogonalized once, by one owner rank (``sharded_muon``); a 3-D stack split along dim 0
+holds whole matrices on every rank and is orthogonalized locally. The state stays per shard.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +24,8 @@ import torch
 from torch import Tensor
 
 from hyperparallel.errors import ConfigError, ShapeError
+from hyperparallel.fsdp import ShardPlacement, shard_placement
+from hyperparallel.optim.sharded_muon import ShardedMatrix, orthogonalize_sharded
 
 # Defaults of torch.optim.Muon (Keller Jordan's quintic Newton–Schulz coefficients).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -127,6 +134,9 @@ class Muon(torch.optim.Optimizer):
     adjust_lr_fn (defaults: the constructor's, which are torch.optim.Muon's). AdamW groups take lr,
     weight_decay (defaults: the constructor's), betas and eps (defaults: ``adamw_betas``,
     ``adamw_eps``). A 3-D Muon parameter is a stack of independent matrices along dim 0.
+
+    With FSDP-sharded parameters, ``step`` is a collective over their process groups: build the
+    same optimizer over the same parameters on every rank.
     """
 
     def __init__(
@@ -189,28 +199,59 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        row_sharded: list[tuple[Tensor, dict[str, Any], ShardedMatrix]] = []
+        for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                self._muon_group_step(group)
+                row_sharded += self._muon_group_step(group, index)
             else:
                 self._adamw_group_step(group)
+        if row_sharded:
+            updates = orthogonalize_sharded([matrix for _, _, matrix in row_sharded])
+            for (param, group, matrix), update in zip(row_sharded, updates, strict=True):
+                apply_muon_update(
+                    param,
+                    update,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    adjust_lr_fn=group["adjust_lr_fn"],
+                    matrix_shape=matrix.shape,
+                )
         return loss
 
-    def _muon_group_step(self, group: dict[str, Any]) -> None:
-        for param in group["params"]:
+    def _muon_group_step(
+        self, group: dict[str, Any], group_index: int
+    ) -> list[tuple[Tensor, dict[str, Any], ShardedMatrix]]:
+        """Step every matrix this rank holds whole; return the row-sharded ones, whose Newton–Schulz
+        needs the other ranks' rows (their momentum is already advanced)."""
+        row_sharded = []
+        for index, param in enumerate(group["params"]):
             if param.grad is None:
                 continue
             _check_dense(param)
+            placement = shard_placement(param)
+            row_sharded_here = placement is not None and len(placement.ranges) > 1
+            if row_sharded_here:  # before touching its state
+                _check_shard(param, placement, _param_label(group, group_index, index))
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
             direction = advance_momentum(
                 param.grad, state["momentum_buffer"], momentum=group["momentum"], nesterov=group["nesterov"]
             )
+            if row_sharded_here:
+                if param.ndim == 2:
+                    ns = functools.partial(
+                        orthogonalize, coefficients=group["ns_coefficients"], steps=group["ns_steps"], eps=group["eps"]
+                    )
+                    row_sharded.append((param, group, ShardedMatrix(direction, placement, ns)))
+                    continue
+                if param.numel() == 0:
+                    continue  # this rank holds none of the stack's matrices
             update = orthogonalize(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
             apply_muon_update(
                 param, update, lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"]
             )
+        return row_sharded
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
@@ -244,6 +285,26 @@ def _step_dtype() -> torch.dtype:
 def _check_dense(param: Tensor) -> None:
     if param.grad.is_sparse:
         raise ShapeError(f"Muon does not support sparse gradients (parameter of shape {tuple(param.shape)})")
+
+
+def _param_label(group: dict[str, Any], group_index: int, index: int) -> str:
+    names = group.get("param_names")
+    name = repr(names[index]) if names else f"{index}"
+    label = f"Muon param group {group_index}"
+    if "name" in group:
+        label += f" ({group['name']!r})"
+    return f"{label}, parameter {name}"
+
+
+def _check_shard(param: Tensor, placement: ShardPlacement, label: str) -> None:
+    """A shard must hold the rows its placement gives this rank: the exchange is sized from it."""
+    ranges, rank = placement.ranges, placement.rank
+    if ranges[rank][1] != param.shape[0]:
+        raise ShapeError(
+            f"{label}: a shard of shape {tuple(param.shape)} on rank {rank}, but its shard placement gives "
+            f"this rank {ranges[rank][1]} rows of {sum(length for _, length in ranges)}; step the optimizer "
+            f"on the shards fully_shard made, unchanged in shape"
+        )
 
 
 def _validate_param(param: Tensor, use_muon: bool, label: str) -> None:
