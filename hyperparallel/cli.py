@@ -6,6 +6,7 @@ Errors a user can cause print ``error: ...`` on stderr and exit with status 2, n
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     from hyperparallel.train.loop import train
 
     summary = train(config)
-    if summary["last_loss"] is not None:
+    if summary["last_loss"] is not None and os.environ.get("RANK", "0") == "0":  # once, not per rank
         run_dir = Path(summary["run_dir"])
         contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
         print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}\n"

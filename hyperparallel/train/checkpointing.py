@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hyperparallel.checkpoint import load_planner, save_planner, unwrap, wrap_state
 from hyperparallel.errors import CheckpointError
 
 STATE_FILE = "train_state.json"
@@ -33,10 +34,12 @@ def _rank() -> int:
 
 
 @contextmanager
-def _single_process_is_intended():
-    """DCP warns when it saves or loads without a process group; one process is what we mean."""
+def _quiet_dcp():
+    """DCP warns when it saves or loads without a process group (one process is what we mean) and
+    when it meets a ShardedTensor (the one way to tell it about uneven shards, see checkpoint.sharded)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
         yield
 
 
@@ -46,7 +49,9 @@ def _barrier() -> None:
 
 
 def _tensor_state(model, optimizer) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # sharded parameters and their optimizer states go in as ShardedTensors: global shape and
+    # each rank's rows, so DCP writes every row once and reads back any layout
+    model_sd, optim_sd = wrap_state(model, *get_state_dict(model, optimizer))
     rng = {f"rank{_rank()}": torch.get_rng_state()}
     return {"model": model_sd, "optim": optim_sd, "rng": rng}
 
@@ -68,8 +73,8 @@ def save(root: Path, step: int, model, optimizer, train_state: dict, keep_last: 
         if tmp.exists():  # left by a run killed while saving
             shutil.rmtree(tmp)
     _barrier()
-    with _single_process_is_intended():
-        dcp.save(_tensor_state(model, optimizer), checkpoint_id=str(tmp))
+    with _quiet_dcp():
+        dcp.save(_tensor_state(model, optimizer), checkpoint_id=str(tmp), planner=save_planner())
     _barrier()
     if _rank() == 0:
         state = dict(train_state, step=step)
@@ -109,10 +114,10 @@ def load(path: Path, model, optimizer, fingerprint: str) -> dict:
         )
     tensors = _tensor_state(model, optimizer)
     try:
-        with _single_process_is_intended():
-            dcp.load(tensors, checkpoint_id=str(path))
+        with _quiet_dcp():
+            dcp.load(tensors, checkpoint_id=str(path), planner=load_planner())
     except Exception as error:  # DCP reports missing keys and shape mismatches in its own words
         raise CheckpointError(f"checkpoint {path} does not fit this model: {error}") from None
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"])
+    set_state_dict(model, optimizer, model_state_dict=unwrap(tensors["model"]), optim_state_dict=unwrap(tensors["optim"]))
     torch.set_rng_state(tensors["rng"][f"rank{_rank()}"])
     return state

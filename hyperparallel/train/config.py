@@ -66,7 +66,9 @@ class TrainingSection(Section):
 
 
 class ParallelSection(Section):
-    dp_shard: int = Field(1, ge=1)
+    dp_shard: int = Field(1, ge=1)  # ranks that shard the model (FSDP); must equal the ranks launched
+    shard_geometry: Literal["chunk", "balanced"] = "chunk"  # how rows that do not divide are dealt out
+    align: int = Field(1, ge=1)  # shard boundaries on multiples of this many rows (32: whole MXFP8 blocks)
     tp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
@@ -80,8 +82,7 @@ class ParallelSection(Section):
 
     @model_validator(mode="after")
     def _only_wired_values(self):
-        for key, issue in (("dp_shard", "FSDP"), ("tp", "tensor parallelism"), ("ep", "expert parallelism"),
-                           ("cp", "context parallelism")):
+        for key, issue in (("tp", "tensor parallelism"), ("ep", "expert parallelism"), ("cp", "context parallelism")):
             if getattr(self, key) != 1:
                 raise ValueError(f"parallel.{key} = {getattr(self, key)} is not supported yet ({issue} is not wired "
                                  f"into the trainer); use 1. Extra ranks from --nproc replicate the model instead")

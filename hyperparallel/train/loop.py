@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hyperparallel import fsdp
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, training_flops_per_token
 from hyperparallel.optim import build_optimizer, build_scheduler
-from hyperparallel.parallel import apply_recompute
+from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import checkpointing, data
 from hyperparallel.train.config import TrainConfig, dump
 from hyperparallel.train.metrics import MetricsLog, peak_memory_bytes, peak_tflops
@@ -85,6 +86,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     slot would (after writing a checkpoint there); the schedule stays that of training.steps.
     """
     rank, world, device = _init_distributed()
+    sharded = cfg.parallel.dp_shard > 1
+    if sharded and cfg.parallel.dp_shard != world:
+        raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
+                          f"run has {world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
     accumulation = cfg.grad_accumulation(world)
     run_dir = _expand_run_dir(cfg.logging.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
@@ -112,8 +117,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
                           f"the tokenizer's ({dataset.tokenizer.vocab_size}); give data.tokenizer the model's own")
     conversion = convert(model, cfg.low_precision)  # before parallel plans and sharding, as they expect
     apply_recompute(model, cfg.parallel.recompute)
+    n_params = sum(p.numel() for p in model.parameters())
     trained = model
-    if world > 1:  # ranks beyond the parallel plans replicate the model
+    if sharded:
+        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align)
+    elif world > 1:  # ranks beyond the parallel plans replicate the model
         trained = torch.nn.parallel.DistributedDataParallel(model)
 
     o = cfg.optimizer
@@ -147,9 +155,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     peak, peak_source = peak_tflops(device, dtype, cfg.logging.peak_tflops)
     log = MetricsLog(run_dir, enabled=is_main, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                      total_steps=cfg.training.steps, first_step=start)
-    n_params = sum(p.numel() for p in model.parameters())
+    layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if sharded else "replicated"
     log.print(f"{cfg.model.family}: {n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
-              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {world} rank(s), grad accumulation "
+              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}; MFU against {peak:.2f} TFLOP/s ({peak_source})")
     if cfg.low_precision.enabled:
         log.print(conversion.summary())
@@ -165,13 +173,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
             loss_sum = torch.zeros((), dtype=torch.float64)
             for i, (ids, labels) in enumerate(batches.micro_batches(step)):
                 last_micro = i == accumulation - 1
-                sync = trained.no_sync() if world > 1 and not last_micro else nullcontext()
+                if sharded:
+                    fsdp.set_requires_gradient_sync(model, last_micro)
+                sync = trained.no_sync() if world > 1 and not sharded and not last_micro else nullcontext()
                 with sync:
                     loss = trained(input_ids=ids.to(device), labels=labels.to(device)).loss
                     (loss / accumulation).backward()
                 loss_sum += loss.detach().double().cpu()
             max_norm = cfg.training.max_grad_norm or math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            if sharded:
+                grad_norm = fsdp.clip_grad_norm_(model, max_norm).item()
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
