@@ -261,8 +261,11 @@ class FSDPGroup:
         start = 0
         for m in trainable:
             n = m.info.length * m.row_numel
-            g = out[start: start + n].view_as(m.shard).to(m.shard.dtype, copy=True)
-            m.shard.grad = g if m.shard.grad is None else m.shard.grad + g
+            g = out[start: start + n].view_as(m.shard)  # a view: `out` is the grads plus short-shard padding only
+            if m.shard.grad is None:
+                m.shard.grad = g if g.dtype == m.shard.dtype else g.to(m.shard.dtype)
+            else:
+                m.shard.grad += g
             start += m.slot_numel
 
     def reduce_gradients(self) -> None:
@@ -399,7 +402,8 @@ def _after_forward(group: FSDPGroup, output):
         group.reshard()
     elif group._in_backward:
         pass  # a recompute inside backward: the parameters stay gathered until the group's gradients are done
-    elif group.reshard_after_forward:
+    elif group.reshard_after_forward and not (schedule is not None and schedule.root is group):
+        # (the root's parameters stay: its output head is the first thing backward needs)
         _regather_before_backward(group, output)
         group.free_full()
     return output
