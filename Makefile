@@ -28,6 +28,7 @@ demo: setup
 bench: setup
 	$(PY) -m hyperparallel bench mx
 	$(PY) -m hyperparallel bench train
+	$(PY) -m hyperparallel bench fsdp
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks

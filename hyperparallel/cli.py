@@ -14,7 +14,7 @@ from pathlib import Path
 from hyperparallel import __version__
 from hyperparallel.errors import HyperparallelError
 
-BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py"}
+BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py"}
 
 
 def _benchmark_path(name: str) -> Path:

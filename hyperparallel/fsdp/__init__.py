@@ -1,6 +1,4 @@
-"""Fully sharded data parallelism with non-uniform sharding (first version: see the FSDP issue's
-closing note for what is still to come: prefetch, mixed precision, the sharding-aware Muon,
-trainer wiring)."""
+"""Fully sharded data parallelism with non-uniform sharding (docs/fsdp.md)."""
 
 from hyperparallel.fsdp.fully_shard import (
     MixedPrecision,
