@@ -160,9 +160,11 @@ class TrainConfig(Section):
         return t.global_batch // per_step
 
     def fingerprint(self) -> str:
-        """A hash of what decides the numbers of a run (not where it logs or checkpoints)."""
-        data = self.model_dump(mode="json", exclude={"checkpoint", "logging"})
+        """A hash of what decides the numbers of a run: not where it logs or checkpoints, nor how
+        it is laid out over ranks (a checkpoint loads into any sharding), nor the micro-batch split."""
+        data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel"})
         data["training"].pop("steps")  # a resumed run may go on for longer
+        data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

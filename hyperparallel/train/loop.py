@@ -133,11 +133,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
                                 min_lr_ratio=s.min_lr_ratio)
     fingerprint = cfg.fingerprint()
-    start = 0
+    start, rng_restored, saved_world = 0, True, world
     if resume_from is not None:
         state = checkpointing.load(resume_from, model, optimizer, fingerprint)
         scheduler.load_state_dict(state["scheduler"])
-        start = state["step"]
+        start, rng_restored, saved_world = state["step"], state["rng_restored"], state["world_size"]
 
     batches = data.Batches(dataset.sequences, data.SequenceOrder(len(dataset.sequences), cfg.training.seed),
                            cfg.training.global_batch, cfg.training.micro_batch, rank, world,
@@ -163,6 +163,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
         log.print(conversion.summary())
     if start:
         log.print(f"resumed from {resume_from} at step {start}")
+        if not rng_restored:
+            log.print(f"the checkpoint was saved by {saved_world} rank(s), this run has {world}: parameters and "
+                      f"optimizer state are resharded; RNG states start from training.seed")
 
     params = [p for p in model.parameters() if p.requires_grad]
     first_loss = last_loss = None
