@@ -7,6 +7,7 @@ holds another run.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -133,6 +134,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
                                 min_lr_ratio=s.min_lr_ratio)
     fingerprint = cfg.fingerprint()
+    # what `hyperparallel export` needs to rebuild the model from a checkpoint alone
+    model_card = {"family": cfg.model.family, "dtype": cfg.model.dtype,
+                  "hf_config": json.loads(model.config.to_json_string(use_diff=False))}
     start, rng_restored, saved_world = 0, True, world
     if resume_from is not None:
         state = checkpointing.load(resume_from, model, optimizer, fingerprint)
@@ -212,6 +216,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
             every = cfg.checkpoint.every
             if (every and done % every == 0) or done == last:
                 state = {"fingerprint": fingerprint, "scheduler": scheduler.state_dict(), "world_size": world,
+                         "model": model_card,
                          "sequences_consumed": done * cfg.training.global_batch, "loss": loss_value}
                 path = checkpointing.save(ckpt_root, done, model, optimizer, state, cfg.checkpoint.keep_last)
                 log.print(f"checkpoint {path}")
