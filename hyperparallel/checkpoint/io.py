@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -181,8 +182,8 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
     try:
         with quiet_dcp():
             dcp.load(tensors, storage_reader=reader, planner=load_planner())
-    except Exception as error:  # a truncated or missing data file: DCP says which, in its words
-        raise CheckpointError(f"checkpoint {directory} cannot be read: {error}") from None
+    except (Exception, CheckpointException) as error:  # a truncated or missing data file
+        raise CheckpointError(f"checkpoint {directory} cannot be read: {_first_failure(error)}") from None
     optim_sd = None
     if optimizer is not None:
         optim_sd = {"state": unwrap(tensors["optim"]), "param_groups": _as_saved(manifest["param_groups"], groups)}
@@ -191,6 +192,16 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
     else:
         set_state_dict(model, optimizer, model_state_dict=unwrap(tensors["model"]), optim_state_dict=optim_sd)
     return manifest
+
+
+def _first_failure(error: BaseException) -> str:
+    """One line for what went wrong: DCP wraps each rank's exception in a CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def complete_checkpoints(root: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
