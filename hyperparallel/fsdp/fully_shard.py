@@ -17,6 +17,7 @@ into the shards' `.grad` when backward is done.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ class _Managed:
     slot_rows: int
     placement: ShardPlacement
     accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
+    sent_version: int = -1  # the shard's _version when its rows last went into an all-gather
+    gathered_version: int = -2  # ... and when the full parameter was last filled
 
     def put(self, param: nn.Parameter) -> None:
         for owner, name in self.places:
@@ -137,6 +140,7 @@ class FSDPGroup:
         for m in self.managed:
             n = m.info.length * m.row_numel
             local[start: start + n] = m.shard.detach().reshape(-1)
+            m.sent_version = m.shard._version
             local[start + n: start + m.slot_numel] = 0  # padding: never read, but never uninitialized bytes
             start += m.slot_numel
         gathered = torch.empty(self.world * slot, dtype=ref.dtype, device=ref.device)
@@ -159,12 +163,17 @@ class FSDPGroup:
             if full.untyped_storage().size() == 0:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
             flat = full.view(-1)
-            # writing the gathered values must not look like an in-place change to autograd: saved
-            # tensors of an earlier forward refer to this storage and are meant to see them
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+            # Gathering the same values again (for backward, or the next micro-batch) must not look
+            # like an in-place change to autograd: saved tensors of an earlier forward refer to this
+            # storage and are meant to see them. New values (after an optimizer step or a
+            # checkpoint load) do bump the version, so caches keyed on it (MXLinear's) start over.
+            same_values = m.sent_version == m.gathered_version
+            keep_version = torch.autograd._unsafe_preserve_version_counter(full) if same_values else nullcontext()
+            with torch.no_grad(), keep_version:
                 for r, (offset, length) in enumerate(m.placement.ranges):
                     n = length * m.row_numel
                     flat[offset * m.row_numel: offset * m.row_numel + n].copy_(slots[r, start: start + n])
+            m.gathered_version = m.sent_version
             m.put(full)
             start += m.slot_numel
         self._unsharded = True

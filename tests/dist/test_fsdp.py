@@ -484,3 +484,39 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards_and_grads(tmp_pa
             assert param_dtype == grad_dtype == torch.float32
             rows = p.grad.float().reshape(p.shape[0], -1)[info.offset:info.offset + info.length]
             torch.testing.assert_close(grad.reshape(rows.shape), rows, rtol=2e-2, atol=2e-3)
+
+
+def test_new_weights_reach_mx_modules_after_a_load_into_shards(tmp_path):
+    """MXLinear caches its weight's FP8 copies by the weight's version; FSDP gathers into the same
+    full Parameter every time, and must bump its version when the shards hold new values."""
+    from hyperparallel import checkpoint
+    from hyperparallel.lowp import LowPrecisionConfig, convert
+
+    def mx_model(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32))
+        convert(m, LowPrecisionConfig(enabled=True, exclude=[]))
+        return m
+
+    x = torch.randn(8, 64)
+    checkpoint.save(tmp_path / "other", mx_model(1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fully_shard(mx_model(0))
+        from hyperparallel.fsdp.fully_shard import _GROUP
+
+        full = getattr(model, _GROUP).managed[0].full
+        model(x).sum().backward()  # fills the FP8 caches with seed 0's weights
+        gathered = full._version
+        model(x).sum().backward()  # the same values gathered again: the caches stay valid
+        assert full._version == gathered
+        model.zero_grad()
+        checkpoint.load(tmp_path / "other", model)
+        with torch.no_grad():
+            got = model(x)
+        assert full._version != gathered  # new values: the caches start over
+    finally:
+        dist.destroy_process_group()
+    with torch.no_grad():
+        want = mx_model(1)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
