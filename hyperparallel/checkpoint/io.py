@@ -149,7 +149,8 @@ def _check_fits(directory: Path, metadata, tensors: dict) -> None:
         entry = saved.get(key)
         if entry is None:
             raise CheckpointError(f"checkpoint {directory} has no {key}: it was saved from another model or optimizer")
-        want = value.size() if isinstance(value, ShardedTensor) else value.shape
+        # (a ShardedTensor's size() goes through its deprecated __torch_function__: slow)
+        want = value.metadata().size if isinstance(value, ShardedTensor) else value.shape
         if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(want):
             got = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else type(entry).__name__
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {got} in the checkpoint but "
