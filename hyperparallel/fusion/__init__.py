@@ -1,0 +1,1 @@
+"""DVM: a graph-fusion backend for torch.compile (docs/fusion.md)."""
