@@ -53,6 +53,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from hyperparallel.checkpoint.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype)
+    print(f"exported {args.checkpoint} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from hyperparallel.train.plot import plot_run
 
@@ -73,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set training.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=1, help="ranks to launch on this machine through torchrun")
     train.set_defaults(func=_train)
+    export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N)")
+    export.add_argument("out_dir", help="the directory to create (config.json, safetensors, the run's tokenizer.json)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the weights' dtype (default: the dtype the model was trained in)")
+    export.set_defaults(func=_export)
     plot = commands.add_parser("plot", help="draw RUN_DIR/loss.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)

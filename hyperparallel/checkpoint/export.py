@@ -1,0 +1,145 @@
+"""Export a training checkpoint to a Hugging Face model directory.
+
+The trainer's checkpoints carry a model card in their manifest (`extra["model"]`: the family, the
+training dtype and the full HF config), so a checkpoint alone is enough: the family's own
+transformers class is rebuilt from the config (on the meta device, then given memory), the
+checkpoint is loaded into it whatever sharding layout saved it, and `save_pretrained` writes
+`config.json` and safetensors. transformers 5 keeps MoE experts fused in memory
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) but writes them per expert
+(`experts.N.gate_proj.weight`, ...), the layout of the published checkpoints, and fuses them
+again in `from_pretrained`; GroupedExperts keeps the fused names, so the round trip is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from hyperparallel.checkpoint.io import load, read_manifest
+from hyperparallel.errors import CheckpointError, ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOKENIZER_FILE = "tokenizer.json"
+# The trainer's choice of end-of-text and padding tokens (hyperparallel.train.data): the first of
+# these in the vocabulary ends every document, and padding falls back to it.
+_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
+_PAD_TOKEN = "<|pad|>"
+
+
+def _dtype(value, what: str, error: type[Exception] = ConfigError) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raise error(f"{what} is {value!r}; expected one of {', '.join(DTYPES)}")
+
+
+def _model_card(directory: Path, manifest: dict) -> dict:
+    card = (manifest.get("extra") or {}).get("model")
+    if card is None:
+        raise CheckpointError(
+            f"checkpoint {directory} has no model card (extra['model'] in its manifest): it was not written by "
+            f"`hyperparallel train`; save it with extra={{'model': {{'family': ..., 'dtype': ..., 'hf_config': ...}}}} "
+            f"to export it, or call the model's save_pretrained yourself"
+        )
+    if not isinstance(card, dict) or not isinstance(card.get("family"), str) or not isinstance(card.get("hf_config"), dict):
+        raise CheckpointError(
+            f"checkpoint {directory}: the model card must hold 'family' (a name) and 'hf_config' (a mapping); got {card!r}"
+        )
+    return card
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "a file" if not out.is_dir() else "a non-empty directory"
+        raise ConfigError(f"export destination {out} is {what}; choose a new or empty directory")
+
+
+def _build(family_name: str, hf_config: dict, dtype: torch.dtype, directory: Path):
+    # imported here: `hyperparallel.checkpoint` stays usable without loading transformers
+    from hyperparallel.models import get_family
+
+    try:
+        family = get_family(family_name)
+    except ConfigError as error:
+        raise CheckpointError(f"checkpoint {directory}: its model card names {error}") from None
+    model_type = hf_config.get("model_type")
+    if model_type not in family.model_types:
+        raise CheckpointError(
+            f"checkpoint {directory}: the model card says family {family_name!r} but its HF config has model_type "
+            f"{model_type!r} (expected {' or '.join(family.model_types)})"
+        )
+    try:
+        config = family.config_class.from_dict(dict(hf_config))
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {directory}: the HF config in its model card is invalid: {error}") from None
+    config.use_cache = True  # the trainer turns the KV cache off; inference with the export wants it
+    with torch.device("meta"):
+        model = family.model_class._from_config(config, dtype=dtype)
+    # Every parameter and persistent buffer is then filled by `load`, which refuses a checkpoint
+    # that lacks any; non-persistent buffers (rotary frequencies) are never saved.
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    return model
+
+
+def _tokenizer_config(tokenizer_file: Path) -> dict:
+    """Without it AutoTokenizer picks the family's tokenizer class (Qwen2Tokenizer for Qwen3),
+    which rebuilds the pre-tokenizer and encodes text to other ids than training did."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab()
+    except Exception as error:  # tokenizers raises its own Exception type
+        raise CheckpointError(f"{tokenizer_file} is not a tokenizers file: {error}") from None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    eos = next((token for token in _EOS_TOKENS if token in vocab), None)
+    if eos is not None:
+        config.update(eos_token=eos, pad_token=_PAD_TOKEN if _PAD_TOKEN in vocab else eos)
+    return config
+
+
+def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+              dtype: str | torch.dtype | None = None) -> Path:
+    """Write the model of a `hyperparallel train` checkpoint as a Hugging Face directory.
+
+    `out_dir` gets `config.json`, `generation_config.json` and `model*.safetensors` in the family's
+    own layout (loadable with `AutoModelForCausalLM.from_pretrained`, or as the trainer's
+    `model.path`), and, when the checkpoint sits in a run directory (`RUN_DIR/checkpoints/step_N`),
+    the run's `tokenizer.json` with a `tokenizer_config.json` for `AutoTokenizer`.
+    `dtype` (float32 | bfloat16) defaults to the training dtype.
+    The directory appears whole or not at all; an existing non-empty `out_dir` is refused.
+    """
+    directory, out = Path(checkpoint_dir), Path(out_dir)
+    manifest = read_manifest(directory)
+    card = _model_card(directory, manifest)
+    saved_dtype = _dtype(card.get("dtype", "float32"), f"checkpoint {directory}: the model card's dtype",
+                         CheckpointError)
+    out_dtype = saved_dtype if dtype is None else _dtype(dtype, "the export dtype")
+    _check_out_dir(out)
+
+    model = _build(card["family"], card["hf_config"], saved_dtype, directory)
+    load(directory, model)
+    model.to(out_dtype).eval()
+
+    final = out.resolve()  # "." has no name to put ".tmp" after
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.is_dir() and not tmp.is_symlink():  # left by an export that was killed
+        shutil.rmtree(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer = directory.parent.parent / TOKENIZER_FILE
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer), indent=2) + "\n")
+        _check_out_dir(out)  # nothing appeared there meanwhile
+        os.replace(tmp, final)  # an empty directory is replaced too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

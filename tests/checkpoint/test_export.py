@@ -1,0 +1,230 @@
+"""`export_hf` / `hyperparallel export`: a checkpoint becomes a Hugging Face directory that
+`from_pretrained` (and the trainer's `model.path`) loads to the same logits as the trained model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hyperparallel.checkpoint import export_hf, load, save
+from hyperparallel.errors import CheckpointError, ConfigError
+from hyperparallel.models import build_model, get_family
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TINY = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "deepseek_v3": "kimi_k2_tiny"}
+IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def tiny_config(family: str) -> dict:
+    return yaml.safe_load((ROOT / "configs" / "models" / f"{TINY[family]}.yaml").read_text())
+
+
+def model_card(model, family: str, dtype: str = "float32") -> dict:
+    """What the trainer writes into a checkpoint's manifest."""
+    return {"family": family, "dtype": dtype, "hf_config": json.loads(model.config.to_json_string(use_diff=False))}
+
+
+def trained(family: str, steps: int = 2):
+    """A tiny model a few AdamW steps away from its init (router and expert weights moved too)."""
+    model = build_model(family, config=tiny_config(family))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def perturbed(family: str):
+    """The same weights in every process: the init plus seeded noise."""
+    model = build_model(family, config=tiny_config(family))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=g))
+    return model
+
+
+@torch.no_grad()
+def logits(model) -> torch.Tensor:
+    return model.eval()(input_ids=IDS).logits
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_export_loads_with_from_pretrained_and_as_model_path_to_the_same_logits(tmp_path, family):
+    model = trained(family)
+    checkpoint = save(tmp_path / "checkpoint", model, extra={"model": model_card(model, family)})
+    out = export_hf(checkpoint, tmp_path / "hf")
+
+    assert out == tmp_path / "hf" and not (tmp_path / "hf.tmp").exists()
+    # no tokenizer: the checkpoint is not in a run directory
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == get_family(family).model_types[0] and config["dtype"] == "float32"
+    if family != "qwen3":  # the published layout: one matrix per expert, as transformers 5 writes them
+        names = load_file(out / "model.safetensors").keys()
+        assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names
+        assert not any(name.endswith("gate_up_proj") for name in names)
+
+    want = logits(model)
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf) is get_family(family).model_class
+    torch.testing.assert_close(logits(hf), want, rtol=1e-5, atol=1e-5)
+    again = build_model(family, path=out)  # what the trainer does with model.path
+    torch.testing.assert_close(logits(again), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trainer_checkpoint_exports_with_its_tokenizer_and_trains_again(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from hyperparallel.train import data
+    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.loop import train
+
+    monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
+    raw = {
+        "model": {"family": "qwen3_moe", "config": tiny_config("qwen3_moe")},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
+        "training": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seed": 1},
+        "logging": {"run_dir": str(tmp_path / "run"), "every": 1, "progress": False},
+    }
+    train(from_mapping(raw))
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_00000002"
+    out = export_hf(checkpoint, tmp_path / "hf")
+
+    assert (out / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    # AutoTokenizer encodes as training did (the family's own tokenizer class would not) and knows EOS / PAD
+    tokenizer, trained_with = AutoTokenizer.from_pretrained(out), Tokenizer.from_file(str(run / "tokenizer.json"))
+    text = "def export(checkpoint):\n    return  {'a': 1}  # done"
+    assert tokenizer(text).input_ids == trained_with.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    assert (tokenizer.eos_token, tokenizer.pad_token) == (data.EOS, data.PAD)
+    reference = build_model("qwen3_moe", config=dict(tiny_config("qwen3_moe"), vocab_size=512))
+    load(checkpoint, reference)
+    torch.testing.assert_close(logits(build_model("qwen3_moe", path=out)), logits(reference), rtol=1e-5, atol=1e-5)
+
+    raw["model"] = {"family": "qwen3_moe", "path": str(out)}
+    raw["training"]["steps"] = 1
+    raw["logging"]["run_dir"] = str(tmp_path / "again")
+    summary = train(from_mapping(raw))
+    assert summary["last_loss"] is not None and (tmp_path / "again" / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_bfloat16_export_holds_the_rounded_weights(tmp_path):
+    model = trained("qwen3")
+    out = export_hf(save(tmp_path / "checkpoint", model, extra={"model": model_card(model, "qwen3")}),
+                    tmp_path / "hf", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = load_file(out / "model.safetensors")
+    want = model.state_dict()
+    assert tensors.keys() == want.keys() - {"lm_head.weight"}  # tied to the embedding: saved once
+    for name, tensor in tensors.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want[name].to(torch.bfloat16)), name
+
+
+def sharded_worker(rank: int, world: int, out_dir: str) -> None:
+    from hyperparallel.parallel import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = perturbed("qwen3_moe")
+    card = model_card(model, "qwen3_moe")
+    shard_model(model, geometry="balanced", align=32)  # uneven shards: some ranks hold no rows of a tensor
+    save(Path(out_dir) / "sharded", model, extra={"model": card})
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_two_sharded_ranks_exports_as_one_process_would(tmp_path):
+    mp.spawn(sharded_worker, args=(2, str(tmp_path)), nprocs=2)
+    model = perturbed("qwen3_moe")
+    one = export_hf(save(tmp_path / "one", model, extra={"model": model_card(model, "qwen3_moe")}), tmp_path / "hf1")
+    two = export_hf(tmp_path / "sharded", tmp_path / "hf2")
+
+    one_tensors, two_tensors = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert one_tensors.keys() == two_tensors.keys()
+    for name, tensor in one_tensors.items():
+        assert torch.equal(two_tensors[name], tensor), name
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(two)), logits(model), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    model = build_model("qwen3", config=tiny_config("qwen3"))
+    return save(tmp_path / "run" / "checkpoints" / "step_00000001", model, extra={"model": model_card(model, "qwen3")})
+
+
+def test_a_checkpoint_without_a_model_card_is_refused(tmp_path):
+    model = build_model("qwen3", config=tiny_config("qwen3"))
+    with pytest.raises(CheckpointError, match="has no model card"):
+        export_hf(save(tmp_path / "bare", model), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        export_hf(tmp_path / "nowhere", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_empty_destination_is_refused_and_an_empty_one_is_filled(checkpoint, tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=f"{taken} is a non-empty directory"):
+        export_hf(checkpoint, taken)
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (export_hf(checkpoint, empty) / "model.safetensors").is_file()
+    with pytest.raises(ConfigError, match="export dtype is 'float16'"):
+        export_hf(checkpoint, tmp_path / "hf", dtype="float16")
+
+
+@pytest.mark.parametrize("family, message", [
+    ("qwen3_moe", "family 'qwen3_moe' but its HF config has model_type 'qwen3'"),
+    ("llama", "its model card names unknown model family 'llama'"),
+])
+def test_a_card_whose_family_does_not_fit_is_refused(tmp_path, family, message):
+    model = build_model("qwen3", config=tiny_config("qwen3"))
+    checkpoint = save(tmp_path / "checkpoint", model, extra={"model": model_card(model, family)})
+    with pytest.raises(CheckpointError, match=message):
+        export_hf(checkpoint, tmp_path / "hf")
+
+
+def test_a_failed_export_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    def fail(self, directory, **kwargs):
+        Path(directory).mkdir()
+        (Path(directory) / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(get_family("qwen3").model_class, "save_pretrained", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(checkpoint, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hyperparallel", "export", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_the_export_command(checkpoint, tmp_path):
+    result = run_cli(str(checkpoint), "hf", "--dtype", "bfloat16", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "exported" in result.stdout and (tmp_path / "hf" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    result = run_cli(str(checkpoint), "hf", cwd=tmp_path)  # hf is taken now
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hf is a non-empty directory" in errors[0], result.stderr
