@@ -1,0 +1,81 @@
+"""`torch.compile(model, backend="dvm")`: element-wise work fused into DVM programs, the rest ATen.
+
+Registered under the name `dvm` through the `torch_dynamo_backends` entry point (pyproject.toml),
+so it works after install without importing hyperparallel first.
+
+A graph whose inputs need gradients goes through AOTAutograd (forward and backward ATen graphs,
+each fused the same way). A graph that needs none does not pay for AOTAutograd: it is traced to
+ATen once with make_fx. Either way, `fuse(gm)` finds the clusters (partition.py), replaces each by
+one FusedOp (compile.py) and leaves every other node as the ATen op it was.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from hyperparallel.fusion import compile as dvm_compile
+from hyperparallel.fusion.partition import find_clusters
+
+STATS = {"graphs": 0, "clusters": 0, "fused_ops": 0, "backend_seconds": []}
+
+
+def fuse(gm: GraphModule) -> GraphModule:
+    """Replace each fusible cluster of an ATen graph (nodes carrying meta["val"]) by a FusedOp."""
+    clusters = find_clusters(gm.graph)
+    STATS["graphs"] += 1
+    STATS["clusters"] += len(clusters)
+    if not clusters:
+        return gm
+    prefix = "dvm_fused_"
+    fuse_by_partitions(gm, [dict.fromkeys(c.nodes) for c in clusters], prefix=prefix, always_return_tuple=True)
+    for name, sub in list(gm.named_children()):
+        if name.startswith(prefix) and isinstance(sub, GraphModule):
+            setattr(gm, name, dvm_compile.build(sub))
+            STATS["fused_ops"] += 1
+    gm.recompile()
+    return gm
+
+
+def _compile_aten(gm: GraphModule, example_inputs):
+    fused = fuse(gm)
+    return fused.forward if hasattr(fused, "forward") else fused
+
+
+def _needs_grad(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def dvm(gm: GraphModule, example_inputs):
+    """The dynamo backend."""
+    t0 = time.perf_counter()
+    try:
+        if _needs_grad(example_inputs):
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_func
+
+            def boxed(g, inputs):
+                return make_boxed_func(_compile_aten(g, inputs))
+
+            return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+        return _inference(gm, example_inputs)
+    finally:
+        STATS["backend_seconds"].append(time.perf_counter() - t0)
+
+
+def _inference(gm: GraphModule, example_inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # outside dynamo's tracing context, make_fx makes its own fake mode: static shapes, as given
+    with torch._guards.tracing(None):
+        traced = make_fx(gm, tracing_mode="fake")(*example_inputs)
+    fused = fuse(traced)
+
+    def run(*args):
+        with torch.no_grad():
+            return fused(*args)
+
+    return run

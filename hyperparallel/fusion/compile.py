@@ -1,0 +1,169 @@
+"""From a cluster's small FX graph to a fused operator: "compiling" is writing its bytecode.
+
+`lower(sub_gm)` walks the cluster's nodes once and emits a Program (microseconds: no code is
+generated or compiled). `FusedOp` runs it: each call views every input as [rows, cols] of the
+iteration space (broadcast by strides of 0, so nothing is expanded in memory), allocates the
+outputs, and calls the VM. Programs are cached by the cluster's signature (its ops, arguments,
+dtypes and kinds), so a graph seen again costs a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from hyperparallel.fusion import reference
+from hyperparallel.fusion.bytecode import TORCH_DTYPES, DType, Kind, Op, Program
+from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
+
+_CACHE: dict[tuple, tuple] = {}
+STATS = {"programs_built": 0, "cache_hits": 0, "build_seconds": []}
+
+
+def _val(node: Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _role(shape: tuple, domain: tuple) -> Kind:
+    """How an input of `shape` is read in a space of `domain`: per element, per row, or one value."""
+    if math.prod(shape) == 1:
+        return Kind.SCALAR
+    padded = (1,) * (len(domain) - len(shape)) + tuple(shape)
+    if len(domain) and padded[-1] == 1 and domain[-1] != 1:
+        return Kind.ROW
+    return Kind.FULL
+
+
+def _domain(sub_gm: GraphModule) -> tuple:
+    """The cluster's iteration space: the largest shape any of its values has."""
+    shapes = [tuple(_val(n).shape) for n in sub_gm.graph.nodes if n.op in ("call_function", "placeholder")]
+    return max(shapes, key=lambda s: (math.prod(s), len(s)))
+
+
+def _signature(sub_gm: GraphModule) -> tuple:
+    parts = []
+    for n in sub_gm.graph.nodes:
+        if n.op == "placeholder":
+            v = _val(n)
+            parts.append(("in", v.dtype, tuple(v.shape)))
+        elif n.op == "call_function":
+            args = tuple(("node", a.name) if isinstance(a, Node) else a for a in n.args)
+            parts.append((n.name, str(n.target), args, tuple(sorted(n.kwargs.items(), key=str)), _val(n).dtype))
+        elif n.op == "output":
+            parts.append(("out", tuple(a.name for a in n.args[0])))
+    return tuple(parts)
+
+
+def lower(sub_gm: GraphModule) -> tuple[Program, list[Kind], list[Kind], tuple]:
+    """The cluster's program, its inputs' and outputs' kinds, and its iteration space."""
+    domain = _domain(sub_gm)
+    program = Program()
+    emitter = Emitter(program)
+    env: dict[Node, Reg] = {}
+    in_kinds, out_kinds = [], []
+    for n in sub_gm.graph.nodes:
+        if n.op == "placeholder":
+            v = _val(n)
+            kind = _role(tuple(v.shape), domain)
+            reg = program.register(kind)
+            program.emit(Op.LOAD, reg, len(in_kinds))
+            program.input_dtypes.append(TORCH_DTYPES.get(v.dtype, DType.FLOAT32))
+            in_kinds.append(kind)
+            env[n] = Reg(reg)
+        elif n.op == "call_function":
+            args = [env[a] if isinstance(a, Node) else a for a in n.args]
+            kwargs = dict(n.kwargs)
+            if n.target is torch.ops.aten.mean.dim:
+                kwargs["cols"] = domain[-1]
+            env[n] = LOWERINGS[n.target](emitter, *args, **kwargs)
+        elif n.op == "output":
+            for i, out in enumerate(n.args[0]):
+                reg = env[out]
+                program.emit(Op.STORE, 0, reg, i)
+                program.output_dtypes.append(TORCH_DTYPES[_val(out).dtype])
+                out_kinds.append(Kind.ROW if program.register_kinds[reg] == Kind.ROW else Kind.FULL)
+    return program, in_kinds, out_kinds, domain
+
+
+def build(sub_gm: GraphModule) -> FusedOp:
+    key = _signature(sub_gm)
+    cached = _CACHE.get(key)
+    if cached is None:
+        t0 = time.perf_counter()
+        cached = lower(sub_gm)
+        STATS["build_seconds"].append(time.perf_counter() - t0)
+        STATS["programs_built"] += 1
+        _CACHE[key] = cached
+    else:
+        STATS["cache_hits"] += 1
+    program, in_kinds, out_kinds, _ = cached
+    outputs = [n for n in sub_gm.graph.nodes if n.op == "output"][0].args[0]
+    return FusedOp(program, in_kinds, out_kinds, [_val(o).dtype for o in outputs], sub_gm)
+
+
+def _rows_view(t: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, int, int]:
+    """`t` broadcast to `shape`, as (tensor, row_stride, col_stride) of a [rows, cols] view; a copy
+    only when the leading dimensions cannot be walked with one stride."""
+    e = t.expand(shape) if tuple(t.shape) != tuple(shape) else t
+    if len(shape) == 0:
+        return e, 0, 0
+    col_stride = e.stride(-1) if shape[-1] != 1 else 0
+    lead = [(s, st) for s, st in zip(shape[:-1], e.stride()[:-1], strict=True) if s != 1]
+    if not lead:
+        return e, 0, col_stride
+    row_stride = lead[-1][1]
+    for (_, stride), (next_size, next_stride) in zip(lead[:-1], lead[1:], strict=True):
+        if stride != next_stride * next_size:
+            e = e.contiguous()
+            return e, shape[-1], 1 if shape[-1] != 1 else 0
+    return e, row_stride, col_stride
+
+
+class FusedOp(nn.Module):
+    """One fused cluster: runs its program on the VM; falls back to the cluster's own ATen graph
+    for inputs the VM cannot take (another device, a dtype it does not load)."""
+
+    def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, fallback: GraphModule):
+        super().__init__()
+        self.program, self.in_kinds, self.out_kinds, self.out_dtypes = program, in_kinds, out_kinds, out_dtypes
+        self.fallback = fallback
+
+    def forward(self, *inputs):
+        if any(t.device.type != "cpu" or t.dtype not in TORCH_DTYPES for t in inputs):
+            return self.fallback(*inputs)
+        full = [t.shape for t, k in zip(inputs, self.in_kinds, strict=True) if k == Kind.FULL]
+        shape = tuple(torch.broadcast_shapes(*full)) if full else tuple(inputs[0].shape)
+        rows, cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+        row_shape = shape[:-1] + (1,) if shape else ()
+        views, strides = [], []
+        for t, kind in zip(inputs, self.in_kinds, strict=True):
+            if kind == Kind.SCALAR:
+                views.append(t)
+                strides.append((0, 0))
+            else:
+                v, rs, cs = _rows_view(t, shape if kind == Kind.FULL else row_shape)
+                views.append(v)
+                strides.append((rs, cs))
+        outs, out_strides = [], []
+        for kind, dtype in zip(self.out_kinds, self.out_dtypes, strict=True):
+            if kind == Kind.ROW:
+                outs.append(torch.empty(row_shape, dtype=dtype))
+                out_strides.append((1, 0))
+            else:
+                outs.append(torch.empty(shape, dtype=dtype))
+                out_strides.append((cols, 1))
+        _runner()(self.program, views, outs, rows, cols, strides, out_strides)
+        return tuple(outs)
+
+
+def _runner():
+    """The native VM when built, else the PyTorch reference interpreter (correct, slow)."""
+    try:
+        from hyperparallel.fusion import vm
+    except ImportError:
+        return reference.run
+    return vm.run if vm.LIB is not None else reference.run

@@ -1,0 +1,56 @@
+"""The DVM bytecode run by PyTorch ops, one instruction at a time on whole [rows, cols] tensors:
+the executable spec the native VM is tested against (slow; never used for speed)."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperparallel.fusion.bytecode import WORDS, DType, Kind, Op, Program
+
+_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
+_UNARY = {
+    Op.NEG: torch.neg, Op.ABS: torch.abs, Op.EXP: torch.exp, Op.LOG: torch.log, Op.SQRT: torch.sqrt,
+    Op.RSQRT: torch.rsqrt, Op.RECIP: torch.reciprocal, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid,
+    Op.RELU: torch.relu, Op.ERF: torch.erf, Op.SILU: torch.nn.functional.silu,
+    Op.GELU_ERF: torch.nn.functional.gelu, Op.GELU_TANH: lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    Op.SIN: torch.sin, Op.COS: torch.cos, Op.LOG1P: torch.log1p, Op.EXPM1: torch.expm1,
+    Op.ROUND_BF16: lambda x: x.bfloat16().float(), Op.ROUND_F16: lambda x: x.half().float(), Op.COPY: torch.clone,
+}
+_BINARY = {
+    Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div, Op.MAX: torch.maximum,
+    Op.MIN: torch.minimum, Op.POW: torch.pow,
+    Op.GT: lambda a, b: (a > b).float(), Op.GE: lambda a, b: (a >= b).float(), Op.LT: lambda a, b: (a < b).float(),
+    Op.LE: lambda a, b: (a <= b).float(), Op.EQ: lambda a, b: (a == b).float(), Op.NE: lambda a, b: (a != b).float(),
+}
+_REDUCE = {Op.RSUM: lambda x: x.sum(-1, keepdim=True), Op.RMAX: lambda x: x.amax(-1, keepdim=True),
+           Op.RMIN: lambda x: x.amin(-1, keepdim=True)}
+
+
+def _as_rows(t: torch.Tensor, rows: int, cols: int, strides: tuple[int, int]) -> torch.Tensor:
+    return torch.as_strided(t, (rows, cols), strides, t.storage_offset())
+
+
+def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, output_strides) -> None:
+    regs: dict[int, torch.Tensor] = {}
+    code = program.code
+    for i in range(0, len(code), WORDS):
+        op, dst, a, b, c = (Op(code[i]), *code[i + 1:i + WORDS])
+        kind = program.register_kinds[dst] if op != Op.STORE else None
+        if op == Op.LOAD:
+            t = _as_rows(inputs[a], rows, cols, input_strides[a]).float()
+            regs[dst] = t[:1, :1] if kind == Kind.SCALAR else (t[:, :1] if kind == Kind.ROW else t)
+        elif op == Op.CONST:
+            regs[dst] = torch.full((1, 1), program.immediates[a], dtype=torch.float32)
+        elif op == Op.STORE:
+            out = _as_rows(outputs[b], rows, cols, output_strides[b])
+            out.copy_(regs[a].expand(rows, cols).to(out.dtype))
+        elif op in _UNARY:
+            regs[dst] = _UNARY[op](regs[a])
+        elif op in _BINARY:
+            regs[dst] = _BINARY[op](regs[a], regs[b])
+        elif op == Op.WHERE:
+            regs[dst] = torch.where(regs[a] != 0, regs[b], regs[c])
+        elif op in _REDUCE:
+            regs[dst] = _REDUCE[op](regs[a].expand(rows, cols))
+        else:
+            raise ValueError(f"DVM reference: unknown opcode {op}")
