@@ -4,8 +4,8 @@ Registered under the name `dvm` through the `torch_dynamo_backends` entry point 
 so it works after install without importing hyperparallel first.
 
 A graph whose inputs need gradients goes through AOTAutograd (forward and backward ATen graphs,
-each fused the same way). A graph that needs none does not pay for AOTAutograd: it is traced to
-ATen once with make_fx. Either way, `fuse(gm)` finds the clusters (partition.py), replaces each by
+each fused the same way). A graph that needs none does not pay for AOTAutograd, nor for any
+tracing: Dynamo's own graph is used, its element-wise nodes rewritten to ATen (canonical.py). Either way, `fuse(gm)` finds the clusters (partition.py), replaces each by
 one FusedOp (compile.py) and leaves every other node as the ATen op it was.
 """
 
@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from hyperparallel.fusion import compile as dvm_compile
+from hyperparallel.fusion.canonical import canonicalize
 from hyperparallel.fusion.partition import find_clusters
 
 STATS = {"graphs": 0, "clusters": 0, "fused_ops": 0, "backend_seconds": []}
@@ -67,12 +68,8 @@ def dvm(gm: GraphModule, example_inputs):
 
 
 def _inference(gm: GraphModule, example_inputs):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    # outside dynamo's tracing context, make_fx makes its own fake mode: static shapes, as given
-    with torch._guards.tracing(None):
-        traced = make_fx(gm, tracing_mode="fake")(*example_inputs)
-    fused = fuse(traced)
+    """No gradients: Dynamo's own graph, its element-wise nodes rewritten to ATen (canonical.py)."""
+    fused = fuse(canonicalize(gm))
 
     def run(*args):
         with torch.no_grad():

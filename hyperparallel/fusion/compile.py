@@ -102,7 +102,20 @@ def build(sub_gm: GraphModule) -> FusedOp:
         STATS["cache_hits"] += 1
     program, in_kinds, out_kinds, _ = cached
     outputs = [n for n in sub_gm.graph.nodes if n.op == "output"][0].args[0]
-    return FusedOp(program, in_kinds, out_kinds, [_val(o).dtype for o in outputs], sub_gm)
+    orders = [_memory_order(_val(o)) for o in outputs]
+    return FusedOp(program, in_kinds, out_kinds, [_val(o).dtype for o in outputs], orders, sub_gm)
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The order of t's dimensions in memory, outermost first (what the graph after it may rely on)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d)))
+
+
+def _empty_in_order(shape: tuple, dtype: torch.dtype, order: tuple[int, ...]) -> torch.Tensor:
+    if len(order) != len(shape) or order == tuple(range(len(shape))):
+        return torch.empty(shape, dtype=dtype)
+    out = torch.empty([shape[d] for d in order], dtype=dtype)
+    return out.permute([order.index(d) for d in range(len(shape))])
 
 
 def _rows_view(t: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, int, int]:
@@ -127,9 +140,10 @@ class FusedOp(nn.Module):
     """One fused cluster: runs its program on the VM; falls back to the cluster's own ATen graph
     for inputs the VM cannot take (another device, a dtype it does not load)."""
 
-    def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, fallback: GraphModule):
+    def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, out_orders, fallback: GraphModule):
         super().__init__()
         self.program, self.in_kinds, self.out_kinds, self.out_dtypes = program, in_kinds, out_kinds, out_dtypes
+        self.out_orders = out_orders  # each output's dimension order in memory, outermost first, as ATen's
         self.fallback = fallback
 
     def forward(self, *inputs):
@@ -148,15 +162,19 @@ class FusedOp(nn.Module):
                 v, rs, cs = _rows_view(t, shape if kind == Kind.FULL else row_shape)
                 views.append(v)
                 strides.append((rs, cs))
-        outs, out_strides = [], []
-        for kind, dtype in zip(self.out_kinds, self.out_dtypes, strict=True):
+        outs, targets, out_strides = [], [], []
+        for kind, dtype, order in zip(self.out_kinds, self.out_dtypes, self.out_orders, strict=True):
+            out = _empty_in_order(row_shape if kind == Kind.ROW else shape, dtype, order)
+            target, rs, cs = _rows_view(out, row_shape if kind == Kind.ROW else shape)
             if kind == Kind.ROW:
-                outs.append(torch.empty(row_shape, dtype=dtype))
-                out_strides.append((1, 0))
-            else:
-                outs.append(torch.empty(shape, dtype=dtype))
-                out_strides.append((cols, 1))
-        _runner()(self.program, views, outs, rows, cols, strides, out_strides)
+                rs, cs = (rs if target is out else 1), 0
+            outs.append(out)
+            targets.append(target)
+            out_strides.append((rs, cs))
+        _runner()(self.program, views, targets, rows, cols, strides, out_strides)
+        for out, target in zip(outs, targets, strict=True):
+            if target is not out and target.data_ptr() != out.data_ptr():  # a layout the VM cannot walk
+                out.copy_(target)
         return tuple(outs)
 
 

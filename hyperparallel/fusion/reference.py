@@ -42,8 +42,13 @@ def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, 
         elif op == Op.CONST:
             regs[dst] = torch.full((1, 1), program.immediates[a], dtype=torch.float32)
         elif op == Op.STORE:
-            out = _as_rows(outputs[b], rows, cols, output_strides[b])
-            out.copy_(regs[a].expand(rows, cols).to(out.dtype))
+            row_stride, col_stride = output_strides[b]
+            if col_stride == 0:  # one value per row
+                out = torch.as_strided(outputs[b], (rows, 1), (row_stride, 0), outputs[b].storage_offset())
+                out.copy_(regs[a].expand(rows, cols)[:, :1].to(out.dtype))
+            else:
+                out = _as_rows(outputs[b], rows, cols, output_strides[b])
+                out.copy_(regs[a].expand(rows, cols).to(out.dtype))
         elif op in _UNARY:
             regs[dst] = _UNARY[op](regs[a])
         elif op in _BINARY:

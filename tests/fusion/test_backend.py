@@ -1,0 +1,271 @@
+"""torch.compile(backend="dvm") against eager: ops, chains, forward and backward, dtypes, shapes;
+what the partitioner fuses and what it leaves to ATen; a tiny Qwen3 training step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyperparallel.fusion import backend as dvm_backend
+from hyperparallel.fusion import compile as dvm_compile
+from hyperparallel.fusion.backend import dvm
+
+torch._dynamo.config.cache_size_limit = 512
+
+# fp32: the VM's exp/tanh/erf/... are within a few float32 ulp of libm and fp32 chains round like
+# eager, so 1e-5 relative (+1e-6 absolute near 0). bf16/fp16: eager rounds after every op, the VM
+# only where the graph casts and at the end (as Inductor does), so both are compared with the same
+# code run in fp32 on the same inputs: the VM must be as close to it as eager is, give or take one
+# unit in the last place of the output dtype.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6)}
+ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_close_or_closer(got, eager, exact, dtype, label=""):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, eager, **TOL[dtype], msg=lambda m: f"{label}{m}")
+        return
+    got, eager, exact = got.float(), eager.float(), exact.float()
+    # beyond eager's own error: 4 units of the element and 2 of the tensor's largest value (a
+    # gradient summing terms of opposite sign has an error of its terms' size, not its own)
+    slack = 4 * ULP[dtype] * exact.abs() + 2 * ULP[dtype] * exact.abs().max()
+    worse = (got - exact).abs() > (eager - exact).abs() + slack
+    assert not worse.any(), (f"{label}{int(worse.sum())} elements further from the fp32 result than eager's; "
+                             f"max {((got - exact).abs() - (eager - exact).abs()).max().item()}")
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=dvm)
+
+
+def fused_count() -> int:
+    return dvm_backend.STATS["fused_ops"]
+
+
+def _leaves(args, dtype):
+    return [a.detach().to(dtype).requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a for a in args]
+
+
+def _run(fn, args, backward, grad_seed=5):
+    """Output and input gradients of fn (the output's gradient: fixed random values)."""
+    if not backward:
+        with torch.no_grad():
+            return fn(*args), []
+    out = fn(*args)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    out.backward(g)
+    return out.detach(), [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def check(fn, *args, dtype=torch.float32, backward=False, expect_fused=True):
+    before = fused_count()
+    rounded = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    got = _run(compiled(fn), _leaves(rounded, dtype), backward)
+    eager = _run(fn, _leaves(rounded, dtype), backward)
+    exact = _run(fn, _leaves(rounded, torch.float32), backward) if dtype != torch.float32 else eager
+    for i, (a, b, c) in enumerate(zip([got[0], *got[1]], [eager[0], *eager[1]], [exact[0], *exact[1]], strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_close_or_closer(a, b, c, dtype, label="output: " if i == 0 else f"grad {i - 1}: ")
+    if expect_fused:
+        assert fused_count() > before, "nothing was fused"
+
+
+def x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": lambda t: torch.log(t.abs() + 0.1),
+    "sqrt": lambda t: torch.sqrt(t.abs()), "rsqrt": lambda t: torch.rsqrt(t.abs() + 0.1),
+    "reciprocal": lambda t: torch.reciprocal(t + 3.0), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "relu": torch.relu, "erf": torch.erf, "silu": F.silu, "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sin": torch.sin, "cos": torch.cos,
+    "log1p": lambda t: torch.log1p(t.abs()), "expm1": torch.expm1,
+}
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 0.5),
+    "maximum": torch.maximum, "minimum": torch.minimum, "pow": lambda a, b: torch.pow(a.abs() + 0.1, b),
+    "where_gt": lambda a, b: torch.where(a > b, a, b * 2), "where_le": lambda a, b: torch.where(a <= b, a - b, b),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_each_unary_op(name, dtype):
+    op = UNARY[name]
+    check(lambda t: op(t) * 1.5 + 0.25, x(33, 70), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_each_binary_op(name, dtype):
+    op = BINARY[name]
+    check(lambda a, b: op(a, b) - 0.5, x(17, 130), x(17, 130, seed=1), dtype=dtype)
+
+
+def gelu_tanh_decomposed(t):
+    return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t.pow(3))))
+
+
+def gelu_erf_decomposed(t):
+    return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2)))
+
+
+def rmsnorm(t, w):
+    tf = t.float()
+    return w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(t.dtype)
+
+
+CHAINS = {
+    "gelu_tanh_decomposed": (gelu_tanh_decomposed, lambda: (x(64, 96),)),
+    "gelu_erf_decomposed": (gelu_erf_decomposed, lambda: (x(64, 96),)),
+    "silu_decomposed": (lambda t: t * torch.sigmoid(t), lambda: (x(64, 96),)),
+    "swiglu": (lambda a, b: F.silu(a) * b, lambda: (x(64, 96), x(64, 96, seed=1))),
+    "rmsnorm": (rmsnorm, lambda: (x(64, 96), x(96, seed=2))),
+    "softmax": (lambda t: torch.softmax(t * 2.0, dim=-1), lambda: (x(64, 96),)),
+    "softmax_decomposed": (lambda t: (t - t.amax(-1, keepdim=True)).exp() / (t - t.amax(-1, keepdim=True)).exp()
+                           .sum(-1, keepdim=True), lambda: (x(64, 96),)),
+    "broadcast_row_and_scalar": (lambda t, r: (t - r) * torch.tensor(3.0) + r.exp(), lambda: (x(8, 5, 96), x(8, 5, 1))),
+    "odd_shape_3d": (lambda t: torch.tanh(t) * t + 1, lambda: (x(3, 7, 1001),)),
+    "one_element": (lambda t: t.exp() + t, lambda: (x(1, 1),)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_chains(name, dtype, backward):
+    fn, make = CHAINS[name]
+    check(fn, *make(), dtype=dtype, backward=backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_cast_chain_to_fp32_and_back(dtype, backward):
+    def chain(t):
+        y = t.float()
+        return (torch.sigmoid(y * 0.5 + 0.1) * y).to(t.dtype)
+
+    check(chain, x(40, 300), dtype=dtype, backward=backward)
+
+
+def test_cast_chain_keeps_fp32_output_exactly_as_eager_fp32():
+    def chain(t):
+        return torch.tanh(t.float() * 3) - 1
+
+    check(chain, x(40, 300).bfloat16(), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_non_contiguous_inputs(backward):
+    base = x(96, 64)
+    check(lambda t, w: F.silu(t) * w + t, base.t(), x(96, seed=3), backward=backward)
+    check(lambda t: torch.sigmoid(t) * 2 - t, base[::2, 1:], backward=backward)
+
+
+def test_an_opaque_op_splits_the_chain_and_runs_as_aten():
+    def fn(a, b):
+        h = torch.tanh(a) * 2 + 1
+        y = h @ b  # a matmul: opaque, ATen's
+        return torch.sigmoid(y) * y - 1
+
+    before = fused_count()
+    check(fn, x(16, 32), x(32, 24, seed=1))
+    assert fused_count() - before == 2  # the chain before the matmul and the one after
+
+
+def test_integer_work_is_left_to_aten():
+    def fn(a, idx):
+        return torch.exp(a) * 2 + (idx * 3).float()
+
+    with torch.no_grad():
+        got = compiled(fn)(x(4, 8), torch.arange(32).reshape(4, 8))
+    torch.testing.assert_close(got, fn(x(4, 8), torch.arange(32).reshape(4, 8)))
+
+
+def test_no_cycles_through_an_opaque_op():
+    """a -> b directly and a -> matmul -> b: fusing a with b would make b wait for itself."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyperparallel.fusion.partition import find_clusters
+
+    def fn(t, m):
+        a = torch.exp(t) + 1
+        mid = a @ m
+        return torch.tanh(a) * mid
+
+    gm = make_fx(fn, tracing_mode="fake")(x(8, 8), x(8, 8, seed=1))
+    for cluster in find_clusters(gm.graph, min_ops=1):
+        names = {n.name for n in cluster.nodes}
+        assert not ({"exp", "add"} & names and "mul" in names), names
+    check(fn, x(8, 8), x(8, 8, seed=1))
+
+
+def test_dtype_regions_and_limits():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyperparallel.fusion import partition
+
+    def fn(t):
+        y = (t * 2 + 1).float()  # a bf16 region, a cast, then an fp32 region
+        return torch.sigmoid(y) * y
+
+    gm = make_fx(fn, tracing_mode="fake")(x(8, 8).bfloat16())
+    [cluster] = partition.find_clusters(gm.graph)
+    dtypes = [region[0].meta["val"].dtype for region in cluster.regions]
+    assert dtypes == [torch.bfloat16, torch.float32, torch.float32] or dtypes[:2] == [torch.bfloat16, torch.float32]
+
+    def long_chain(t):
+        for i in range(3 * partition.MAX_OPS):
+            t = t * 1.001 + 0.001 * i
+        return t
+
+    gm = make_fx(long_chain, tracing_mode="fake")(x(8, 8))
+    clusters = partition.find_clusters(gm.graph)
+    assert len(clusters) >= 3 and all(len(c.nodes) <= partition.MAX_OPS for c in clusters)
+    check(long_chain, x(8, 8), dtype=torch.float32)
+
+
+def test_programs_are_cached_by_graph_signature():
+    dvm_compile._CACHE.clear()
+    built = dvm_compile.STATS["programs_built"]
+    for shape in ((8, 16), (8, 16)):
+        check(lambda t: torch.tanh(t) * 3 + t, x(*shape))
+    assert dvm_compile.STATS["programs_built"] == built + 1
+
+
+def test_the_native_vm_runs_when_built():
+    from hyperparallel.fusion import vm
+
+    assert vm.LIB is not None, "hyperparallel._dvm_native is not built: run make setup"
+    assert dvm_compile._runner() is vm.run
+
+
+def test_backend_is_registered_by_name():
+    assert "dvm" in torch._dynamo.list_backends()
+
+
+def test_tiny_qwen3_training_step_matches_eager():
+    from hyperparallel.models import build_model
+
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 64}
+    eager = build_model("qwen3", config=config, seed=0)
+    fused = build_model("qwen3", config=config, seed=0)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    before = fused_count()
+    torch._dynamo.reset()
+    step = torch.compile(lambda m: m(input_ids=ids, labels=ids).loss, backend=dvm)
+    loss = step(fused)
+    loss.backward()
+    want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert fused_count() > before
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(fused.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
