@@ -28,28 +28,38 @@ def _val(node: Node) -> torch.Tensor:
     return node.meta["val"]
 
 
+def _one(size) -> bool:
+    # a symbolic size is never 1: Dynamo specializes sizes 0 and 1
+    return type(size) is int and size == 1
+
+
 def _role(shape: tuple, domain: tuple) -> Kind:
     """How an input of `shape` is read in a space of `domain`: per element, per row, or one value."""
-    if math.prod(shape) == 1:
+    if all(_one(d) for d in shape):
         return Kind.SCALAR
     padded = (1,) * (len(domain) - len(shape)) + tuple(shape)
-    if len(domain) and padded[-1] == 1 and domain[-1] != 1:
+    if len(domain) and _one(padded[-1]) and not _one(domain[-1]):
         return Kind.ROW
     return Kind.FULL
 
 
 def _domain(sub_gm: GraphModule) -> tuple:
-    """The cluster's iteration space: the largest shape any of its values has."""
+    """The cluster's iteration space: what all its values broadcast to."""
     shapes = [tuple(_val(n).shape) for n in sub_gm.graph.nodes if n.op in ("call_function", "placeholder")]
-    return max(shapes, key=lambda s: (math.prod(s), len(s)))
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
 def _signature(sub_gm: GraphModule) -> tuple:
+    """What a program depends on: ops, arguments, dtypes and each input's kind, not shapes (the
+    row count and width come with each call), except the width a mean divides by."""
+    domain = _domain(sub_gm)
     parts = []
+    if any(n.target is torch.ops.aten.mean.dim for n in sub_gm.graph.nodes):
+        parts.append(("cols", domain[-1]))
     for n in sub_gm.graph.nodes:
         if n.op == "placeholder":
             v = _val(n)
-            parts.append(("in", v.dtype, tuple(v.shape)))
+            parts.append(("in", v.dtype, _role(tuple(v.shape), domain)))
         elif n.op == "call_function":
             args = tuple(("node", a.name) if isinstance(a, Node) else a for a in n.args)
             parts.append((n.name, str(n.target), args, tuple(sorted(n.kwargs.items(), key=str)), _val(n).dtype))

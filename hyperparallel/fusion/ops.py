@@ -265,6 +265,8 @@ def fusible(node: Node) -> bool:
             dims, keepdim = node.args[1], (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
             if node.kwargs.get("dtype") is not None:
                 return False
+            if node.target is aten.mean.dim and not isinstance(node.args[0].meta["val"].shape[-1], int):
+                return False  # a mean divides by the width: it must be known when the program is built
         else:
             dims, keepdim = (node.args[1] if len(node.args) > 1 else ()), (node.args[2] if len(node.args) > 2 else False)
         return bool(keepdim) and _last_dim_only(node, dims)
