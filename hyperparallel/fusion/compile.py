@@ -19,9 +19,10 @@ from torch.fx import GraphModule, Node
 from hyperparallel.fusion import reference
 from hyperparallel.fusion.bytecode import TORCH_DTYPES, DType, Kind, Op, Program
 from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
+from hyperparallel.mx.backends import host_cache
 
 _CACHE: dict[tuple, tuple] = {}
-STATS = {"programs_built": 0, "cache_hits": 0, "build_seconds": []}
+STATS = {"programs_built": 0, "cache_hits": 0, "build_seconds": [], "built_graphs": []}
 
 
 def _val(node: Node) -> torch.Tensor:
@@ -46,7 +47,15 @@ def _role(shape: tuple, domain: tuple) -> Kind:
 def _domain(sub_gm: GraphModule) -> tuple:
     """The cluster's iteration space: what all its values broadcast to."""
     shapes = [tuple(_val(n).shape) for n in sub_gm.graph.nodes if n.op in ("call_function", "placeholder")]
-    return tuple(torch.broadcast_shapes(*shapes))
+    rank = max(len(s) for s in shapes)
+    if not all(type(d) is int for s in shapes for d in s):
+        return tuple(torch.broadcast_shapes(*shapes))  # symbolic sizes: torch's rules and guards
+    out = [1] * rank
+    for s in shapes:  # (the shapes are known to broadcast: they come from a graph that ran)
+        for i, d in enumerate(s, rank - len(s)):
+            if d != 1:
+                out[i] = d
+    return tuple(out)
 
 
 def _signature(sub_gm: GraphModule) -> tuple:
@@ -106,6 +115,7 @@ def build(sub_gm: GraphModule) -> FusedOp:
         t0 = time.perf_counter()
         cached = lower(sub_gm)
         STATS["build_seconds"].append(time.perf_counter() - t0)
+        STATS["built_graphs"][:] = STATS["built_graphs"][-63:] + [sub_gm]  # the latest few, for benchmarks
         STATS["programs_built"] += 1
         _CACHE[key] = cached
     else:
@@ -121,10 +131,16 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d)))
 
 
+def _empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    # Large outputs come from the buffers PyTorch gave back (mx's host cache): a fresh glibc
+    # block costs a page fault per 4 KiB, more than the fused work on it.
+    return host_cache.empty(tuple(shape), dtype)
+
+
 def _empty_in_order(shape: tuple, dtype: torch.dtype, order: tuple[int, ...]) -> torch.Tensor:
     if len(order) != len(shape) or order == tuple(range(len(shape))):
-        return torch.empty(shape, dtype=dtype)
-    out = torch.empty([shape[d] for d in order], dtype=dtype)
+        return _empty(shape, dtype)
+    out = _empty([shape[d] for d in order], dtype)
     return out.permute([order.index(d) for d in range(len(shape))])
 
 

@@ -41,10 +41,12 @@ class Emitter:
         return value if isinstance(value, Reg) else self.program.constant(float(value))
 
     def apply(self, op: Op, *operands) -> Reg:
-        regs = [self.operand(v) for v in operands]
-        kind = Kind(min(self.kind(r) for r in regs))  # FULL(0) < ROW(1) < SCALAR(2): the widest wins
-        dst = self.program.register(kind)
-        self.program.emit(op, dst, *regs)
+        regs = [v if isinstance(v, Reg) else self.program.constant(float(v)) for v in operands]
+        kinds = self.program.register_kinds
+        kind = min(kinds[r] for r in regs)  # FULL(0) < ROW(1) < SCALAR(2): the widest wins
+        kinds.append(kind)
+        dst = len(kinds) - 1
+        self.program.code += [op, dst, *regs, *(0,) * (3 - len(regs))]
         return Reg(dst)
 
     def reduce(self, op: Op, reg: int) -> Reg:

@@ -49,6 +49,11 @@ def set_limit(nbytes: int) -> int:
     return LIB.hp_cache_set_limit(nbytes)
 
 
+def limit() -> int:
+    """The bytes of free buffers the cache may keep."""
+    return _limit
+
+
 def empty_cache() -> None:
     """Return every free buffer to the system; the limit stays as it was."""
     limit = _limit
