@@ -29,6 +29,8 @@ bench: setup
 	$(PY) -m hyperparallel bench mx
 	$(PY) -m hyperparallel bench train
 	$(PY) -m hyperparallel bench fsdp
+	$(PY) -m hyperparallel bench checkpoint
+	$(PY) -m hyperparallel bench fusion
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks

@@ -14,7 +14,8 @@ from pathlib import Path
 from hyperparallel import __version__
 from hyperparallel.errors import HyperparallelError
 
-BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py"}
+BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
+              "fusion": "fusion.py"}
 
 
 def _benchmark_path(name: str) -> Path:
