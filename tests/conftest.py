@@ -10,13 +10,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Each native library and the C sources it is built from (setup.py).
+NATIVE = {"hyperparallel._mx_native": "mx_*.[ch]", "hyperparallel._dvm_native": "dvm_*.[ch]"}
+
+
 def pytest_sessionstart(session):
-    # The native library is built by `make setup`; testing an old build against new sources
+    # The native libraries are built by `make setup`; testing an old build against new sources
     # would report on code that is not the code under test.
-    spec = importlib.util.find_spec("hyperparallel._mx_native")
-    if spec is None or spec.origin is None:
-        raise pytest.UsageError("hyperparallel._mx_native is not built: run `make setup` (or `make test`)")
-    built = Path(spec.origin).stat().st_mtime
-    stale = [p.name for p in (ROOT / "csrc").glob("*.[ch]") if p.stat().st_mtime > built]
-    if stale:
-        raise pytest.UsageError(f"hyperparallel._mx_native is older than csrc/{stale[0]}: run `make setup` to rebuild it")
+    for module, sources in NATIVE.items():
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise pytest.UsageError(f"{module} is not built: run `make setup` (or `make test`)")
+        built = Path(spec.origin).stat().st_mtime
+        stale = [p.name for p in (ROOT / "csrc").glob(sources) if p.stat().st_mtime > built]
+        if stale:
+            raise pytest.UsageError(f"{module} is older than csrc/{stale[0]}: run `make setup` to rebuild it")

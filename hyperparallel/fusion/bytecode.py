@@ -34,6 +34,37 @@ between, except ROUND_BF16 / ROUND_F16, which round a float32 value to bf16 / fp
 an explicit cast in the graph does). So a bf16 or fp16 chain differs from eager (which rounds
 after every op) by at most that rounding of intermediates; fp32 chains match eager within fp32
 rounding of the transcendental functions (documented per op in docs/fusion.md).
+
+How the VM (csrc/dvm_vm.c) reads the points above that leave room, and its limits:
+- Kinds: a result's register has exactly the widest kind of its operands; only CONST and COPY
+  may write a wider register (the value broadcast). A LOAD into FULL takes any strides (0 too);
+  into ROW it needs col_stride 0, into SCALAR both 0 (a stride of a size-1 dimension counts as 0).
+- Registers may be written more than once; reading one before any write is an error.
+- RSUM/RMAX/RMIN write a ROW register. A FULL operand makes tiles span whole rows, so `cols` is at
+  most 2^20 (vm.MAX_REDUCE_COLS); a ROW or SCALAR operand is a value repeated along the row (sum:
+  cols times it, max/min: itself). RMAX/RMIN propagate NaN (torch.amax); RSUM adds in a vectorized
+  order, not left to right (within fp32 rounding of eager's own order).
+- STORE: a FULL value may not meet a broadcast (stride 0) dimension of the output of size > 1
+  (several values, one element); a ROW value not a broadcast row dimension. ROW and SCALAR values
+  are written once into the output's broadcast dimensions and repeated along the others.
+- Immediates are doubles, rounded to float32 where a CONST reads them.
+- Comparisons give 1.0 / 0.0 (NaN compares false, except NE); WHERE takes NaN as true (!= 0);
+  MAX/MIN return NaN if either operand is (torch.maximum); RELU keeps NaN; POW is powf (exponents
+  2, 3, 0.5, -0.5, 1, 0, -1, -2 of a SCALAR register run as exact vector code with powf's results).
+- SIGMOID, SILU, TANH and the GELUs use e^-|x|, flushed to 0 below 2^-126: sigmoid(x < -87.3) is 0
+  (eager: the subnormal value or 0). SILU(-inf) and GELU(-inf) are NaN, as eager's formulas give;
+  GELU_ERF(+inf) is +inf (eager: NaN). GELU_TANH is computed as x * sigmoid(2u), the same function
+  without 1 + tanh's cancellation for negative x (eager's float formula has large relative errors
+  there). SQRT is correctly rounded (eager's vectorized sqrt can be an ulp off).
+- Max error against the exact function, in float32 ulps, over every float32 input (csrc/dvm_math.h;
+  tests/fusion/test_vm.py samples it): EXP 1, EXPM1 1.5, LOG 0.9, LOG1P 1.5, TANH 1.5, SIGMOID 2.4,
+  ERF 2.9, SIN/COS 1.6, SILU 3.4, GELU_ERF 2.7 and GELU_TANH 3.4 (x >= -1; below, the rounding of
+  the float32 argument dominates a tiny result). The other operations are IEEE exact.
+- bf16 / fp16 loads are exact; stores and ROUND_* round to nearest even, overflow to inf, keep
+  NaN NaN (quiet, sign kept; the payload may change).
+- Memory: every element a tensor's strides address over the space must lie inside it; an output
+  may overlap an input only element for element (same strides), and a LOAD after a STORE to the
+  same memory within one program sees the stored value.
 """
 
 from __future__ import annotations

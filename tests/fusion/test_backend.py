@@ -16,11 +16,12 @@ from hyperparallel.fusion.backend import dvm
 torch._dynamo.config.cache_size_limit = 512
 
 # fp32: the VM's exp/tanh/erf/... are within a few float32 ulp of libm and fp32 chains round like
-# eager, so 1e-5 relative (+1e-6 absolute near 0). bf16/fp16: eager rounds after every op, the VM
+# eager, so 1e-5 relative; 1e-5 absolute for values near 0, which a row sum with cancellation
+# (the gradient of a broadcast input) reaches in another order than eager's. bf16/fp16: eager rounds after every op, the VM
 # only where the graph casts and at the end (as Inductor does), so both are compared with the same
 # code run in fp32 on the same inputs: the VM must be as close to it as eager is, give or take one
 # unit in the last place of the output dtype.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5)}
 ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 

@@ -1,0 +1,430 @@
+/*
+ * DVM: runs a bytecode program (hyperparallel/fusion/bytecode.py) over a rows x cols space.
+ *
+ * Plain C (no Python or PyTorch headers); hyperparallel/fusion/vm.py passes raw pointers through
+ * ctypes. One call: check the program against its tensors (nothing runs when anything is off),
+ * give FULL registers buffers by liveness (a register whose last use is an instruction lends
+ * its buffer to that instruction's result), pick the tile shape, and hand runs of consecutive
+ * tiles to OpenMP threads as they come for them. The tile shape depends only on the program and
+ * the shape, never on the thread count, so results are bitwise the same for any number of
+ * threads.
+ *
+ * Memory: an fp32 input whose tile rows are contiguous is read in place (no copy into a register
+ * buffer) unless an output overlaps it; the next tile's inputs are prefetched while a tile
+ * computes; outputs of 16 MiB and more are written with non-temporal stores.
+ *
+ * Tiles: a FULL register of a tile holds about hp_dvm_tile_elems() floats (2048 by default:
+ * the buffers of a typical chain stay in L1); without a row reduction a tile is a block of
+ * columns of one or several rows, with one it spans whole rows (at least one row, so up to
+ * DVM_MAX_REDUCE_COLS columns). A program with no ROW register and no reduction over tensors
+ * that are all row-major over the whole space (or broadcast scalars) runs as one long row.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "dvm_vm.h"
+
+#define PARALLEL_MIN_ELEMS 32768 /* below this, one thread: a parallel region costs microseconds */
+#define STREAM_MIN_BYTES ((int64_t)16 << 20) /* outputs at least this large skip the caches */
+
+static int64_t tile_elems_setting = 2048;
+static int tune_flags = 0;
+static const dvm_isa *chosen = 0;
+static _Thread_local int last_error_instr = -1;
+
+static const dvm_isa *best_available(void) {
+#ifdef HP_DVM_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return &DVM_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return &DVM_AVX2;
+#endif
+    return &DVM_GENERIC;
+}
+
+static const dvm_isa *active(void) {
+    if (!chosen) chosen = best_available();
+    return chosen;
+}
+
+/* 0: the portable interpreter, 1: AVX2 if the processor has it, 2 (or more): the best the
+ * processor has. Returns the name of the active one. For tests and benchmarks. */
+const char *hp_dvm_set_isa(int level) {
+    const dvm_isa *best = best_available();
+    chosen = &DVM_GENERIC;
+#ifdef HP_DVM_X86
+    if (level >= 2) chosen = best;
+    else if (level == 1 && best != &DVM_GENERIC) chosen = &DVM_AVX2;
+#else
+    (void)level;
+    (void)best;
+#endif
+    return chosen->name;
+}
+
+const char *hp_dvm_isa(void) { return active()->name; }
+
+/* Floats per FULL register of a tile (rounded to a multiple of 16, at least 16); <= 0 leaves
+ * it. Returns the setting in force. For benchmarks: results depend on it (tiles decide which
+ * elements share a vector). */
+int64_t hp_dvm_tile_elems(int64_t elems) {
+    if (elems > 0) tile_elems_setting = elems < 16 ? 16 : (elems + 15) / 16 * 16;
+    return tile_elems_setting;
+}
+
+int64_t hp_dvm_max_reduce_cols(void) { return DVM_MAX_REDUCE_COLS; }
+
+/* Turns memory techniques off, for benchmarks: 1 prefetching, 2 non-temporal stores, 4 in-place
+ * loads, 8 kept weights. < 0 leaves them. Returns the flags that were in force. */
+int hp_dvm_tune(int flags) {
+    int old = tune_flags;
+    if (flags >= 0) tune_flags = flags;
+    return old;
+}
+
+/* The instruction at which the last failing hp_dvm_run of this thread stopped (-1: none). */
+int hp_dvm_error_instr(void) { return last_error_instr; }
+
+const char *hp_dvm_strerror(int code) {
+    switch (code) {
+    case DVM_OK: return "ok";
+    case DVM_E_OPCODE: return "unknown opcode";
+    case DVM_E_REGISTER: return "register index out of range";
+    case DVM_E_KIND: return "register kinds do not fit the operation";
+    case DVM_E_UNDEFINED: return "register read before it is written";
+    case DVM_E_INDEX: return "input, output or immediate index out of range";
+    case DVM_E_DTYPE: return "unknown dtype code";
+    case DVM_E_STRIDE: return "tensor strides do not fit the register kind (or an output element would be written twice)";
+    case DVM_E_COLS: return "row reduction over more columns than the VM's row buffer holds";
+    case DVM_E_SHAPE: return "negative size or count";
+    case DVM_E_NOMEM: return "out of memory";
+    default: return "unknown error";
+    }
+}
+
+static int is_unary(int op) { return (op >= OP_NEG && op <= OP_COPY); }
+static int is_binary(int op) { return op >= OP_ADD && op <= OP_NE; }
+static int is_reduction(int op) { return op >= OP_RSUM && op <= OP_RMIN; }
+static int widest(int a, int b) { return a < b ? a : b; }
+
+/* Per thread, kept between calls: OpenMP reuses its threads, so steady state allocates nothing. */
+static _Thread_local float *tl_scratch = 0;
+static _Thread_local size_t tl_capacity = 0;
+
+static float *thread_scratch(size_t floats) {
+    if (floats < 16) floats = 16;
+    if (floats > tl_capacity) {
+        free(tl_scratch);
+        size_t bytes = (floats * 4 + 63) / 64 * 64;
+        tl_scratch = aligned_alloc(64, bytes);
+        tl_capacity = tl_scratch ? floats : 0;
+    }
+    return tl_scratch;
+}
+
+/* Checks the program against the tensors and decodes it into ins[]; first / end / writes_of:
+ * per register, its first write, the last instruction touching it, its number of writes. */
+static int check(const int32_t *code, int n_instr, int n_imms, const int32_t *kinds, int n_regs,
+                 const dvm_tensor *in, int n_inputs, const dvm_tensor *out, int n_outputs, int64_t rows,
+                 int64_t cols, dvm_ins *ins, int32_t *first, int32_t *end, int32_t *writes_of,
+                 int *has_reduction) {
+    for (int r = 0; r < n_regs; r++) {
+        if (kinds[r] < KIND_FULL || kinds[r] > KIND_SCALAR) return DVM_E_KIND;
+        first[r] = -1;
+        end[r] = -1;
+        writes_of[r] = 0;
+    }
+    *has_reduction = 0;
+    for (int k = 0; k < n_instr; k++) {
+        const int32_t *w = code + 5 * k;
+        int op = w[0];
+        dvm_ins *I = &ins[k];
+        memset(I, 0, sizeof *I);
+        I->op = op;
+        I->kd = I->ka = I->kb = I->kc = KIND_SCALAR;
+        last_error_instr = k;
+        int reads[3], n_reads = 0, writes = 1;
+        if (op == OP_LOAD || op == OP_CONST) {
+            I->idx = w[2];
+        } else if (op == OP_STORE) {
+            I->idx = w[2 + 1];
+            reads[n_reads++] = w[2];
+            writes = 0;
+        } else if (is_unary(op) || is_reduction(op)) {
+            reads[n_reads++] = w[2];
+        } else if (is_binary(op)) {
+            reads[n_reads++] = w[2];
+            reads[n_reads++] = w[3];
+        } else if (op == OP_WHERE) {
+            reads[n_reads++] = w[2];
+            reads[n_reads++] = w[3];
+            reads[n_reads++] = w[4];
+        } else {
+            return DVM_E_OPCODE;
+        }
+        for (int i = 0; i < n_reads; i++) {
+            int r = reads[i];
+            if (r < 0 || r >= n_regs) return DVM_E_REGISTER;
+            if (first[r] < 0) return DVM_E_UNDEFINED;
+            end[r] = k;
+        }
+        int8_t kr[3] = {KIND_SCALAR, KIND_SCALAR, KIND_SCALAR};
+        for (int i = 0; i < n_reads; i++) kr[i] = (int8_t)kinds[reads[i]];
+        I->ka = kr[0];
+        I->kb = kr[1];
+        I->kc = kr[2];
+        I->a = n_reads > 0 ? reads[0] : 0;
+        I->b = n_reads > 1 ? reads[1] : 0;
+        I->c = n_reads > 2 ? reads[2] : 0;
+        if (writes) {
+            int dst = w[1];
+            if (dst < 0 || dst >= n_regs) return DVM_E_REGISTER;
+            if (first[dst] < 0) first[dst] = k;
+            end[dst] = k;
+            writes_of[dst]++;
+            I->kd = (int8_t)kinds[dst];
+            I->d = dst;
+        }
+        int kd = I->kd;
+        switch (op) {
+        case OP_LOAD: {
+            if (I->idx < 0 || I->idx >= n_inputs) return DVM_E_INDEX;
+            const dvm_tensor *t = &in[I->idx];
+            if (kd == KIND_ROW && t->cs != 0) return DVM_E_STRIDE;
+            if (kd == KIND_SCALAR && (t->cs != 0 || t->rs != 0)) return DVM_E_STRIDE;
+            break;
+        }
+        case OP_CONST:
+            if (I->idx < 0 || I->idx >= n_imms) return DVM_E_INDEX;
+            break;
+        case OP_STORE: {
+            if (I->idx < 0 || I->idx >= n_outputs) return DVM_E_INDEX;
+            const dvm_tensor *t = &out[I->idx];
+            /* distinct values may not meet in one element (size-1 dimensions have stride 0) */
+            if (I->ka == KIND_FULL && ((t->cs == 0 && cols > 1) || (t->rs == 0 && rows > 1))) return DVM_E_STRIDE;
+            if (I->ka == KIND_ROW && t->rs == 0 && rows > 1) return DVM_E_STRIDE;
+            break;
+        }
+        case OP_COPY:
+            if (I->ka < kd) return DVM_E_KIND; /* may widen, never narrow */
+            break;
+        case OP_RSUM:
+        case OP_RMAX:
+        case OP_RMIN:
+            /* a ROW or SCALAR operand is a value repeated along the row: its sum is cols times
+             * it, its max and min itself */
+            if (kd != KIND_ROW) return DVM_E_KIND;
+            if (I->ka == KIND_FULL) *has_reduction = 1;
+            break;
+        default: {
+            int kw = I->ka;
+            if (n_reads > 1) kw = widest(kw, I->kb);
+            if (n_reads > 2) kw = widest(kw, I->kc);
+            if (kd != kw) return DVM_E_KIND;
+        }
+        }
+    }
+    last_error_instr = -1;
+    return DVM_OK;
+}
+
+/* FULL registers share buffers by liveness; ROW and SCALAR registers get their own. Sets each
+ * register's offset in the thread scratch and returns the size of the buffers in floats. */
+static size_t assign_slots(const int32_t *code, int n_instr, const int32_t *kinds, int n_regs, const int32_t *end,
+                           const int32_t *kept, int64_t *slot, int32_t *free_slots, int64_t full_stride,
+                           int64_t row_stride, int64_t *reg_off) {
+    int n_free = 0, n_full = 0, n_row = 0, n_scalar = 0;
+    for (int r = 0; r < n_regs; r++) slot[r] = -1;
+    for (int k = 0; k < n_instr; k++) {
+        const int32_t *w = code + 5 * k;
+        int op = w[0];
+        int n_reads = op == OP_LOAD || op == OP_CONST ? 0
+                      : op == OP_STORE || is_unary(op) || is_reduction(op) ? 1
+                      : is_binary(op) ? 2 : 3;
+        int dst = op == OP_STORE ? -1 : w[1];
+        for (int i = 0; i < n_reads; i++) {
+            int r = w[2 + i];
+            if (kinds[r] == KIND_FULL && end[r] == k && r != dst && slot[r] >= 0 && !kept[r]) {
+                int dup = 0; /* the same register twice among the operands */
+                for (int j = 0; j < i; j++) dup |= w[2 + j] == r;
+                if (!dup) free_slots[n_free++] = (int32_t)slot[r];
+            }
+        }
+        if (dst >= 0 && slot[dst] < 0) {
+            if (kinds[dst] == KIND_FULL && kept[dst]) slot[dst] = n_full++;
+            else if (kinds[dst] == KIND_FULL) slot[dst] = n_free ? free_slots[--n_free] : n_full++;
+            else if (kinds[dst] == KIND_ROW) slot[dst] = n_row++;
+            else slot[dst] = n_scalar++;
+        }
+        if (dst >= 0 && kinds[dst] == KIND_FULL && end[dst] == k && !kept[dst]) free_slots[n_free++] = (int32_t)slot[dst];
+    }
+    int64_t row_base = (int64_t)n_full * full_stride, scalar_base = row_base + (int64_t)n_row * row_stride;
+    for (int r = 0; r < n_regs; r++) {
+        int64_t s = slot[r] < 0 ? 0 : slot[r]; /* never written: never read either */
+        reg_off[r] = kinds[r] == KIND_FULL ? s * full_stride
+                     : kinds[r] == KIND_ROW ? row_base + s * row_stride : scalar_base + s;
+    }
+    return (size_t)(scalar_base + n_scalar);
+}
+
+/* bytes from a tensor's first to one past its last element over the space */
+static int64_t extent(const dvm_tensor *t, int64_t rows, int64_t cols) {
+    int es = t->dtype == DT_F32 ? 4 : 2;
+    return ((rows - 1) * t->rs + (cols - 1) * t->cs + 1) * es;
+}
+
+static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static int valid_dtype(int d) { return d == DT_F32 || d == DT_BF16 || d == DT_F16; }
+
+int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms, const int32_t *reg_kinds, int n_regs,
+               int n_inputs, void *const *in_ptrs, const int32_t *in_dtypes, const int64_t *in_strides, int n_outputs,
+               void *const *out_ptrs, const int32_t *out_dtypes, const int64_t *out_strides, int64_t rows, int64_t cols,
+               int n_threads) {
+    last_error_instr = -1;
+    if (n_instr < 0 || n_imms < 0 || n_regs < 0 || n_inputs < 0 || n_outputs < 0 || rows < 0 || cols < 0)
+        return DVM_E_SHAPE;
+    size_t n_tensors = (size_t)n_inputs + (size_t)n_outputs;
+    size_t bytes = (size_t)n_instr * sizeof(dvm_ins) + n_tensors * sizeof(dvm_tensor) +
+                   (size_t)n_regs * (2 * sizeof(int64_t) + 4 * sizeof(int32_t));
+    char *mem = malloc(bytes ? bytes : 1);
+    if (!mem) return DVM_E_NOMEM;
+    dvm_ins *ins = (dvm_ins *)mem;
+    dvm_tensor *in = (dvm_tensor *)(ins + n_instr), *out = in + n_inputs;
+    int64_t *slot = (int64_t *)(out + n_outputs), *reg_off = slot + n_regs;
+    int32_t *first = (int32_t *)(reg_off + n_regs), *end = first + n_regs, *writes_of = end + n_regs;
+    int32_t *free_slots = writes_of + n_regs;
+
+    int err = DVM_OK;
+    for (int i = 0; i < n_inputs + n_outputs && !err; i++) {
+        int is_in = i < n_inputs, j = is_in ? i : i - n_inputs;
+        dvm_tensor *t = is_in ? &in[j] : &out[j];
+        t->ptr = (char *)(is_in ? in_ptrs[j] : out_ptrs[j]);
+        t->dtype = is_in ? in_dtypes[j] : out_dtypes[j];
+        const int64_t *st = is_in ? in_strides + 2 * j : out_strides + 2 * j;
+        t->rs = rows == 1 ? 0 : st[0]; /* the stride of a size-1 dimension is never used */
+        t->cs = cols == 1 ? 0 : st[1];
+        t->stream = 0;
+        if (!valid_dtype(t->dtype)) err = DVM_E_DTYPE;
+    }
+    int has_reduction = 0;
+    if (!err)
+        err = check(code, n_instr, n_imms, reg_kinds, n_regs, in, n_inputs, out, n_outputs, rows, cols, ins, first,
+                    end, writes_of, &has_reduction);
+    if (!err && has_reduction && cols > DVM_MAX_REDUCE_COLS) err = DVM_E_COLS;
+    if (err || rows == 0 || cols == 0) {
+        free(mem);
+        return err;
+    }
+
+    /* one long row when every tensor is row-major over the whole space (or a broadcast scalar)
+     * and no register holds per-row values */
+    int flat = !has_reduction && rows > 1;
+    for (int r = 0; r < n_regs && flat; r++) flat = reg_kinds[r] != KIND_ROW;
+    for (size_t i = 0; i < n_tensors && flat; i++) {
+        const dvm_tensor *t = &in[i]; /* in and out are consecutive */
+        flat = (t->rs == cols && (t->cs == 1 || cols == 1)) || (t->rs == 0 && t->cs == 0);
+    }
+    if (flat) {
+        for (size_t i = 0; i < n_tensors; i++) {
+            in[i].cs = in[i].rs == 0 ? 0 : 1;
+            in[i].rs = 0;
+        }
+        cols *= rows;
+        rows = 1;
+    }
+
+    /* Outputs too large for the caches are streamed. An fp32 LOAD register written by nothing
+     * else may read its contiguous input in place, unless an output overlaps that input. */
+    for (int j = 0; j < n_outputs; j++) {
+        int64_t bytes = rows * cols * (out[j].dtype == DT_F32 ? 4 : 2);
+        out[j].stream = !(tune_flags & 2) && out[j].cs == 1 && bytes >= STREAM_MIN_BYTES;
+    }
+    /* A FULL register loaded from a row-broadcast input (a weight) and written by nothing else
+     * keeps its values from tile to tile while the columns stay, in a buffer of its own. */
+    int32_t *kept = first; /* first[] is not needed any more */
+    for (int r = 0; r < n_regs; r++) kept[r] = 0;
+    for (int k = 0; k < n_instr; k++) {
+        dvm_ins *I = &ins[k];
+        if (I->op != OP_LOAD || I->kd != KIND_FULL || writes_of[I->d] != 1) continue;
+        const dvm_tensor *t = &in[I->idx];
+        int overlap = 0;
+        uintptr_t lo = (uintptr_t)t->ptr, hi = lo + (uintptr_t)extent(t, rows, cols);
+        for (int j = 0; j < n_outputs; j++) {
+            uintptr_t olo = (uintptr_t)out[j].ptr, ohi = olo + (uintptr_t)extent(&out[j], rows, cols);
+            overlap |= olo < hi && lo < ohi;
+        }
+        if (overlap) continue;
+        I->in_place = t->dtype == DT_F32 && (t->cs == 1 || cols == 1) && !(tune_flags & 4);
+        I->keep = t->rs == 0 && rows > 1 && !(tune_flags & 8);
+        kept[I->d] = I->keep;
+    }
+
+    int64_t target = tile_elems_setting, tile_rows, tile_cols;
+    if (has_reduction) {
+        tile_cols = cols;
+        tile_rows = target / cols;
+    } else {
+        int64_t n_col_tiles = cdiv(cols, target);
+        tile_cols = cdiv(cdiv(cols, n_col_tiles), 16) * 16;
+        if (tile_cols > cols) tile_cols = cols;
+        tile_rows = target / tile_cols;
+    }
+    if (tile_rows < 1) tile_rows = 1;
+    if (tile_rows > rows) tile_rows = rows;
+
+    dvm_plan plan;
+    plan.ins = ins;
+    plan.n_instr = n_instr;
+    plan.n_regs = n_regs;
+    plan.prefetch = !(tune_flags & 1);
+    plan.reg_off = reg_off;
+    plan.imms = imms;
+    plan.in = in;
+    plan.out = out;
+    plan.rows = rows;
+    plan.cols = cols;
+    plan.tile_rows = tile_rows;
+    plan.tile_cols = tile_cols;
+    plan.n_col_tiles = cdiv(cols, tile_cols);
+    plan.n_tiles = cdiv(rows, tile_rows) * plan.n_col_tiles;
+    int64_t full_stride = cdiv(tile_rows * tile_cols, 16) * 16, row_stride = cdiv(tile_rows, 16) * 16;
+    size_t buffers =
+        assign_slots(code, n_instr, reg_kinds, n_regs, end, kept, slot, free_slots, full_stride, row_stride, reg_off);
+    plan.scratch_floats = (buffers + 1) / 2 * 2 + 2 * (size_t)n_regs * 4; /* + pointers, kept tiles */
+
+    const dvm_isa *isa = active();
+    int threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (rows * cols < PARALLEL_MIN_ELEMS) threads = 1;
+    if (threads > plan.n_tiles) threads = (int)plan.n_tiles;
+    if (threads <= 1) {
+        float *s = thread_scratch(plan.scratch_floats);
+        if (s) isa->run_tiles(&plan, 0, plan.n_tiles, s);
+        else err = DVM_E_NOMEM;
+    } else {
+        /* chunks of tiles handed out as threads come for them: page faults of fresh outputs
+         * and a noisy machine make equal static shares finish at different times */
+        int64_t chunk = plan.n_tiles / ((int64_t)threads * 16);
+        if (chunk < 1) chunk = 1;
+        int64_t n_chunks = cdiv(plan.n_tiles, chunk);
+        int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+            float *s = thread_scratch(plan.scratch_floats);
+            if (!s) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t c = 0; c < n_chunks; c++) {
+                int64_t t0 = c * chunk, t1 = t0 + chunk < plan.n_tiles ? t0 + chunk : plan.n_tiles;
+                if (s) isa->run_tiles(&plan, t0, t1, s);
+            }
+        }
+        if (failed) err = DVM_E_NOMEM;
+    }
+    free(mem);
+    return err;
+}

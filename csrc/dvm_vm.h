@@ -1,0 +1,91 @@
+/*
+ * DVM: the interpreter of hyperparallel/fusion/bytecode.py programs (the contract lives there).
+ *
+ * dvm_vm.c checks a program and its tensors, plans registers and tiles (a dvm_plan) and splits
+ * the tiles over OpenMP threads; dvm_kernels.h runs tiles, compiled once per instruction set
+ * (dvm_generic.c, dvm_avx2.c, dvm_avx512.c) and chosen at run time.
+ */
+#ifndef HP_DVM_VM_H
+#define HP_DVM_VM_H
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    OP_LOAD = 0, OP_CONST = 1, OP_STORE = 2,
+    OP_NEG = 10, OP_ABS, OP_EXP, OP_LOG, OP_SQRT, OP_RSQRT, OP_RECIP, OP_TANH, OP_SIGMOID, OP_RELU,
+    OP_ERF, OP_SILU, OP_GELU_ERF, OP_GELU_TANH, OP_SIN, OP_COS, OP_LOG1P, OP_EXPM1, OP_ROUND_BF16,
+    OP_ROUND_F16, OP_COPY, /* = 30 */
+    OP_ADD = 40, OP_SUB, OP_MUL, OP_DIV, OP_MAX, OP_MIN, OP_POW, OP_GT, OP_GE, OP_LT, OP_LE, OP_EQ,
+    OP_NE, /* = 52 */
+    OP_WHERE = 60,
+    OP_RSUM = 70, OP_RMAX, OP_RMIN,
+};
+
+enum { KIND_FULL = 0, KIND_ROW = 1, KIND_SCALAR = 2 }; /* a smaller number is a wider kind */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* Error codes of hp_dvm_run (hp_dvm_strerror names them). */
+enum {
+    DVM_OK = 0,
+    DVM_E_OPCODE = 1,    /* unknown opcode */
+    DVM_E_REGISTER = 2,  /* register index out of range */
+    DVM_E_KIND = 3,      /* bad register kind, or kinds that do not fit the operation */
+    DVM_E_UNDEFINED = 4, /* a register read before any instruction wrote it */
+    DVM_E_INDEX = 5,     /* input, output or immediate index out of range */
+    DVM_E_DTYPE = 6,     /* unknown dtype code */
+    DVM_E_STRIDE = 7,    /* strides that do not fit the register kind, or an output element
+                            that the store would write more than once */
+    DVM_E_COLS = 8,      /* a row reduction over more than DVM_MAX_REDUCE_COLS columns */
+    DVM_E_SHAPE = 9,     /* negative rows, cols or counts */
+    DVM_E_NOMEM = 10,    /* out of memory for the register tiles */
+};
+
+/* A tile holds whole rows when the program reduces rows, so a row must fit a register buffer
+ * (a few of these per thread: 4 MiB each at the limit). */
+#define DVM_MAX_REDUCE_COLS ((int64_t)1 << 20)
+
+typedef struct {
+    int32_t op;
+    int8_t kd, ka, kb, kc; /* kinds of dst and operands (unused: KIND_SCALAR) */
+    int32_t idx;           /* LOAD: input, STORE: output, CONST: immediate */
+    int32_t d, a, b, c;    /* registers */
+    int32_t in_place;      /* LOAD: the register may point into the (fp32, contiguous) input
+                              instead of a copy, when the tile's rows are contiguous there */
+    int32_t keep;          /* LOAD of a row-broadcast input (a weight): the register keeps its
+                              own buffer, reloaded only when the tile's columns change */
+} dvm_ins;
+
+typedef struct {
+    char *ptr;
+    int dtype;
+    int64_t rs, cs; /* element strides; a stride of a size-1 dimension is 0 */
+    int stream;     /* output: written with non-temporal stores (too large to stay in cache) */
+} dvm_tensor;
+
+typedef struct {
+    const dvm_ins *ins;
+    int n_instr, n_regs;
+    const int64_t *reg_off; /* per register: its buffer's offset in the thread scratch (floats) */
+    const double *imms;
+    const dvm_tensor *in, *out;
+    int64_t rows, cols;
+    int64_t tile_rows, tile_cols, n_col_tiles, n_tiles;
+    size_t scratch_floats; /* per thread: register buffers, a table of n_regs pointers, and
+                              what each kept register holds (column, columns, rows) */
+    int prefetch;          /* prefetch the next tile's inputs */
+} dvm_plan;
+
+typedef struct {
+    const char *name;
+    /* runs tiles [t0, t1) of the plan with one thread's scratch (64-byte aligned) */
+    void (*run_tiles)(const dvm_plan *p, int64_t t0, int64_t t1, float *scratch);
+} dvm_isa;
+
+extern const dvm_isa DVM_GENERIC;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(HP_NO_AVX512)
+#define HP_DVM_X86 1
+extern const dvm_isa DVM_AVX2;
+extern const dvm_isa DVM_AVX512;
+#endif
+
+#endif

@@ -1,0 +1,177 @@
+"""The DVM virtual machine: runs a bytecode Program (bytecode.py) with the native interpreter.
+
+The interpreter is plain C (csrc/dvm_*.c, the library ``hyperparallel._dvm_native``) loaded with
+ctypes; ``LIB`` is None when it has not been built. ``run`` does little per call: the program's
+code, immediates, register kinds and dtypes become ctypes arrays once, kept on the Program
+(``Program._native``); a call only builds the pointer and stride arrays.
+
+What the VM does with a call (csrc/dvm_vm.c): it checks the program against the tensors (an
+error raises VMError and writes nothing), runs it tile by tile (a tile's FULL registers hold
+``tile_elems()`` floats, 2048 unless changed; with a row reduction a tile spans whole rows, so
+``cols`` may be at most ``MAX_REDUCE_COLS``), parallel over tiles with OpenMP. Results do not
+depend on the number of threads. The caller guarantees that every (row, col) addressed through
+a tensor's strides lies inside that tensor, and that outputs overlap inputs only element for
+element (the same strides; a STORE before a LOAD of the same memory in one program would read
+the stored value).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+
+from hyperparallel.errors import HyperparallelError
+from hyperparallel.fusion.bytecode import TORCH_DTYPES, WORDS, Op, Program
+
+_P = ctypes.c_void_p
+_INT = ctypes.c_int
+_I64 = ctypes.c_int64
+# hp_dvm_run has no argtypes: ctypes' conversion of 17 declared arguments costs more than the
+# call itself, so run() passes ctypes objects of the exact C types (arrays for pointers, c_int64
+# for rows and cols, Python ints only where the C type is int).
+_SIGNATURES = {
+    "hp_dvm_run": (None, _INT),
+    "hp_dvm_strerror": ([_INT], ctypes.c_char_p),
+    "hp_dvm_error_instr": ([], _INT),
+    "hp_dvm_set_isa": ([_INT], ctypes.c_char_p),
+    "hp_dvm_isa": ([], ctypes.c_char_p),
+    "hp_dvm_tile_elems": ([_I64], _I64),
+    "hp_dvm_max_reduce_cols": ([], _I64),
+    "hp_dvm_tune": ([_INT], _INT),
+}
+
+
+def _load() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("hyperparallel._dvm_native")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        if argtypes is not None:
+            fn.argtypes = argtypes
+        fn.restype = restype
+    return lib
+
+
+LIB = _load()
+MAX_REDUCE_COLS = LIB.hp_dvm_max_reduce_cols() if LIB is not None else 0
+
+
+class VMError(HyperparallelError, RuntimeError):
+    """The VM refused a program or its tensors; nothing was written. ``code`` is the C error
+    code, ``instruction`` the index of the offending instruction (-1: not about one)."""
+
+    def __init__(self, message: str, code: int, instruction: int):
+        super().__init__(message)
+        self.code = code
+        self.instruction = instruction
+
+
+class _Native:
+    """A Program as the C function takes it, built once per Program."""
+
+    __slots__ = ("key", "code", "n_instr", "imms", "n_imms", "kinds", "n_regs", "in_dtypes", "out_dtypes",
+                 "in_torch", "out_torch", "in_ptrs", "out_ptrs", "in_strides", "out_strides")
+
+    def __init__(self, program: Program):
+        self.key = _key(program)
+        code, imms, kinds = program.code, program.immediates, program.register_kinds
+        n_in, n_out = len(program.input_dtypes), len(program.output_dtypes)
+        self.code = (ctypes.c_int32 * max(len(code), 1))(*code)
+        self.n_instr = len(code) // WORDS
+        self.imms = (ctypes.c_double * max(len(imms), 1))(*imms)
+        self.n_imms = len(imms)
+        self.kinds = (ctypes.c_int32 * max(len(kinds), 1))(*(int(k) for k in kinds))
+        self.n_regs = len(kinds)
+        self.in_dtypes = (ctypes.c_int32 * max(n_in, 1))(*(int(d) for d in program.input_dtypes))
+        self.out_dtypes = (ctypes.c_int32 * max(n_out, 1))(*(int(d) for d in program.output_dtypes))
+        by_code = {int(code): dtype for dtype, code in TORCH_DTYPES.items()}
+        self.in_torch = tuple(by_code[int(d)] for d in program.input_dtypes)
+        self.out_torch = tuple(by_code[int(d)] for d in program.output_dtypes)
+        # the array types a call fills
+        self.in_ptrs, self.out_ptrs = _P * max(n_in, 1), _P * max(n_out, 1)
+        self.in_strides, self.out_strides = _I64 * max(2 * n_in, 1), _I64 * max(2 * n_out, 1)
+
+
+def _key(program: Program) -> tuple[int, int, int, int, int]:
+    # a program that grew after its first run gets new arrays
+    return (len(program.code), len(program.immediates), len(program.register_kinds), len(program.input_dtypes),
+            len(program.output_dtypes))
+
+
+def _native(program: Program) -> _Native:
+    native = getattr(program, "_native", None)
+    if native is None or native.key != _key(program):
+        native = _Native(program)
+        program._native = native
+    return native
+
+
+def _pointers(kind: str, tensors: Sequence[torch.Tensor], dtypes: tuple[torch.dtype, ...]) -> list[int]:
+    if len(tensors) != len(dtypes):
+        raise ValueError(f"the program has {len(dtypes)} {kind}s, got {len(tensors)} tensors")
+    ptrs = []
+    for t, dtype in zip(tensors, dtypes, strict=True):
+        if t.dtype is not dtype or not t.is_cpu:
+            raise ValueError(f"{kind} {len(ptrs)} of the program is a cpu {dtype} tensor, "
+                             f"got {t.device.type} {t.dtype}")
+        ptrs.append(t.data_ptr())
+    return ptrs
+
+
+def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], rows: int, cols: int,
+        input_strides: Sequence[Sequence[int]], output_strides: Sequence[Sequence[int]], n_threads: int = 0) -> None:
+    """Runs `program` over a `rows` x `cols` space, writing into `outputs`.
+
+    Tensor i is seen as [rows, cols] through ``input_strides[i] = (row_stride, col_stride)``
+    (elements, 0 broadcasts), starting at its data pointer (its storage offset included).
+    `n_threads` <= 0: OpenMP's default. Raises VMError when the VM refuses the program.
+    """
+    if LIB is None:
+        raise RuntimeError("the native library hyperparallel._dvm_native is not built (run `make setup`)")
+    native = _native(program)
+    in_ptrs = _pointers("input", inputs, native.in_torch)
+    out_ptrs = _pointers("output", outputs, native.out_torch)
+    rc = LIB.hp_dvm_run(native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs,
+                        len(in_ptrs), native.in_ptrs(*in_ptrs), native.in_dtypes,
+                        native.in_strides(*chain.from_iterable(input_strides)),
+                        len(out_ptrs), native.out_ptrs(*out_ptrs), native.out_dtypes,
+                        native.out_strides(*chain.from_iterable(output_strides)),
+                        _I64(rows), _I64(cols), int(n_threads))
+    if rc:
+        raise _error(program, rc)
+
+
+def _error(program: Program, rc: int) -> VMError:
+    message = LIB.hp_dvm_strerror(rc).decode()
+    k = LIB.hp_dvm_error_instr()
+    if k >= 0:
+        words = program.code[WORDS * k: WORDS * k + WORDS]
+        try:
+            name = Op(words[0]).name
+        except ValueError:
+            name = f"opcode {words[0]}"
+        message = f"DVM instruction {k} ({name} {', '.join(map(str, words[1:]))}): {message}"
+    else:
+        message = f"DVM: {message}"
+    return VMError(message, rc, k)
+
+
+def isa() -> str:
+    """The instruction set the interpreter runs with: 'avx512', 'avx2' or 'generic'."""
+    return LIB.hp_dvm_isa().decode()
+
+
+def use_isa(level: int = 2) -> str:
+    """0: the portable interpreter, 1: AVX2 where the processor has it, 2: the best (default)."""
+    return LIB.hp_dvm_set_isa(level).decode()
+
+
+def tile_elems(elems: int = 0) -> int:
+    """Floats per FULL register of a tile; sets it when `elems` > 0. Returns the value in force."""
+    return LIB.hp_dvm_tile_elems(elems)
