@@ -36,4 +36,4 @@ lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info hyperparallel/_mx_native*.so
+	rm -rf $(VENV) build *.egg-info hyperparallel/_mx_native*.so hyperparallel/_dvm_native*.so
