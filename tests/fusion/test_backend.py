@@ -95,18 +95,20 @@ BINARY = {
 }
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", sorted(UNARY))
-def test_each_unary_op(name, dtype):
+def test_each_unary_op(name, dtype, backward):
     op = UNARY[name]
-    check(lambda t: op(t) * 1.5 + 0.25, x(33, 70), dtype=dtype)
+    check(lambda t: op(t) * 1.5 + 0.25, x(33, 70), dtype=dtype, backward=backward)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", sorted(BINARY))
-def test_each_binary_op(name, dtype):
+def test_each_binary_op(name, dtype, backward):
     op = BINARY[name]
-    check(lambda a, b: op(a, b) - 0.5, x(17, 130), x(17, 130, seed=1), dtype=dtype)
+    check(lambda a, b: op(a, b) - 0.5, x(17, 130), x(17, 130, seed=1), dtype=dtype, backward=backward)
 
 
 def gelu_tanh_decomposed(t):
