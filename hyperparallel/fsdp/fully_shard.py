@@ -277,11 +277,6 @@ class FSDPGroup:
                 m.shard.grad += g
             start += m.slot_numel
 
-    def reduce_gradients(self) -> None:
-        """Reduce whatever full gradients the group holds now (for callers that drive backward themselves)."""
-        self._start_reduce()
-        self._finish_reduce()
-
 
 def _refuse_optimizers_built_before_sharding(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
