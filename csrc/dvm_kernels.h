@@ -221,6 +221,30 @@ static void unary(int op, float *d, const float *s, int64_t n) {
     }
 }
 
+/* d = u(s) * b over n elements, b a single value if sb (u: a UNARY_OPS operation) */
+static void unary_mul(int op, float *d, const float *s, const float *b, int sb, int64_t n) {
+    switch (op) {
+#define UMCASE(OP, EXPR)                                                                       \
+    case OP:                                                                                   \
+        if (sb) {                                                                              \
+            float bv = b[0];                                                                   \
+            SIMD for (int64_t i = 0; i < n; i++) {                                             \
+                float x = s[i];                                                                \
+                d[i] = (EXPR) * bv;                                                            \
+            }                                                                                  \
+        } else {                                                                               \
+            SIMD for (int64_t i = 0; i < n; i++) {                                             \
+                float x = s[i];                                                                \
+                d[i] = (EXPR) * b[i];                                                          \
+            }                                                                                  \
+        }                                                                                      \
+        break;
+        UNARY_OPS(UMCASE)
+#undef UMCASE
+    default: break;
+    }
+}
+
 /* x ** y for a scalar exponent: the exponents PyTorch special-cases get exact loops with
  * powf's results (including its special values); the others call powf. */
 static void pow_scalar_exp(float *d, const float *s, float y, int64_t n) {
@@ -293,7 +317,10 @@ static void binary(int op, float *d, int kd, const float *a, int ka, const float
 }
 
 DVM_INLINE void where_loop(float *d, const float *c, int sc, const float *x, int sx, const float *y, int sy, int64_t n) {
-    SIMD for (int64_t i = 0; i < n; i++) d[i] = c[sc ? 0 : i] != 0.0f ? x[sx ? 0 : i] : y[sy ? 0 : i];
+    SIMD for (int64_t i = 0; i < n; i++) {
+        float cv = c[sc ? 0 : i], xv = x[sx ? 0 : i], yv = y[sy ? 0 : i]; /* loads outside the select */
+        d[i] = cv != 0.0f ? xv : yv;
+    }
 }
 
 static void where_row(float *d, const float *c, int sc, const float *x, int sx, const float *y, int sy, int64_t n) {
@@ -325,6 +352,49 @@ static void where(float *d, int kd, const float *c, int kc, const float *x, int 
     }
 }
 
+DVM_INLINE void mul_mul_loop(float *d, const float *a, int sa, const float *b, int sb, const float *c, int sc,
+                             int64_t n) {
+    SIMD for (int64_t i = 0; i < n; i++) d[i] = (a[sa ? 0 : i] * b[sb ? 0 : i]) * c[sc ? 0 : i];
+}
+
+static void mul_mul_row(float *d, const float *a, int sa, const float *b, int sb, const float *c, int sc, int64_t n) {
+    switch (sa * 4 + sb * 2 + sc) {
+    case 0: mul_mul_loop(d, a, 0, b, 0, c, 0, n); break;
+    case 1: mul_mul_loop(d, a, 0, b, 0, c, 1, n); break;
+    case 2: mul_mul_loop(d, a, 0, b, 1, c, 0, n); break;
+    case 3: mul_mul_loop(d, a, 0, b, 1, c, 1, n); break;
+    case 4: mul_mul_loop(d, a, 1, b, 0, c, 0, n); break;
+    case 5: mul_mul_loop(d, a, 1, b, 0, c, 1, n); break;
+    default: mul_mul_loop(d, a, 1, b, 1, c, 0, n); break; /* a * b is FULL: not both broadcast */
+    }
+}
+
+/* d (FULL) = (a * b) * c */
+static void mul_mul(float *d, const float *a, int ka, const float *b, int kb, const float *c, int kc, int64_t tr,
+                    int64_t tc) {
+    if (ka == KIND_FULL && kb == KIND_FULL && kc == KIND_FULL) {
+        mul_mul_row(d, a, 0, b, 0, c, 0, tr * tc);
+        return;
+    }
+    for (int64_t i = 0; i < tr; i++) {
+        const float *ai = ka == KIND_FULL ? a + i * tc : ka == KIND_ROW ? a + i : a;
+        const float *bi = kb == KIND_FULL ? b + i * tc : kb == KIND_ROW ? b + i : b;
+        const float *ci = kc == KIND_FULL ? c + i * tc : kc == KIND_ROW ? c + i : c;
+        mul_mul_row(d + i * tc, ai, ka != KIND_FULL, bi, kb != KIND_FULL, ci, kc != KIND_FULL, tc);
+    }
+}
+
+/* d (ROW) = row sums of a * b, both FULL */
+static void sum_mul(float *d, const float *a, const float *b, int64_t tr, int64_t tc) {
+    for (int64_t i = 0; i < tr; i++) {
+        const float *ai = a + i * tc, *bi = b + i * tc;
+        float sum = 0.0f;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t j = 0; j < tc; j++) sum += ai[j] * bi[j];
+        d[i] = sum;
+    }
+}
+
 /* tc: the tile's columns, all of the row's when `a` is FULL; cols: the row's */
 static void reduce_rows(int op, float *d, const float *a, int ka, int64_t tr, int64_t tc, int64_t cols) {
     if (ka != KIND_FULL) { /* one value repeated along the row */
@@ -337,10 +407,10 @@ static void reduce_rows(int op, float *d, const float *a, int ka, int64_t tr, in
     for (int64_t i = 0; i < tr; i++) {
         const float *s = a + i * tc;
         if (op == OP_RSUM) {
-            float acc = 0.0f;
-            _Pragma("omp simd reduction(+ : acc)")
-            for (int64_t j = 0; j < tc; j++) acc += s[j];
-            d[i] = acc;
+            float sum = 0.0f;
+            _Pragma("omp simd reduction(+ : sum)")
+            for (int64_t j = 0; j < tc; j++) sum += s[j];
+            d[i] = sum;
         } else {
             float m = op == OP_RMAX ? -INFINITY : INFINITY;
             int nan = 0;
@@ -418,27 +488,71 @@ static void store(const dvm_tensor *t, const float *s, int ks, int64_t r0, int64
         fill_row(p + i * t->rs * es, t->dtype, t->cs ? t->cs : 1, ks == KIND_ROW ? s[i] : s[0], n);
 }
 
-/* The part of an input the next tile will load, towards L2 while this tile computes: an
- * interpreter loads a tile in a burst and then computes, so without it memory would idle while
- * it computes and the loads would stall on memory. */
-static void prefetch_tile(const dvm_tensor *t, int kd, const int64_t *next) {
-    if (kd == KIND_SCALAR || next[2] == 0 || (t->cs != 1 && kd == KIND_FULL)) return;
-    int es = esize(t->dtype);
-    int64_t bytes = kd == KIND_FULL ? next[3] * es : 1;
-    const char *p = t->ptr + (next[0] * t->rs + next[1] * t->cs) * es;
-    int64_t rows = t->rs == 0 ? 1 : next[2];
-    for (int64_t i = 0; i < rows; i++) {
-        const char *row = p + i * t->rs * es;
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+/* Prefetching the inputs of the tile a thread runs next, spread over the instructions of this
+ * one. An interpreter loads a tile in a burst and then computes: without it memory would idle
+ * while the tile computes and the loads would wait for memory; issued all at once, prefetches
+ * would overrun the core's outstanding-miss slots and be lost. */
+#define PF_MAX 8
+typedef struct {
+    const char *base[PF_MAX];
+    int64_t row_step[PF_MAX], rows[PF_MAX], row_bytes[PF_MAX];
+    int n, cur;
+    int64_t row, off, per_step;
+} pf_cursor;
+
+/* The next tile's inputs (FULL loads of rows with unit column stride that are not kept from
+ * tile to tile), to be prefetched in `steps` portions. */
+static void pf_plan(const dvm_plan *p, const int64_t *next, int steps, pf_cursor *c) {
+    c->n = c->cur = 0;
+    c->row = c->off = c->per_step = 0;
+    int64_t lines = 0;
+    int only_in_place = 0;
+    if (!p->prefetch || next[2] == 0) return;
+    for (int k = 0; k < p->n_instr && c->n < PF_MAX; k++) {
+        const dvm_ins *I = &p->ins[k];
+        if (I->op != OP_LOAD || I->kd != KIND_FULL || I->keep) continue;
+        const dvm_tensor *t = &p->in[I->idx];
+        if (t->cs != 1) continue;
+        int dup = 0;
+        for (int j = 0; j < c->n; j++) dup |= c->base[j] == t->ptr + (next[0] * t->rs + next[1]) * esize(t->dtype);
+        if (dup) continue; /* an input loaded twice */
+        int es = esize(t->dtype);
+        c->base[c->n] = t->ptr + (next[0] * t->rs + next[1]) * es;
+        c->row_step[c->n] = t->rs * es;
+        c->rows[c->n] = t->rs == 0 ? 1 : next[2];
+        c->row_bytes[c->n] = next[3] * es;
+        lines += c->rows[c->n] * ((c->row_bytes[c->n] + 63) / 64);
+        c->n++;
+        only_in_place = c->n == 1 && I->in_place && I->readers == 1;
+    }
+    /* one stream read in place, once, by the computation itself is what the hardware prefetcher
+     * follows best */
+    if (c->n == 1 && only_in_place) c->n = 0;
+    c->per_step = lines / (steps > 0 ? steps : 1) + 1;
+}
+
+static void pf_step(pf_cursor *c) {
+    for (int64_t left = c->per_step; left > 0 && c->cur < c->n; left--) {
+        __builtin_prefetch(c->base[c->cur] + c->row * c->row_step[c->cur] + c->off, 0, 2);
+        c->off += 64;
+        if (c->off >= c->row_bytes[c->cur]) {
+            c->off = 0;
+            if (++c->row >= c->rows[c->cur]) {
+                c->row = 0;
+                c->cur++;
+            }
+        }
     }
 }
 
-/* R: the registers' buffers (S + reg_off), except fp32 LOADs that point into their input.
- * next: row, column, rows and columns of the tile this thread runs next (rows 0: none). */
+/* The program over the tile at (r0, c0) of tr x tc. R: the registers' buffers (S + reg_off),
+ * except fp32 LOADs that point into their input; held: what kept registers hold; pf: the
+ * prefetching of the next tile, a step per instruction. */
 static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int64_t r0, int64_t c0, int64_t tr,
-                     int64_t tc, const int64_t *next) {
+                     int64_t tc, pf_cursor *pf) {
     for (int k = 0; k < p->n_instr; k++) {
         const dvm_ins *I = &p->ins[k];
+        pf_step(pf);
         float *d = R[I->d];
         switch (I->op) {
         case OP_LOAD: {
@@ -448,9 +562,8 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
                 if (h[0] == c0 && h[1] == tc && h[2] >= tr) break;
                 h[0] = c0, h[1] = tc, h[2] = tr;
             }
-            if (p->prefetch && !(I->keep && next[1] == c0)) prefetch_tile(t, I->kd, next);
             if (I->in_place && (tr == 1 || t->rs == tc)) {
-                R[I->d] = (float *)(t->ptr + (r0 * t->rs + c0) * 4);
+                R[I->d] = (float *)(t->ptr + (r0 * t->rs + c0 * t->cs) * 4);
             } else {
                 if (I->in_place) R[I->d] = d = S + p->reg_off[I->d];
                 load(t, d, I->kd, r0, c0, tr, tc);
@@ -468,6 +581,16 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         case OP_RSUM:
         case OP_RMAX:
         case OP_RMIN: reduce_rows(I->op, d, R[I->a], I->ka, tr, tc, p->cols); break;
+        case OP_NOP: break;
+        case OP_MUL_MUL: mul_mul(d, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
+        case OP_SUM_MUL: sum_mul(d, R[I->a], R[I->b], tr, tc); break;
+        case OP_UNARY_MUL:
+            if (I->kb == KIND_ROW) {
+                for (int64_t i = 0; i < tr; i++) unary_mul(I->idx, d + i * tc, R[I->a] + i * tc, R[I->b] + i, 1, tc);
+            } else {
+                unary_mul(I->idx, d, R[I->a], R[I->b], I->kb == KIND_SCALAR, tr * tc);
+            }
+            break;
         default:
             if (I->op >= OP_ADD) {
                 binary(I->op, d, I->kd, R[I->a], I->ka, R[I->b], I->kb, tr, tc);
@@ -496,12 +619,14 @@ static void run_tiles(const dvm_plan *p, int64_t t0, int64_t t1, float *scratch)
         held[3 * r] = -1;
     }
     int64_t cur[4], next[4] = {0, 0, 0, 0};
+    pf_cursor pf;
     if (t0 < t1) tile_at(p, t0, next);
     for (int64_t t = t0; t < t1; t++) {
         memcpy(cur, next, sizeof cur);
         if (t + 1 < t1) tile_at(p, t + 1, next);
         else next[2] = 0;
-        run_tile(p, scratch, R, held, cur[0], cur[1], cur[2], cur[3], next);
+        pf_plan(p, next, p->n_instr, &pf);
+        run_tile(p, scratch, R, held, cur[0], cur[1], cur[2], cur[3], &pf);
     }
     stream_fence();
 }

@@ -3,33 +3,48 @@
  *
  * Plain C (no Python or PyTorch headers); hyperparallel/fusion/vm.py passes raw pointers through
  * ctypes. One call: check the program against its tensors (nothing runs when anything is off),
- * give FULL registers buffers by liveness (a register whose last use is an instruction lends
- * its buffer to that instruction's result), pick the tile shape, and hand runs of consecutive
+ * fuse a few pairs of instructions into one pass (see fuse(): same roundings), give FULL
+ * registers buffers by liveness (a register whose last use is an instruction lends its buffer
+ * to that instruction's result), pick the tile shape, and hand runs of consecutive
  * tiles to OpenMP threads as they come for them. The tile shape depends only on the program and
  * the shape, never on the thread count, so results are bitwise the same for any number of
- * threads.
+ * threads (and no element's value depends on the tile shape either).
+ *
+ * Tiles: a FULL register of a tile holds 512 to 4096 floats, so many that the tile's FULL
+ * buffers and the inputs it reads in place take about 12 KiB (hp_dvm_tile_elems can fix it);
+ * without a row reduction a tile is a block of columns of one or several rows, with one it spans
+ * whole rows (at least one row, so up to DVM_MAX_REDUCE_COLS columns). A program with no ROW
+ * register and no reduction over tensors that are all row-major over the whole space (or
+ * broadcast scalars) runs as one long row.
  *
  * Memory: an fp32 input whose tile rows are contiguous is read in place (no copy into a register
- * buffer) unless an output overlaps it; the next tile's inputs are prefetched while a tile
- * computes; outputs of 16 MiB and more are written with non-temporal stores.
- *
- * Tiles: a FULL register of a tile holds about hp_dvm_tile_elems() floats (2048 by default:
- * the buffers of a typical chain stay in L1); without a row reduction a tile is a block of
- * columns of one or several rows, with one it spans whole rows (at least one row, so up to
- * DVM_MAX_REDUCE_COLS columns). A program with no ROW register and no reduction over tensors
- * that are all row-major over the whole space (or broadcast scalars) runs as one long row.
+ * buffer) unless an output overlaps it; a weight (an input broadcast over rows) stays loaded
+ * while the tile's columns do; the next tile's inputs are prefetched while a tile computes;
+ * outputs of 16 MiB and more are written with non-temporal stores, unless their memory is fresh
+ * from the allocator.
  */
+#define _DEFAULT_SOURCE /* mincore */
 #include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "dvm_vm.h"
 
 #define PARALLEL_MIN_ELEMS 32768 /* below this, one thread: a parallel region costs microseconds */
 #define STREAM_MIN_BYTES ((int64_t)16 << 20) /* outputs at least this large skip the caches */
 
-static int64_t tile_elems_setting = 2048;
+/* Tiles: by default sized so that a tile's FULL register buffers and in-place inputs take about
+ * L1_TILE_BYTES (of a 32-48 KiB L1 data cache: room is left for the rest), within limits. */
+#define L1_TILE_BYTES (12 << 10)
+#define MIN_TILE_ELEMS 512
+#define MAX_TILE_ELEMS 4096
+
+static int64_t tile_elems_setting = 0; /* 0: from L1_TILE_BYTES */
 static int tune_flags = 0;
 static const dvm_isa *chosen = 0;
 static _Thread_local int last_error_instr = -1;
@@ -69,18 +84,20 @@ const char *hp_dvm_set_isa(int level) {
 
 const char *hp_dvm_isa(void) { return active()->name; }
 
-/* Floats per FULL register of a tile (rounded to a multiple of 16, at least 16); <= 0 leaves
- * it. Returns the setting in force. For benchmarks: results depend on it (tiles decide which
- * elements share a vector). */
+/* Floats per FULL register of a tile: elems > 0 fixes it (rounded to a multiple of 16), elems < 0
+ * goes back to the default (sized for L1 from the program's buffers), 0 leaves it. Returns the
+ * setting in force (0: the default). For benchmarks; results never depend on it. */
 int64_t hp_dvm_tile_elems(int64_t elems) {
     if (elems > 0) tile_elems_setting = elems < 16 ? 16 : (elems + 15) / 16 * 16;
+    if (elems < 0) tile_elems_setting = 0;
     return tile_elems_setting;
 }
 
 int64_t hp_dvm_max_reduce_cols(void) { return DVM_MAX_REDUCE_COLS; }
 
-/* Turns memory techniques off, for benchmarks: 1 prefetching, 2 non-temporal stores, 4 in-place
- * loads, 8 kept weights. < 0 leaves them. Returns the flags that were in force. */
+/* Turns techniques off, for benchmarks and tests: 1 prefetching, 2 non-temporal stores, 4
+ * in-place loads, 8 kept weights, 16 fused instruction pairs. < 0 leaves them. Returns the flags
+ * that were in force. */
 int hp_dvm_tune(int flags) {
     int old = tune_flags;
     if (flags >= 0) tune_flags = flags;
@@ -111,6 +128,17 @@ static int is_unary(int op) { return (op >= OP_NEG && op <= OP_COPY); }
 static int is_binary(int op) { return op >= OP_ADD && op <= OP_NE; }
 static int is_reduction(int op) { return op >= OP_RSUM && op <= OP_RMIN; }
 static int widest(int a, int b) { return a < b ? a : b; }
+
+/* The registers a decoded instruction reads (into regs) and writes (-1: none). */
+static int operands(const dvm_ins *I, int32_t *regs) {
+    int op = I->op, n = op == OP_LOAD || op == OP_CONST || op == OP_NOP ? 0
+                        : op == OP_STORE || is_unary(op) || is_reduction(op) ? 1
+                        : is_binary(op) || op == OP_SUM_MUL || op == OP_UNARY_MUL ? 2 : 3;
+    regs[0] = I->a, regs[1] = I->b, regs[2] = I->c;
+    return n;
+}
+
+static int written(const dvm_ins *I) { return I->op == OP_STORE || I->op == OP_NOP ? -1 : I->d; }
 
 /* Per thread, kept between calls: OpenMP reuses its threads, so steady state allocates nothing. */
 static _Thread_local float *tl_scratch = 0;
@@ -233,43 +261,106 @@ static int check(const int32_t *code, int n_instr, int n_imms, const int32_t *ki
     return DVM_OK;
 }
 
-/* FULL registers share buffers by liveness; ROW and SCALAR registers get their own. Sets each
- * register's offset in the thread scratch and returns the size of the buffers in floats. */
-static size_t assign_slots(const int32_t *code, int n_instr, const int32_t *kinds, int n_regs, const int32_t *end,
-                           const int32_t *kept, int64_t *slot, int32_t *free_slots, int64_t full_stride,
-                           int64_t row_stride, int64_t *reg_off) {
-    int n_free = 0, n_full = 0, n_row = 0, n_scalar = 0;
+/* FULL registers share buffers by liveness, except `dedicated` ones (kept weights), which own
+ * theirs; ROW and SCALAR registers get their own. Sets each register's slot (its
+ * buffer's index among those of its sort) and counts them: n_slots[kind], n_slots[3] dedicated. */
+static void assign_slots(const dvm_ins *ins, int n_instr, const int32_t *kinds, int n_regs, const int32_t *end,
+                         const int8_t *dedicated, int64_t *slot, int32_t *free_slots, int *n_slots) {
+    int n_free = 0, n_full = 0, n_row = 0, n_scalar = 0, n_dedicated = 0;
     for (int r = 0; r < n_regs; r++) slot[r] = -1;
     for (int k = 0; k < n_instr; k++) {
-        const int32_t *w = code + 5 * k;
-        int op = w[0];
-        int n_reads = op == OP_LOAD || op == OP_CONST ? 0
-                      : op == OP_STORE || is_unary(op) || is_reduction(op) ? 1
-                      : is_binary(op) ? 2 : 3;
-        int dst = op == OP_STORE ? -1 : w[1];
+        int32_t regs[3];
+        int n_reads = operands(&ins[k], regs), dst = written(&ins[k]);
         for (int i = 0; i < n_reads; i++) {
-            int r = w[2 + i];
-            if (kinds[r] == KIND_FULL && end[r] == k && r != dst && slot[r] >= 0 && !kept[r]) {
+            int r = regs[i];
+            if (kinds[r] == KIND_FULL && end[r] == k && r != dst && slot[r] >= 0 && !dedicated[r]) {
                 int dup = 0; /* the same register twice among the operands */
-                for (int j = 0; j < i; j++) dup |= w[2 + j] == r;
+                for (int j = 0; j < i; j++) dup |= regs[j] == r;
                 if (!dup) free_slots[n_free++] = (int32_t)slot[r];
             }
         }
         if (dst >= 0 && slot[dst] < 0) {
-            if (kinds[dst] == KIND_FULL && kept[dst]) slot[dst] = n_full++;
+            if (kinds[dst] == KIND_FULL && dedicated[dst]) slot[dst] = n_dedicated++;
             else if (kinds[dst] == KIND_FULL) slot[dst] = n_free ? free_slots[--n_free] : n_full++;
             else if (kinds[dst] == KIND_ROW) slot[dst] = n_row++;
             else slot[dst] = n_scalar++;
         }
-        if (dst >= 0 && kinds[dst] == KIND_FULL && end[dst] == k && !kept[dst]) free_slots[n_free++] = (int32_t)slot[dst];
+        if (dst >= 0 && kinds[dst] == KIND_FULL && end[dst] == k && !dedicated[dst])
+            free_slots[n_free++] = (int32_t)slot[dst];
     }
-    int64_t row_base = (int64_t)n_full * full_stride, scalar_base = row_base + (int64_t)n_row * row_stride;
+    n_slots[KIND_FULL] = n_full;
+    n_slots[KIND_ROW] = n_row;
+    n_slots[KIND_SCALAR] = n_scalar;
+    n_slots[3] = n_dedicated;
+}
+
+/* Pairs of instructions whose middle value nothing else reads, run as one pass (no buffer for
+ * the middle value, one pass less over the tile), with the same roundings:
+ *   t = a * b; d = t * c (or c * t), t FULL        -> MUL_MUL d, a, b, c
+ *   t = a * b; d = RSUM t, a and b FULL            -> SUM_MUL d, a, b
+ *   t = u(a); d = t * b (or b * t), t FULL          -> UNARY_MUL d, a, b (u: not SIN, COS)
+ * reads_of: per register, the instructions that read it. */
+static void fuse(dvm_ins *ins, int n_instr, const int32_t *reads_of) {
+    for (int k = 0; k + 1 < n_instr; k++) {
+        dvm_ins *I = &ins[k], *J = &ins[k + 1];
+        if (I->kd != KIND_FULL || I->op == OP_STORE || reads_of[I->d] != 1) continue;
+        int t = I->d;
+        if (is_unary(I->op) && I->op != OP_SIN && I->op != OP_COS && J->op == OP_MUL && J->kd == KIND_FULL &&
+            (J->a == t) != (J->b == t)) {
+            int b = J->a == t ? J->b : J->a, kb = J->a == t ? J->kb : J->ka;
+            J->op = OP_UNARY_MUL;
+            J->idx = I->op;
+            J->a = I->a, J->ka = I->ka, J->b = b, J->kb = (int8_t)kb;
+            I->op = OP_NOP;
+            continue;
+        }
+        if (I->op != OP_MUL) continue;
+        if (J->op == OP_MUL && J->kd == KIND_FULL && (J->a == t) != (J->b == t)) {
+            int c = J->a == t ? J->b : J->a, kc = J->a == t ? J->kb : J->ka;
+            J->op = OP_MUL_MUL;
+            J->a = I->a, J->ka = I->ka, J->b = I->b, J->kb = I->kb, J->c = c, J->kc = (int8_t)kc;
+            I->op = OP_NOP;
+        } else if (J->op == OP_RSUM && J->a == t && I->ka == KIND_FULL && I->kb == KIND_FULL) {
+            J->op = OP_SUM_MUL;
+            J->a = I->a, J->b = I->b, J->kb = KIND_FULL;
+            I->op = OP_NOP;
+        }
+    }
+}
+
+/* The registers' offsets in the thread scratch (shared FULL buffers, dedicated ones, ROW ones,
+ * scalars); returns the size of the buffers in floats. */
+static size_t lay_out(const int32_t *kinds, int n_regs, const int8_t *dedicated, const int64_t *slot,
+                      const int *n_slots, int64_t full_stride, int64_t row_stride, int64_t *reg_off) {
+    int64_t dedicated_base = n_slots[KIND_FULL] * full_stride;
+    int64_t row_base = dedicated_base + n_slots[3] * full_stride;
+    int64_t scalar_base = row_base + n_slots[KIND_ROW] * row_stride;
     for (int r = 0; r < n_regs; r++) {
         int64_t s = slot[r] < 0 ? 0 : slot[r]; /* never written: never read either */
-        reg_off[r] = kinds[r] == KIND_FULL ? s * full_stride
+        reg_off[r] = kinds[r] == KIND_FULL ? (dedicated[r] ? dedicated_base : 0) + s * full_stride
                      : kinds[r] == KIND_ROW ? row_base + s * row_stride : scalar_base + s;
     }
-    return (size_t)(scalar_base + n_scalar);
+    return (size_t)(scalar_base + n_slots[KIND_SCALAR]);
+}
+
+/* Whether the pages of [p, p + bytes) hold memory already (checked at both ends). A buffer fresh
+ * from the allocator gets its pages zeroed, into the cache, by the kernel at the first write;
+ * non-temporal stores would then write each line twice, plain stores only once. */
+static int resident(const char *p, int64_t bytes) {
+#ifdef __linux__
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return 1;
+    unsigned char in_core = 0;
+    const char *ends[2] = {p, p + bytes - 1};
+    for (int i = 0; i < 2; i++) {
+        void *start = (void *)((uintptr_t)ends[i] & ~(uintptr_t)(page - 1));
+        if (mincore(start, (size_t)page, &in_core) != 0 || !(in_core & 1)) return 0;
+    }
+#else
+    (void)p;
+    (void)bytes;
+#endif
+    return 1;
 }
 
 /* bytes from a tensor's first to one past its last element over the space */
@@ -291,7 +382,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         return DVM_E_SHAPE;
     size_t n_tensors = (size_t)n_inputs + (size_t)n_outputs;
     size_t bytes = (size_t)n_instr * sizeof(dvm_ins) + n_tensors * sizeof(dvm_tensor) +
-                   (size_t)n_regs * (2 * sizeof(int64_t) + 4 * sizeof(int32_t));
+                   (size_t)n_regs * (2 * sizeof(int64_t) + 4 * sizeof(int32_t) + 1);
     char *mem = malloc(bytes ? bytes : 1);
     if (!mem) return DVM_E_NOMEM;
     dvm_ins *ins = (dvm_ins *)mem;
@@ -343,12 +434,30 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
      * else may read its contiguous input in place, unless an output overlaps that input. */
     for (int j = 0; j < n_outputs; j++) {
         int64_t bytes = rows * cols * (out[j].dtype == DT_F32 ? 4 : 2);
-        out[j].stream = !(tune_flags & 2) && out[j].cs == 1 && bytes >= STREAM_MIN_BYTES;
+        out[j].stream = !(tune_flags & 2) && out[j].cs == 1 && bytes >= STREAM_MIN_BYTES &&
+                        resident(out[j].ptr, extent(&out[j], rows, cols));
     }
+    /* reads per register; fused pairs; the last instruction touching each register */
+    int32_t *reads_of = first; /* first[] is done with */
+    memset(reads_of, 0, (size_t)n_regs * sizeof(int32_t));
+    for (int k = 0; k < n_instr; k++) {
+        int32_t regs[3];
+        int n = operands(&ins[k], regs);
+        for (int i = 0; i < n; i++) reads_of[regs[i]]++;
+    }
+    if (!(tune_flags & 16)) fuse(ins, n_instr, reads_of);
+    for (int r = 0; r < n_regs; r++) end[r] = -1;
+    for (int k = 0; k < n_instr; k++) {
+        int32_t regs[3];
+        int n = operands(&ins[k], regs), dst = written(&ins[k]);
+        for (int i = 0; i < n; i++) end[regs[i]] = k;
+        if (dst >= 0) end[dst] = k;
+    }
+
     /* A FULL register loaded from a row-broadcast input (a weight) and written by nothing else
      * keeps its values from tile to tile while the columns stay, in a buffer of its own. */
-    int32_t *kept = first; /* first[] is not needed any more */
-    for (int r = 0; r < n_regs; r++) kept[r] = 0;
+    int8_t *kept_reg = (int8_t *)(free_slots + n_regs);
+    memset(kept_reg, 0, (size_t)n_regs);
     for (int k = 0; k < n_instr; k++) {
         dvm_ins *I = &ins[k];
         if (I->op != OP_LOAD || I->kd != KIND_FULL || writes_of[I->d] != 1) continue;
@@ -361,11 +470,22 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         }
         if (overlap) continue;
         I->in_place = t->dtype == DT_F32 && (t->cs == 1 || cols == 1) && !(tune_flags & 4);
-        I->keep = t->rs == 0 && rows > 1 && !(tune_flags & 8);
-        kept[I->d] = I->keep;
+        I->keep = kept_reg[I->d] = t->rs == 0 && rows > 1 && !(tune_flags & 8);
     }
 
-    int64_t target = tile_elems_setting, tile_rows, tile_cols;
+    int n_slots[4];
+    assign_slots(ins, n_instr, reg_kinds, n_regs, end, kept_reg, slot, free_slots, n_slots);
+    /* A tile's FULL buffers, and the inputs it reads in place, stay within L1_TILE_BYTES. */
+    int64_t target = tile_elems_setting;
+    if (target <= 0) {
+        int64_t streams = n_slots[KIND_FULL] + n_slots[3];
+        for (int k = 0; k < n_instr; k++) streams += ins[k].in_place;
+        target = L1_TILE_BYTES / (4 * (streams > 0 ? streams : 1));
+        target = target < MIN_TILE_ELEMS ? MIN_TILE_ELEMS : target > MAX_TILE_ELEMS ? MAX_TILE_ELEMS : target;
+    }
+
+    dvm_plan plan;
+    int64_t tile_rows, tile_cols;
     if (has_reduction) {
         tile_cols = cols;
         tile_rows = target / cols;
@@ -378,7 +498,8 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     if (tile_rows < 1) tile_rows = 1;
     if (tile_rows > rows) tile_rows = rows;
 
-    dvm_plan plan;
+    for (int k = 0; k < n_instr; k++)
+        if (ins[k].op == OP_LOAD) ins[k].readers = reads_of[ins[k].d];
     plan.ins = ins;
     plan.n_instr = n_instr;
     plan.n_regs = n_regs;
@@ -394,8 +515,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     plan.n_col_tiles = cdiv(cols, tile_cols);
     plan.n_tiles = cdiv(rows, tile_rows) * plan.n_col_tiles;
     int64_t full_stride = cdiv(tile_rows * tile_cols, 16) * 16, row_stride = cdiv(tile_rows, 16) * 16;
-    size_t buffers =
-        assign_slots(code, n_instr, reg_kinds, n_regs, end, kept, slot, free_slots, full_stride, row_stride, reg_off);
+    size_t buffers = lay_out(reg_kinds, n_regs, kept_reg, slot, n_slots, full_stride, row_stride, reg_off);
     plan.scratch_floats = (buffers + 1) / 2 * 2 + 2 * (size_t)n_regs * 4; /* + pointers, kept tiles */
 
     const dvm_isa *isa = active();

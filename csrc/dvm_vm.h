@@ -19,6 +19,11 @@ enum {
     OP_NE, /* = 52 */
     OP_WHERE = 60,
     OP_RSUM = 70, OP_RMAX, OP_RMIN,
+    /* the VM's own, from pairs of instructions (see fuse() in dvm_vm.c), never in bytecode */
+    OP_NOP = 100,
+    OP_MUL_MUL = 101, /* d = (a * b) * c */
+    OP_SUM_MUL = 102, /* d (ROW) = row sums of a * b */
+    OP_UNARY_MUL = 103, /* d = u(a) * b, u the unary opcode in idx */
 };
 
 enum { KIND_FULL = 0, KIND_ROW = 1, KIND_SCALAR = 2 }; /* a smaller number is a wider kind */
@@ -53,6 +58,7 @@ typedef struct {
                               instead of a copy, when the tile's rows are contiguous there */
     int32_t keep;          /* LOAD of a row-broadcast input (a weight): the register keeps its
                               own buffer, reloaded only when the tile's columns change */
+    int32_t readers;       /* LOAD: the instructions that read the register */
 } dvm_ins;
 
 typedef struct {

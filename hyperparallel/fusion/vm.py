@@ -7,7 +7,7 @@ code, immediates, register kinds and dtypes become ctypes arrays once, kept on t
 
 What the VM does with a call (csrc/dvm_vm.c): it checks the program against the tensors (an
 error raises VMError and writes nothing), runs it tile by tile (a tile's FULL registers hold
-``tile_elems()`` floats, 2048 unless changed; with a row reduction a tile spans whole rows, so
+512 to 4096 floats, what keeps the tile in L1; with a row reduction a tile spans whole rows, so
 ``cols`` may be at most ``MAX_REDUCE_COLS``), parallel over tiles with OpenMP. Results do not
 depend on the number of threads. The caller guarantees that every (row, col) addressed through
 a tensor's strides lies inside that tensor, and that outputs overlap inputs only element for
@@ -173,5 +173,6 @@ def use_isa(level: int = 2) -> str:
 
 
 def tile_elems(elems: int = 0) -> int:
-    """Floats per FULL register of a tile; sets it when `elems` > 0. Returns the value in force."""
+    """Floats per FULL register of a tile: `elems` > 0 fixes it, < 0 restores the default (sized
+    for L1 from each program's buffers), 0 leaves it. Returns the setting (0: the default)."""
     return LIB.hp_dvm_tile_elems(elems)

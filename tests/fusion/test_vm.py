@@ -670,10 +670,45 @@ def test_tile_size_does_not_change_elementwise_results():
             run(prog, [x, w], [out], *x.shape)
             outs.append(out)
     finally:
-        vm.tile_elems(old)
+        vm.tile_elems(old if old > 0 else -1)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     torch.testing.assert_close(outs[0], torch.sigmoid(x) * w.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_instruction_pairs_round_alike():
+    """The VM runs `t = a * b; d = t * c`, `t = u(a); d = t * b` and `t = a * b; RSUM t` as one
+    pass when nothing else reads t: the values round as the two instructions would (row sums
+    within reordering)."""
+    rows, cols = 23, 777
+    g = gen(26)
+    x, w, r = torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g), torch.randn(rows, 1, generator=g)
+    n_full = 7
+    prog = P((F32, F32, F32), (F32,) * (n_full + 1))
+    xr, wr, rr = prog.load(0), prog.load(1), prog.load(2, Kind.ROW)
+    prog.store(prog.op(Op.MUL, prog.op(Op.MUL, xr, rr), wr), 0)  # FULL * ROW, then * FULL
+    prog.store(prog.op(Op.MUL, wr, prog.op(Op.MUL, rr, prog.const(3.0))), 1)  # ROW * SCALAR is no FULL pair
+    prog.store(prog.op(Op.MUL, prog.const(0.5), prog.op(Op.MUL, xr, prog.const(2.0))), 2)
+    prog.store(prog.op(Op.MUL, prog.op(Op.SILU, xr), wr), 3)  # unary, then * FULL
+    prog.store(prog.op(Op.MUL, xr, prog.op(Op.SIGMOID, xr)), 4)  # x * sigmoid(x)
+    prog.store(prog.op(Op.MUL, prog.op(Op.TANH, xr), rr), 5)  # unary, then * ROW
+    prog.store(prog.op(Op.MUL, prog.op(Op.SIN, xr), prog.const(2.0)), 6)  # sin and cos are never fused
+    prog.store(prog.op(Op.RSUM, prog.op(Op.MUL, xr, xr)), n_full)
+    results = []
+    old = vm.LIB.hp_dvm_tune(-1)
+    try:
+        for flags in (old & ~16, old | 16):  # fused, then not
+            vm.LIB.hp_dvm_tune(flags)
+            outs = [torch.empty(rows, cols) for _ in range(n_full)] + [torch.empty(rows, 1)]
+            run(prog, [x, w, r], outs, rows, cols, in_kinds=[Kind.FULL, Kind.FULL, Kind.ROW])
+            results.append(outs)
+    finally:
+        vm.LIB.hp_dvm_tune(old)
+    for fused, plain in zip(results[0][:n_full], results[1][:n_full], strict=True):
+        assert torch.equal(fused, plain)
+    assert bitwise_equal(results[0][0], x * r * w)
+    torch.testing.assert_close(results[0][3], F.silu(x) * w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][n_full], (x * x).sum(-1, keepdim=True), rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------- errors
