@@ -1,15 +1,21 @@
 """Training throughput: `hyperparallel train` vs the Hugging Face Trainer, side by side.
 
-    python benchmarks/train.py                      # configs/default.yaml, 16 steps per round
+    python benchmarks/train.py                      # configs/default.yaml, fp32 and bf16, 16 steps per round
     python benchmarks/train.py --steps 8 --rounds 1 # quicker
 
 Both train the same model (the same family, inline config and seeded weights), on the same
 packed sequences, with the same micro-batch, gradient accumulation, AdamW settings, cosine
-schedule and clipping, in fp32, in this one process. The Trainer runs as a user gets it: its
-default fused AdamW and transformers' default experts implementation ("grouped_mm" since
-transformers 5; also timed with "eager", the per-expert loop that earlier versions ran). Rounds
-alternate the contenders so that drift of the machine falls on all; the first steps of each
-round are warm-up and not counted. Prints a table and writes JSON (--json PATH).
+schedule and clipping, in this one process, at the same precision:
+- fp32: everything in float32 (the Trainer's default);
+- bf16: float32 parameters, gradients and optimizer state, forward under bf16 autocast (the
+  Trainer's `bf16=True`; ours `training.mixed_precision: bf16`).
+hyperparallel runs as its config says (configs/default.yaml: fused loss, Inductor per decoder
+layer). The Trainer runs as a user gets it: its default fused AdamW and transformers' default
+experts implementation ("grouped_mm" since transformers 5); it is also timed with its own
+`torch_compile=True`, and with "eager" experts (the per-expert loop of earlier versions). Each
+row's ratio is against hyperparallel at the same precision. Rounds alternate the contenders so
+that drift of the machine falls on all; the first steps of each round (compilation included)
+are warm-up and not counted. Prints a table and writes JSON (--json PATH).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from hyperparallel.train.config import load_config
 from hyperparallel.train.loop import inline_model_config, train
 
 
-def ours(cfg, steps: int, workdir: Path) -> tuple[list[float], list[float]]:
+def ours(cfg, steps: int, workdir: Path, precision: str) -> tuple[list[float], list[float]]:
     run = cfg.model_copy(deep=True)
     run.training.steps = steps
+    run.training.mixed_precision = "bf16" if precision == "bf16" else "none"
     run.scheduler.warmup_steps = min(run.scheduler.warmup_steps, steps)
     run.logging.run_dir = str(workdir / f"ours-{time.monotonic_ns()}")
     run.logging.every = 1
@@ -56,7 +63,8 @@ class _Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.sequences[i], "labels": self.sequences[i]}
 
 
-def hf_trainer(cfg, dataset, steps: int, workdir: Path, experts: str | None) -> tuple[list[float], list[float]]:
+def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, experts: str | None = None,
+               compile: bool = False) -> tuple[list[float], list[float]]:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, dataset.tokenizer.vocab_size),
@@ -84,7 +92,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, experts: str | None) -> 
         weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
         lr_scheduler_type="cosine", warmup_steps=min(s.warmup_steps, steps), max_grad_norm=t.max_grad_norm or 0.0,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, seed=t.seed, disable_tqdm=True,
+        dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_Sequences(dataset.sequences), callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
@@ -99,41 +107,69 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per round and trainer")
     parser.add_argument("--warmup", type=int, default=3, help="steps of each round left out of the timing")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--precision", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
+    parser.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
+                        help="leave out the HF Trainer with torch_compile=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     dataset = data.prepare(cfg.data)
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
-    contenders = {
-        "hyperparallel": lambda tmp: ours(cfg, args.steps, tmp),
-        "HF Trainer": lambda tmp: hf_trainer(cfg, dataset, args.steps, tmp, None),
-    }
-    if "moe" in cfg.model.family or cfg.model.family in ("deepseek_v3", "kimi_k2"):
-        contenders["HF Trainer, eager experts"] = lambda tmp: hf_trainer(cfg, dataset, args.steps, tmp, "eager")
-    results = {name: ([], []) for name in contenders}
+    contenders = {}
+    moe = "moe" in cfg.model.family or cfg.model.family in ("deepseek_v3", "kimi_k2")
+    for precision in args.precision.split(","):
+        contenders[(precision, "hyperparallel")] = lambda tmp, p=precision: ours(cfg, args.steps, tmp, p)
+        contenders[(precision, "HF Trainer")] = lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p)
+        if args.hf_compile:
+            contenders[(precision, "HF Trainer, torch_compile")] = \
+                lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p, compile=True)
+        if moe and precision == "fp32":
+            contenders[(precision, "HF Trainer, eager experts")] = \
+                lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p, experts="eager")
+    results = {name: ([], [], None) for name in contenders}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for name, fn in contenders.items():
-                times, losses = fn(Path(tmp))
+                if results[name][2] is not None:
+                    continue
+                try:
+                    times, losses = fn(Path(tmp))
+                except Exception as error:  # a contender that cannot run here is reported, not hidden
+                    results[name] = ([], [], f"{type(error).__name__}: {str(error).splitlines()[0][:80]}")
+                    continue
                 results[name][0].extend(times[args.warmup:])
                 results[name][1].append(losses)
     rows = []
-    for name, (times, losses) in results.items():
+    for (precision, name), (times, losses, failed) in results.items():
+        if failed:
+            rows.append({"precision": precision, "trainer": name, "failed": failed})
+            continue
         step = statistics.median(times)
-        rows.append({"trainer": name, "step_ms": step * 1e3, "tokens_per_s": tokens_per_step / step,
+        rows.append({"precision": precision, "trainer": name, "step_ms": step * 1e3, "tokens_per_s": tokens_per_step / step,
                      "first_loss": losses[0][0], "last_loss": losses[0][-1]})
     print(f"Training throughput, {cfg.model.family} (1 process, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads): global batch {cfg.training.global_batch} x seq {cfg.data.seq_len}, "
           f"micro-batch {cfg.training.micro_batch}, {args.rounds} rounds of {args.steps} steps "
-          f"({args.warmup} warm-up each)")
-    print(f"| {'trainer':<25} | {'ms/step':>8} | {'tokens/s':>9} | {'loss (round 1)':<16} | {'hyperparallel is':>16} |")
-    print(f"|{'-' * 27}|{'-' * 10}|{'-' * 11}|{'-' * 18}|{'-' * 18}|")
-    ours_rate = rows[0]["tokens_per_s"]
+          f"({args.warmup} warm-up each); hyperparallel: compile {cfg.training.compile}, "
+          f"fused loss {'on' if cfg.training.fused_loss else 'off'}")
+    print(f"| {'precision':<9} | {'trainer':<27} | {'ms/step':>8} | {'tokens/s':>9} | {'loss (round 1)':<16} | "
+          f"{'hyperparallel is':>16} |")
+    print(f"|{'-' * 11}|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 18}|{'-' * 18}|")
+    ours_rate = {r["precision"]: r["tokens_per_s"] for r in rows if r["trainer"] == "hyperparallel" and "failed" not in r}
     for r in rows:
+        if "failed" in r:
+            print(f"| {r['precision']:<9} | {r['trainer']:<27} | {'failed':>8} | {'':>9} | {r['failed'][:16]:<16} | {'':>16} |")
+            continue
         loss = f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"
-        ratio = "" if r is rows[0] else f"{ours_rate / r['tokens_per_s']:.2f}x faster"
-        r["hyperparallel_speedup"] = ours_rate / r["tokens_per_s"]
-        print(f"| {r['trainer']:<25} | {r['step_ms']:>8.1f} | {r['tokens_per_s']:>9,.0f} | {loss:<16} | {ratio:>16} |")
+        mine = ours_rate.get(r["precision"])
+        ratio = "" if r["trainer"] == "hyperparallel" or mine is None else f"{mine / r['tokens_per_s']:.2f}x faster"
+        if mine is not None:
+            r["hyperparallel_speedup"] = mine / r["tokens_per_s"]
+        print(f"| {r['precision']:<9} | {r['trainer']:<27} | {r['step_ms']:>8.1f} | {r['tokens_per_s']:>9,.0f} | {loss:<16} | "
+              f"{ratio:>16} |")
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['precision']} {r['trainer']}: {r['failed']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -25,8 +25,10 @@ _BINARY = {"add": aten.add.Tensor, "sub": aten.sub.Tensor, "mul": aten.mul.Tenso
 _OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
               operator.gt: "gt", operator.ge: "ge", operator.lt: "lt", operator.le: "le", operator.eq: "eq",
               operator.ne: "ne"}
-_COMPARE = {"gt": aten.gt.Tensor, "ge": aten.ge.Tensor, "lt": aten.lt.Tensor, "le": aten.le.Tensor,
-            "eq": aten.eq.Tensor, "ne": aten.ne.Tensor}
+_COMPARE = {"gt": aten.gt, "ge": aten.ge, "lt": aten.lt, "le": aten.le, "eq": aten.eq, "ne": aten.ne}
+_REFLECTED = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq", "ne": "ne"}  # 5 > x is x < 5
+_WHERE = {(True, True): aten.where.self, (True, False): aten.where.ScalarOther,
+          (False, True): aten.where.ScalarSelf, (False, False): aten.where.Scalar}
 _CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -68,7 +70,11 @@ def _to_aten(node: Node) -> tuple | None:
             return _BINARY[name], (args[0], args[1]), {}
         return _BINARY[name], tuple(args), {}
     if name in _COMPARE and len(args) == 2 and not kwargs:
-        return _COMPARE[name], tuple(args), {}
+        # ATen has a Tensor overload (both tensors) and a Scalar one (a number second)
+        if not _tensor(args[0]):
+            name, args = _REFLECTED[name], [args[1], args[0]]
+        overload = "Tensor" if _tensor(args[1]) else "Scalar"
+        return getattr(_COMPARE[name], overload), tuple(args), {}
     if name == "pow" and len(args) == 2 and not kwargs and isinstance(args[1], (int, float)):
         return aten.pow.Tensor_Scalar, tuple(args), {}
     if name == "silu" and len(args) == 1 and not kwargs.get("inplace", False):
@@ -90,7 +96,7 @@ def _to_aten(node: Node) -> tuple | None:
         if isinstance(dim, int) and set(kwargs) <= {"dim"}:
             return aten._softmax.default, (args[0], dim, False), {}
     if name == "where" and len(args) == 3 and not kwargs:
-        return aten.where.self, tuple(args), {}
+        return _WHERE[(_tensor(args[1]), _tensor(args[2]))], tuple(args), {}
     return None
 
 

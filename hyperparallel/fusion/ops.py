@@ -198,7 +198,7 @@ ELEMENTWISE: dict = {
     aten.erf.default: _unary(Op.ERF), aten.silu.default: _unary(Op.SILU), aten.gelu.default: _gelu,
     aten.sin.default: _unary(Op.SIN), aten.cos.default: _unary(Op.COS),
     aten.log1p.default: _unary(Op.LOG1P), aten.expm1.default: _unary(Op.EXPM1),
-    aten.where.self: _where,
+    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where, aten.where.Scalar: _where,
     aten._to_copy.default: _cast, prims.convert_element_type.default: _convert,
     aten.clone.default: lambda e, x, **kw: e.apply(Op.COPY, x),
     aten.sigmoid_backward.default: _sigmoid_backward, aten.tanh_backward.default: _tanh_backward,

@@ -45,34 +45,97 @@ def native_grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (k * size) % _NATIVE_ALIGN_BYTES == 0 and (n * size) % _NATIVE_ALIGN_BYTES == 0
 
 
-class _NativeGroupedMM(torch.autograd.Function):
-    """torch._grouped_mm with a backward that also runs on grouped matmuls.
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: torch.autocast's for x's device when it is on, else x's own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
-    torch's own backward for _grouped_mm fails on the CPU when the incoming gradient has zero or
-    unaligned strides (an expanded gradient, as `.sum()` makes), so we make it contiguous here, and
-    produce the weight gradient directly in the weight's own memory layout so that accumulating it
-    into `.grad` needs no copy.
+
+# Rows per padded group for bf16/fp16 grouped matmuls on the CPU: oneDNN builds (and caches) one
+# kernel per matmul shape, so expert groups of new sizes every step cost ~1 ms each there (measured:
+# bf16 [M,256]x[256,512] with M varying is 5x slower than with M fixed). 32 rows bound the shapes
+# to a few dozen per projection at a cost of at most 31 zero rows per expert.
+_CPU_LOW_PRECISION_GROUP_ALIGN = 32
+
+
+def _group_alignment(device: torch.device, dtype: torch.dtype) -> int:
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return _CPU_LOW_PRECISION_GROUP_ALIGN
+    return 1
+
+
+def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: int):
+    """Lay the expert-sorted rows out in groups padded to multiples of `align`.
+
+    Returns token_of_slot (the token each padded slot reads, `num_tokens` for a pad slot, which
+    reads a zero row), row_slot (the slot of each sorted row) and the padded group ends.
     """
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded_counts, 0)
+    starts, padded_starts = offsets.long() - counts, padded_ends - padded_counts
+    row_slot = torch.arange(token_of_row.shape[0], device=token_of_row.device) - starts[expert_of_row] \
+        + padded_starts[expert_of_row]
+    total = int(padded_ends[-1]) if padded_ends.numel() else 0  # one host sync; on the CPU it costs nothing
+    token_of_slot = torch.full((total,), num_tokens, dtype=token_of_row.dtype, device=token_of_row.device)
+    token_of_slot[row_slot] = token_of_row
+    return token_of_slot, row_slot, padded_ends.to(torch.int32)
 
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        a = a.contiguous()
-        ctx.save_for_backward(a, b, offsets)
-        return torch._grouped_mm(a, b, offs=offsets)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        a, b, offsets = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = torch._grouped_mm(grad_out, b.transpose(-2, -1), offs=offsets)
-        if ctx.needs_input_grad[1]:
-            if b.transpose(-2, -1).is_contiguous():  # b is a [E,N,K] weight seen as [E,K,N]
-                grad_b = torch._grouped_mm(grad_out.t(), a, offs=offsets).transpose(-2, -1)
-            else:
-                grad_b = torch._grouped_mm(a.t(), grad_out, offs=offsets)
-        return grad_a, grad_b, None
+# torch._grouped_mm as custom ops: torch.compile sees them as opaque calls with a known output
+# shape (its own meta function for _grouped_mm refuses float32), and the backward below runs on
+# grouped matmuls too. torch's own backward for _grouped_mm fails on the CPU when the incoming
+# gradient has zero or unaligned strides (an expanded gradient, as `.sum()` makes), so gradients
+# are made contiguous here; the weight gradient is produced directly in the weight's own memory
+# layout so that accumulating it into `.grad` needs no copy.
+@torch.library.custom_op("hyperparallel::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a.contiguous(), b, offs=offsets)
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offsets):
+    return a.new_empty(a.shape[0], b.shape[2])
+
+
+@torch.library.custom_op("hyperparallel::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(a: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor,
+                            transposed: bool) -> torch.Tensor:
+    """Per group a^T grad_out: [E, K, N], or its transpose [E, N, K] (contiguous) when `transposed`."""
+    a, grad_out = a.contiguous(), grad_out.contiguous()
+    if transposed:
+        return torch._grouped_mm(grad_out.t(), a, offs=offsets)
+    return torch._grouped_mm(a.t(), grad_out, offs=offsets)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a, grad_out, offsets, transposed):
+    k, n = a.shape[1], grad_out.shape[1]
+    return a.new_empty(offsets.shape[0], *((n, k) if transposed else (k, n)))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    a, b, offsets = inputs
+    ctx.save_for_backward(a, b, offsets)
+
+
+def _grouped_mm_backward(ctx, grad_out):
+    a, b, offsets = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = _grouped_mm_op(grad_out, b.transpose(-2, -1), offsets)
+    if ctx.needs_input_grad[1]:
+        transposed = b.transpose(-2, -1).is_contiguous()  # b is an [E,N,K] weight seen as [E,K,N]
+        grad_b = _grouped_mm_weight_grad(a, grad_out, offsets, transposed)
+        if transposed:
+            grad_b = grad_b.transpose(-2, -1)
+    return grad_a, grad_b, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def _padded_bmm_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -104,7 +167,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
             f"grouped_mm needs offsets of shape [{b.shape[0]}] (one end per group); got {tuple(offsets.shape)}"
         )
     if native_grouped_mm_supported(a, b):
-        return _NativeGroupedMM.apply(a, b, offsets.to(torch.int32))
+        return _grouped_mm_op(a, b, offsets.to(torch.int32))
     return _padded_bmm_grouped_mm(a, b.to(a.dtype), offsets)
 
 
@@ -180,11 +243,28 @@ class GroupedExperts(nn.Module):
         num_tokens, top_k = top_k_index.shape
         order, offsets = sort_by_expert(top_k_index, self.num_experts)
         token_of_row = order // top_k
-
-        rows = hidden_states[token_of_row]
-        gate, up = grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        rows = grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offsets)
-        rows = (rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(hidden_states.dtype)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        dtype = compute_dtype(hidden_states)
+        if dtype != gate_up.dtype:  # under autocast the experts' products run in its dtype, as nn.Linear's do
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        align = _group_alignment(hidden_states.device, dtype)
+        if align > 1:
+            # Groups padded with zero rows to multiples of `align`: matmul libraries that build a
+            # kernel per shape (oneDNN for bf16 on the CPU) then see a few shapes, not new ones
+            # every step. Pad rows stay zero through SwiGLU and are never read back.
+            token_of_slot, row_slot, offsets = _padded_slots(token_of_row, top_k_index.reshape(-1)[order], offsets,
+                                                             num_tokens, align)
+            padded_input = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])
+            rows = padded_input.index_select(0, token_of_slot).to(dtype)
+        else:
+            # index_select, not hidden_states[token_of_row]: its backward is an index_add, several
+            # times faster on the CPU than the accumulating index_put that indexing's backward runs
+            rows = hidden_states.index_select(0, token_of_row).to(dtype)
+        gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        rows = grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offsets)
+        if align > 1:
+            rows = rows.index_select(0, row_slot)
+        rows = (rows * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(hidden_states.dtype)
         return hidden_states.new_zeros(num_tokens, hidden_states.shape[-1]).index_add(0, token_of_row, rows)
 
     def extra_repr(self) -> str:

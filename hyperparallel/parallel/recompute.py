@@ -35,8 +35,13 @@ if hasattr(_aten, "_grouped_mm"):
     SAVED_OPS.add(_aten._grouped_mm.default)
 
 
+# custom ops of other layers, by name (hyperparallel.models registers them)
+SAVED_OP_NAMES = {"hyperparallel::grouped_mm"}
+
+
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in SAVED_OPS or (hasattr(op, "name") and op.name() in SAVED_OP_NAMES)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

@@ -63,6 +63,11 @@ class TrainingSection(Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     seed: int = 0
     deterministic: bool = False
+    # bf16: forward under torch.autocast(bfloat16), as the HF Trainer's bf16=True; parameters,
+    # gradients and optimizer state stay in model.dtype
+    mixed_precision: Literal["none", "bf16"] = "none"
+    compile: Literal["none", "inductor", "dvm"] = "none"  # torch.compile each decoder layer with this backend
+    fused_loss: bool = True  # cross-entropy from the hidden states in chunks; the logits are never made whole
 
 
 class ParallelSection(Section):
@@ -165,6 +170,8 @@ class TrainConfig(Section):
         data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel"})
         data["training"].pop("steps")  # a resumed run may go on for longer
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
+        for how in ("compile", "fused_loss"):  # how the same numbers are computed
+            data["training"].pop(how)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

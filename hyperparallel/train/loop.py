@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hyperparallel import fsdp
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
-from hyperparallel.models import build_model, training_flops_per_token
+from hyperparallel.models import build_model, compile_layers, fused_loss, install_fused_loss, training_flops_per_token
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import checkpointing, data
@@ -117,7 +117,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({dataset.tokenizer.vocab_size}); give data.tokenizer the model's own")
     conversion = convert(model, cfg.low_precision)  # before parallel plans and sharding, as they expect
+    if cfg.training.fused_loss:
+        install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
     apply_recompute(model, cfg.parallel.recompute)
+    compile_layers(model, cfg.training.compile)
     n_params = sum(p.numel() for p in model.parameters())
     trained = model
     if sharded:
@@ -156,13 +159,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     flops_per_step = training_flops_per_token(model.config, cfg.data.seq_len) * tokens_per_step
-    peak, peak_source = peak_tflops(device, dtype, cfg.logging.peak_tflops)
+    compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else dtype
+    peak, peak_source = peak_tflops(device, compute_dtype, cfg.logging.peak_tflops)
     log = MetricsLog(run_dir, enabled=is_main, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                      total_steps=cfg.training.steps, first_step=start)
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if sharded else "replicated"
     log.print(f"{cfg.model.family}: {n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
               f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {world} rank(s) {layout}, grad accumulation "
-              f"{accumulation}, recompute {cfg.parallel.recompute}; MFU against {peak:.2f} TFLOP/s ({peak_source})")
+              f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
+              f"{cfg.training.compile}; MFU against {peak:.2f} TFLOP/s ({peak_source})")
     if cfg.low_precision.enabled:
         log.print(conversion.summary())
     if start:
@@ -183,8 +188,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
                 if sharded:
                     fsdp.set_requires_gradient_sync(model, last_micro)
                 sync = trained.no_sync() if world > 1 and not sharded and not last_micro else nullcontext()
-                with sync:
-                    loss = trained(input_ids=ids.to(device), labels=labels.to(device)).loss
+                autocast = torch.autocast(device.type, dtype=torch.bfloat16) if compute_dtype != dtype else nullcontext()
+                with sync, fused_loss(model):
+                    with autocast:
+                        loss = trained(input_ids=ids.to(device), labels=labels.to(device)).loss
                     (loss / accumulation).backward()
                 loss_sum += loss.detach().double().cpu()
             max_norm = cfg.training.max_grad_norm or math.inf

@@ -276,3 +276,20 @@ def test_tiny_qwen3_training_step_matches_eager():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(fused.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_comparisons_and_where_with_numbers():
+    """x != -100, 0 < x, where(mask, x, 0.0), where(mask, 1.0, x): the Scalar overloads of ATen."""
+
+    def f(x, targets):
+        counted = targets != -100
+        positive = 0 < x
+        kept = torch.where(counted.unsqueeze(1), x.exp(), 0.0)
+        return torch.where(positive, 1.0, kept * 2).sum(dim=1), torch.where(counted, targets, 0)
+
+    x = torch.randn(6, 5)
+    targets = torch.tensor([3, -100, 1, -100, 0, 4])
+    got = torch.compile(f, backend=dvm)(x, targets)
+    want = f(x, targets)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
+    assert torch.equal(got[1], want[1])

@@ -199,3 +199,50 @@ def test_swap_keeps_parameter_objects_and_names():
     assert list(model.state_dict()) == keys
     assert all(p is params[name] for name, p in model.named_parameters())
     assert all(isinstance(layer.mlp.experts, GroupedExperts) for layer in model.model.layers)
+
+
+def test_padded_slots_lay_groups_out_on_aligned_starts():
+    # 6 rows sorted by expert: expert 0 has 3, expert 1 none, expert 2 has 3; align 4
+    token_of_row = torch.tensor([5, 0, 2, 1, 4, 3])
+    expert_of_row = torch.tensor([0, 0, 0, 2, 2, 2])
+    offsets = torch.tensor([3, 3, 6], dtype=torch.int32)
+    token_of_slot, row_slot, ends = ge._padded_slots(token_of_row, expert_of_row, offsets, num_tokens=6, align=4)
+    assert ends.tolist() == [4, 4, 8] and ends.dtype == torch.int32
+    assert row_slot.tolist() == [0, 1, 2, 4, 5, 6]
+    assert token_of_slot.tolist() == [5, 0, 2, 6, 1, 4, 3, 6]  # 6 = the zero row
+
+
+@pytest.mark.parametrize(("family", "config_name"), CASES)
+def test_under_bf16_autocast_experts_run_in_bf16_like_hf_eager_experts(family, config_name):
+    """fp32 experts under bf16 autocast: the products in bf16 (padded groups on the CPU), as
+    transformers' eager loop gets from autocast; outputs and fp32 parameter gradients agree."""
+    experts, config = hf_experts(family, config_name)
+    torch.manual_seed(4)
+    hidden = torch.randn(45, config.hidden_size, requires_grad=True)
+    index, weights = routing(45, experts.num_experts, config.num_experts_per_tok, idle=2, weight_dtype=torch.float32)
+    grouped = GroupedExperts.from_hf(experts)
+    assert ge._group_alignment(hidden.device, torch.bfloat16) > 1  # the padded layout is what runs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = run(experts, hidden, index, weights)
+        got = run(grouped, hidden, index, weights)
+        exact = run(grouped, hidden.double().float(), index, weights)  # same input again: same numbers
+    torch.testing.assert_close(got[0], exact[0], rtol=0, atol=0)
+    assert got[1][2].dtype == torch.float32  # parameter gradients stay in the parameters' dtype
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+        assert_close_bf16(g.float(), w.float())
+
+
+def test_grouped_mm_traces_under_torch_compile():
+    torch.manual_seed(5)
+    a = torch.randn(40, 16, requires_grad=True)
+    b = torch.randn(3, 24, 16, requires_grad=True)  # an [E, N, K] weight seen as [E, K, N]
+    offsets = torch.tensor([10, 10, 40], dtype=torch.int32)
+
+    def f(a, b):
+        return (grouped_mm(a, b.transpose(-2, -1), offsets).sin() * 2).sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    want = torch.autograd.grad(f(a, b), (a, b))
+    got = torch.autograd.grad(compiled(a, b), (a, b))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -69,3 +69,9 @@ def test_unknown_mode_and_a_model_without_layers_are_refused():
         apply_recompute(tiny_model(), "half")
     with pytest.raises(ConfigError, match="no decoder layers"):
         apply_recompute(torch.nn.Linear(2, 2), "full")
+
+
+def test_selective_policy_keeps_the_grouped_experts_matmul():
+    import hyperparallel.models  # noqa: F401  (registers hyperparallel::grouped_mm)
+
+    assert _policy(None, torch.ops.hyperparallel.grouped_mm.default) == CheckpointPolicy.MUST_SAVE

@@ -86,6 +86,25 @@ def test_recompute_trains_to_the_same_losses(tmp_path):
             assert losses(again)[step] == pytest.approx(loss, rel=1e-5), (mode, step)
 
 
+def test_how_the_numbers_are_computed_does_not_change_them(tmp_path):
+    """Inductor or DVM per decoder layer, and HF's loss instead of the fused one: the same run."""
+    plain = train(config(tmp_path / "plain"))
+    for name, training in (("inductor", {"compile": "inductor"}), ("dvm", {"compile": "dvm"}),
+                           ("hf_loss", {"fused_loss": False})):
+        again = train(config(tmp_path / name, training=training))
+        for step, loss in losses(plain).items():
+            assert losses(again)[step] == pytest.approx(loss, rel=1e-4), (name, step)
+
+
+def test_bf16_mixed_precision_follows_fp32(tmp_path):
+    plain = train(config(tmp_path / "fp32", training={"steps": 8}, optimizer={"lr": 3e-3}))
+    mixed = train(config(tmp_path / "bf16", training={"steps": 8, "mixed_precision": "bf16"}, optimizer={"lr": 3e-3}))
+    assert mixed["last_loss"] < mixed["first_loss"]
+    for step, loss in losses(plain).items():
+        assert losses(mixed)[step] == pytest.approx(loss, rel=2e-2), step
+    assert losses(mixed) != losses(plain)  # bf16 really ran
+
+
 def test_an_existing_run_is_never_written_into(tmp_path):
     train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0}))
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}

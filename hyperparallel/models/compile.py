@@ -1,0 +1,31 @@
+"""torch.compile per decoder layer, the way large-model trainers compile (one graph per block).
+
+Each layer's `forward` is replaced on the instance by its compiled version, so module names,
+state-dict keys and module hooks (FSDP's gathers run in them) stay outside the graph and as they
+were. Layers share their code, so Dynamo compiles it once and the other layers reuse the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+BACKENDS = ("none", "inductor", "dvm")
+
+
+def compile_layers(model: nn.Module, backend: str) -> int:
+    """Compile every decoder layer (model.model.layers) with `backend`; returns how many."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"training.compile must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "none":
+        return 0
+    if backend == "dvm":
+        import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"training.compile: {type(model).__name__} has no decoder layers at model.layers")
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend)
+    return len(layers)

@@ -1,0 +1,237 @@
+"""A causal LM's cross-entropy from its last hidden states, chunk by chunk, logits never whole.
+
+Hugging Face models compute `logits = lm_head(h)` for every position ([tokens, vocab], the
+largest activation of a small model), then log_softmax, then its backward: three passes over
+the logits and one more to zero the gradient of nll. `linear_cross_entropy` computes the same
+loss a chunk of rows at a time, and because the loss is the last thing forward computes, it
+also computes the gradient there: per chunk, one matmul for the logits, one pass for their
+log-sum-exp, one for softmax minus one-hot (in place), and the two matmuls of the head's
+backward. Backward then only scales the two gradients it kept by the incoming gradient.
+
+`FusedLossHead` takes the place of a model's `lm_head` (same weight Parameter, same name). Inside
+`with fused_loss(model):` the head hands its input through untouched and the model's
+`loss_function` (which HF models call with the head's output and the labels) runs
+`linear_cross_entropy` on it; outside, the head is an ordinary linear layer and the loss is
+Hugging Face's. The numbers are HF's ForCausalLMLoss: labels shifted by one, -100 ignored,
+the mean over the counted tokens (or the sum over `num_items_in_batch`), computed in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grouped_experts import compute_dtype
+
+IGNORE_INDEX = -100
+# Rows of logits computed at once: the logits of one chunk (rows x vocab float32) stay near the
+# size of a core's share of the last-level cache, and the head's matmuls stay large enough to run
+# at full speed (measured on the CPU: 2-core Zen 4).
+_CHUNK_ELEMENTS = 1 << 21
+_MIN_CHUNK_ROWS = 64
+
+
+def _chunk_rows(rows: int, vocab: int) -> int:
+    return max(_MIN_CHUNK_ROWS, min(rows, _CHUNK_ELEMENTS // max(vocab, 1)))
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, inverse_denominator: torch.Tensor,
+                         grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: (sum of the counted rows' losses, d loss / d logits in grad_dtype), in float32.
+
+    d loss / d logits = (softmax - one_hot) / denominator on counted rows, 0 on ignored ones. One
+    exp pass serves both the log-sum-exp and the softmax.
+    """
+    logits = logits.float()
+    counted = targets != IGNORE_INDEX
+    safe = torch.where(counted, targets, 0).unsqueeze(1)
+    picked = logits.gather(1, safe).squeeze(1)
+    peak = logits.amax(dim=1, keepdim=True)
+    exp = (logits - peak).exp_()  # in place from here on: each pass writes over the last (eager speed)
+    sums = exp.sum(dim=1, keepdim=True)
+    lse = sums.log() + peak
+    loss = torch.where(counted, lse.squeeze(1) - picked, 0.0).sum()
+    scale = torch.where(counted.unsqueeze(1), inverse_denominator, 0.0)
+    grad = exp.mul_(scale / sums).scatter_add_(1, safe, -scale)
+    return loss, grad.to(grad_dtype)
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    counted = targets != IGNORE_INDEX
+    picked = logits.gather(1, torch.where(counted, targets, 0).unsqueeze(1)).squeeze(1)
+    return torch.where(counted, torch.logsumexp(logits, dim=1) - picked, 0.0).sum()
+
+
+_compiled: dict[str, object] = {}
+
+
+def _loss_and_grad_fn(backend: str | None):
+    """The chunk function, compiled with `backend` (once per backend) or as it is."""
+    if backend in (None, "none"):
+        return _chunk_loss_and_grad
+    if backend not in _compiled:
+        if backend == "dvm":
+            import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
+        _compiled[backend] = torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
+    return _compiled[backend]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, denominator, dtype, want_grads, backend):
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if want_grads else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads else None
+        step = _chunk_rows(rows, vocab)
+        chunk_fn = _loss_and_grad_fn(backend)
+        inverse_denominator = 1.0 / denominator
+        # the products in `dtype` (autocast's, when it is on), everything else in float32
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for lo in range(0, rows, step):
+                h = hidden[lo : lo + step].to(dtype)
+                logits = h @ w.t()
+                if not want_grads:
+                    total += _chunk_loss(logits, targets[lo : lo + step])
+                    continue
+                loss, grad_logits = chunk_fn(logits, targets[lo : lo + step], inverse_denominator, dtype)
+                total += loss
+                grad_hidden[lo : lo + step] = grad_logits @ w
+                if dtype == torch.float32:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight += grad_logits.t() @ h
+        if want_grads:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
+            None, None, None, None, None
+
+
+def shift_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Position i predicts token i+1: labels shifted left by one, the last position ignored."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    compile: str | None = None,
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, shifted labels) as HF's ForCausalLMLoss, without the logits.
+
+    hidden [..., H] (the positions of `labels`), weight [V, H]. Give `labels` (shifted here) or
+    `shift_labels` (already shifted). The mean over tokens whose target is not -100, or their sum
+    divided by `num_items_in_batch` when given (HF's gradient-accumulation convention).
+    `compile` names a torch.compile backend for the element-wise work of each chunk.
+    """
+    targets = shift_targets(labels) if shift_labels is None else shift_labels
+    targets = targets.reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.shape[0] != targets.shape[0]:
+        raise ValueError(f"linear_cross_entropy: {flat.shape[0]} hidden rows but {targets.shape[0]} targets")
+    if num_items_in_batch is None:
+        # a zero count gives nan, as torch's cross_entropy does for a batch with nothing to count
+        denominator = (targets != IGNORE_INDEX).sum().to(torch.float32)
+    else:
+        denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
+    want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(flat, weight, targets, denominator, compute_dtype(flat), want_grads, compile)
+
+
+class FusedLossHead(nn.Module):
+    """An `lm_head` (bias-free nn.Linear) that, while deferred, leaves the projection to the loss."""
+
+    def __init__(self, head: nn.Linear, compile: str | None = None):
+        super().__init__()
+        self.compile = compile  # a torch.compile backend for the loss's element-wise work, or None
+        self.in_features = head.in_features
+        self.out_features = head.out_features
+        self.weight = head.weight  # the same Parameter object: tying, optimizers, checkpoints see no change
+        self.deferred = False
+        self._handed_out: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.deferred:
+            return F.linear(hidden, self.weight)
+        self._handed_out = hidden
+        return hidden
+
+    def take(self, value: torch.Tensor) -> torch.Tensor | None:
+        """The hidden states if `value` is what this head just handed out in place of logits."""
+        handed, self._handed_out = self._handed_out, None
+        return handed if handed is not None and value is handed else None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"
+
+
+class _FusedCausalLMLoss:
+    """The model's loss_function while a FusedLossHead is installed."""
+
+    def __init__(self, head: FusedLossHead, fallback):
+        self.head = head
+        self.fallback = fallback
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                 shift_labels=None, **kwargs):
+        if not self.head.deferred:
+            return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        hidden = self.head.take(logits)
+        if hidden is None or ignore_index != IGNORE_INDEX:
+            raise RuntimeError("fused_loss: the model's loss was given something other than the lm_head's output; "
+                               "this model computes its loss in a way FusedLossHead does not support")
+        return linear_cross_entropy(hidden, self.head.weight, labels, shift_labels=shift_labels,
+                                    num_items_in_batch=num_items_in_batch, compile=self.head.compile)
+
+
+def install_fused_loss(model: nn.Module, compile: str | None = None) -> bool:
+    """Swap the model's lm_head for a FusedLossHead; False (nothing changed) where it cannot be.
+
+    Needs a bias-free nn.Linear `lm_head` (an MXFP8 or otherwise replaced head keeps its own path)
+    and HF's default causal-LM loss. `compile`: a torch.compile backend for the loss's
+    element-wise work (none: run as it is).
+    """
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, FusedLossHead):
+        head.compile = compile
+        return True
+    if type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "loss_function"):
+        return False
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM") or hasattr(model, "_loss_function"):
+        return False
+    fused = FusedLossHead(head, compile)
+    model.loss_function = _FusedCausalLMLoss(fused, model.loss_function)
+    model.lm_head = fused
+    return True
+
+
+@contextlib.contextmanager
+def fused_loss(model: nn.Module):
+    """Within this block the model's `.loss` comes from linear_cross_entropy and its `.logits` are
+    the last hidden states (the logits are never made). A model without a FusedLossHead is
+    left as it is."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, FusedLossHead):
+        yield
+        return
+    head.deferred = True
+    try:
+        yield
+    finally:
+        head.deferred = False
+        head._handed_out = None
