@@ -164,7 +164,8 @@ def _rows_view(t: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, int, int]:
 
 class FusedOp(nn.Module):
     """One fused cluster: runs its program on the VM; falls back to the cluster's own ATen graph
-    for inputs the VM cannot take (another device, a dtype it does not load)."""
+    for inputs the VM cannot take (another device, a dtype it does not load, a reduction over rows
+    longer than the VM's tile holds)."""
 
     def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, out_orders, fallback: GraphModule):
         super().__init__()
@@ -178,6 +179,8 @@ class FusedOp(nn.Module):
         full = [t.shape for t, k in zip(inputs, self.in_kinds, strict=True) if k == Kind.FULL]
         shape = tuple(torch.broadcast_shapes(*full)) if full else tuple(inputs[0].shape)
         rows, cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+        if self.program.has_reduction and cols > _max_reduce_cols():
+            return self.fallback(*inputs)
         row_shape = shape[:-1] + (1,) if shape else ()
         views, strides = [], []
         for t, kind in zip(inputs, self.in_kinds, strict=True):
@@ -202,6 +205,16 @@ class FusedOp(nn.Module):
             if target is not out and target.data_ptr() != out.data_ptr():  # a layout the VM cannot walk
                 out.copy_(target)
         return tuple(outs)
+
+
+def _max_reduce_cols() -> int:
+    """The longest row the native VM reduces in one tile (the reference interpreter: any)."""
+    runner = _runner()
+    if runner is reference.run:
+        return math.inf
+    from hyperparallel.fusion import vm
+
+    return vm.MAX_REDUCE_COLS
 
 
 def _runner():

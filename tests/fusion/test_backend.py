@@ -293,3 +293,13 @@ def test_comparisons_and_where_with_numbers():
     want = f(x, targets)
     torch.testing.assert_close(got[0], want[0], **TOL[torch.float32])
     assert torch.equal(got[1], want[1])
+
+
+def test_a_row_longer_than_the_vm_reduces_runs_as_aten():
+    from hyperparallel.fusion import vm
+
+    if vm.LIB is None:
+        pytest.skip("the native VM is not built; the reference interpreter reduces rows of any length")
+    x = torch.randn(2, vm.MAX_REDUCE_COLS + 1)
+    f = lambda x: torch.softmax(x * 2, dim=-1)  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, backend=dvm)(x), f(x), rtol=1e-5, atol=0)
