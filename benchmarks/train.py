@@ -10,7 +10,7 @@ schedule and clipping, in this one process, at the same precision:
 - bf16: float32 parameters, gradients and optimizer state, forward under bf16 autocast (the
   Trainer's `bf16=True`; ours `training.mixed_precision: bf16`).
 hyperparallel runs as its config says (configs/default.yaml: fused loss, Inductor per decoder
-layer). The Trainer runs as a user gets it: its default fused AdamW and transformers' default
+layer), and again with each other `training.compile` setting (--ours-compile). The Trainer runs as a user gets it: its default fused AdamW and transformers' default
 experts implementation ("grouped_mm" since transformers 5); it is also timed with its own
 `torch_compile=True`, and with "eager" experts (the per-expert loop of earlier versions). Each
 row's ratio is against hyperparallel at the same precision. Rounds alternate the contenders so
@@ -38,10 +38,12 @@ from hyperparallel.train.config import load_config
 from hyperparallel.train.loop import inline_model_config, train
 
 
-def ours(cfg, steps: int, workdir: Path, precision: str) -> tuple[list[float], list[float]]:
+def ours(cfg, steps: int, workdir: Path, precision: str, compile: str | None = None) -> tuple[list[float], list[float]]:
     run = cfg.model_copy(deep=True)
     run.training.steps = steps
     run.training.mixed_precision = "bf16" if precision == "bf16" else "none"
+    if compile is not None:
+        run.training.compile = compile
     run.scheduler.warmup_steps = min(run.scheduler.warmup_steps, steps)
     run.logging.run_dir = str(workdir / f"ours-{time.monotonic_ns()}")
     run.logging.every = 1
@@ -108,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps of each round left out of the timing")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--precision", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
+    parser.add_argument("--ours-compile", default="none,dvm",
+                        help="also time hyperparallel with these training.compile settings (comma-separated; '' for none)")
     parser.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
                         help="leave out the HF Trainer with torch_compile=True")
     parser.add_argument("--json", default=None)
@@ -119,6 +123,10 @@ def main(argv=None) -> int:
     moe = "moe" in cfg.model.family or cfg.model.family in ("deepseek_v3", "kimi_k2")
     for precision in args.precision.split(","):
         contenders[(precision, "hyperparallel")] = lambda tmp, p=precision: ours(cfg, args.steps, tmp, p)
+        for other in args.ours_compile.split(",") if args.ours_compile else ():
+            if other != cfg.training.compile:
+                contenders[(precision, f"hyperparallel, compile {other}")] = \
+                    lambda tmp, p=precision, c=other: ours(cfg, args.steps, tmp, p, c)
         contenders[(precision, "HF Trainer")] = lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p)
         if args.hf_compile:
             contenders[(precision, "HF Trainer, torch_compile")] = \
@@ -145,27 +153,28 @@ def main(argv=None) -> int:
             rows.append({"precision": precision, "trainer": name, "failed": failed})
             continue
         step = statistics.median(times)
+        # the loss of one step is noisy (bf16 especially): the last 4 steps' mean says where a run got to
         rows.append({"precision": precision, "trainer": name, "step_ms": step * 1e3, "tokens_per_s": tokens_per_step / step,
-                     "first_loss": losses[0][0], "last_loss": losses[0][-1]})
+                     "first_loss": losses[0][0], "last_loss": statistics.mean(losses[0][-4:])})
     print(f"Training throughput, {cfg.model.family} (1 process, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads): global batch {cfg.training.global_batch} x seq {cfg.data.seq_len}, "
           f"micro-batch {cfg.training.micro_batch}, {args.rounds} rounds of {args.steps} steps "
           f"({args.warmup} warm-up each); hyperparallel: compile {cfg.training.compile}, "
           f"fused loss {'on' if cfg.training.fused_loss else 'off'}")
-    print(f"| {'precision':<9} | {'trainer':<27} | {'ms/step':>8} | {'tokens/s':>9} | {'loss (round 1)':<16} | "
+    print(f"| {'precision':<9} | {'trainer':<30} | {'ms/step':>8} | {'tokens/s':>9} | {'loss: 1st -> last 4':<19} | "
           f"{'hyperparallel is':>16} |")
-    print(f"|{'-' * 11}|{'-' * 29}|{'-' * 10}|{'-' * 11}|{'-' * 18}|{'-' * 18}|")
+    print(f"|{'-' * 11}|{'-' * 32}|{'-' * 10}|{'-' * 11}|{'-' * 21}|{'-' * 18}|")
     ours_rate = {r["precision"]: r["tokens_per_s"] for r in rows if r["trainer"] == "hyperparallel" and "failed" not in r}
     for r in rows:
         if "failed" in r:
-            print(f"| {r['precision']:<9} | {r['trainer']:<27} | {'failed':>8} | {'':>9} | {r['failed'][:16]:<16} | {'':>16} |")
+            print(f"| {r['precision']:<9} | {r['trainer']:<30} | {'failed':>8} | {'':>9} | {r['failed'][:19]:<19} | {'':>16} |")
             continue
         loss = f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"
         mine = ours_rate.get(r["precision"])
         ratio = "" if r["trainer"] == "hyperparallel" or mine is None else f"{mine / r['tokens_per_s']:.2f}x faster"
         if mine is not None:
             r["hyperparallel_speedup"] = mine / r["tokens_per_s"]
-        print(f"| {r['precision']:<9} | {r['trainer']:<27} | {r['step_ms']:>8.1f} | {r['tokens_per_s']:>9,.0f} | {loss:<16} | "
+        print(f"| {r['precision']:<9} | {r['trainer']:<30} | {r['step_ms']:>8.1f} | {r['tokens_per_s']:>9,.0f} | {loss:<19} | "
               f"{ratio:>16} |")
     for r in rows:
         if "failed" in r:

@@ -70,7 +70,10 @@ def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: 
     """Lay the expert-sorted rows out in groups padded to multiples of `align`.
 
     Returns token_of_slot (the token each padded slot reads, `num_tokens` for a pad slot, which
-    reads a zero row), row_slot (the slot of each sorted row) and the padded group ends.
+    reads a zero row), row_slot (the slot of each sorted row) and the padded group ends. Eagerly
+    the layout is as long as the padded groups need (one host sync, free on the CPU); under
+    torch.compile it has the fixed length of the worst case (every group `align - 1` rows short),
+    the last group taking the slack, so the graph has static shapes and no break.
     """
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
     padded_counts = (counts + align - 1) // align * align
@@ -78,7 +81,13 @@ def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: 
     starts, padded_starts = offsets.long() - counts, padded_ends - padded_counts
     row_slot = torch.arange(token_of_row.shape[0], device=token_of_row.device) - starts[expert_of_row] \
         + padded_starts[expert_of_row]
-    total = int(padded_ends[-1]) if padded_ends.numel() else 0  # one host sync; on the CPU it costs nothing
+    if torch.compiler.is_compiling():
+        rows, groups = token_of_row.shape[0], offsets.shape[0]
+        total = (rows + groups * (align - 1) + align - 1) // align * align
+        if groups:
+            padded_ends = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), total)])
+    else:
+        total = int(padded_ends[-1]) if padded_ends.numel() else 0
     token_of_slot = torch.full((total,), num_tokens, dtype=token_of_row.dtype, device=token_of_row.device)
     token_of_slot[row_slot] = token_of_row
     return token_of_slot, row_slot, padded_ends.to(torch.int32)

@@ -246,3 +246,18 @@ def test_grouped_mm_traces_under_torch_compile():
     got = torch.autograd.grad(compiled(a, b), (a, b))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_padded_layout_compiles_without_a_graph_break():
+    """Under torch.compile the padded layout has a fixed worst-case length (no host sync, one graph)."""
+    experts, config = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    grouped = GroupedExperts.from_hf(experts)
+    torch.manual_seed(6)
+    hidden = torch.randn(33, config.hidden_size, requires_grad=True)
+    index, weights = routing(33, experts.num_experts, config.num_experts_per_tok, idle=1, weight_dtype=torch.float32)
+    compiled = torch.compile(grouped, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = run(grouped, hidden, index, weights)
+        got = run(compiled, hidden, index, weights)
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+        assert_close_bf16(g.float(), w.float())
