@@ -248,8 +248,17 @@ def test_grouped_mm_traces_under_torch_compile():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_padded_layout_compiles_without_a_graph_break():
-    """Under torch.compile the padded layout has a fixed worst-case length (no host sync, one graph)."""
+def test_padded_layout_has_a_fixed_length_under_compile():
+    """Under torch.compile the padded layout has the worst-case length (no host sync); the last group
+    takes the slack, and experts computed that way give the eager results."""
+    token_of_row = torch.tensor([5, 0, 2, 1, 4, 3])
+    expert_of_row = torch.tensor([0, 0, 0, 2, 2, 2])
+    offsets = torch.tensor([3, 3, 6], dtype=torch.int32)
+    slots = torch.compile(ge._padded_slots, backend="aot_eager", fullgraph=True)
+    token_of_slot, row_slot, ends = slots(token_of_row, expert_of_row, offsets, num_tokens=6, align=4)
+    assert ends.tolist() == [4, 4, 16]  # 6 rows + 3 groups x 3 short, rounded up to 4
+    assert row_slot.tolist() == [0, 1, 2, 4, 5, 6]
+    assert token_of_slot.tolist() == [5, 0, 2, 6, 1, 4, 3] + [6] * 9
     experts, config = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
     grouped = GroupedExperts.from_hf(experts)
     torch.manual_seed(6)
