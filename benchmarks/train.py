@@ -1,21 +1,25 @@
 """Training throughput: `hyperparallel train` vs the Hugging Face Trainer, side by side.
 
-    python benchmarks/train.py                      # configs/default.yaml, fp32 and bf16, 16 steps per round
-    python benchmarks/train.py --steps 8 --rounds 1 # quicker
+    python benchmarks/train.py                      # configs/default.yaml, fp32 and bf16, 24 steps each
+    python benchmarks/train.py --steps 10           # quicker
 
 Both train the same model (the same family, inline config and seeded weights), on the same
 packed sequences, with the same micro-batch, gradient accumulation, AdamW settings, cosine
-schedule and clipping, in this one process, at the same precision:
+schedule and clipping, at the same precision:
 - fp32: everything in float32 (the Trainer's default);
 - bf16: float32 parameters, gradients and optimizer state, forward under bf16 autocast (the
   Trainer's `bf16=True`; ours `training.mixed_precision: bf16`).
 hyperparallel runs as its config says (configs/default.yaml: fused loss, Inductor per decoder
-layer), and again with each other `training.compile` setting (--ours-compile). The Trainer runs as a user gets it: its default fused AdamW and transformers' default
-experts implementation ("grouped_mm" since transformers 5); it is also timed with its own
-`torch_compile=True`, and with "eager" experts (the per-expert loop of earlier versions). Each
-row's ratio is against hyperparallel at the same precision. Rounds alternate the contenders so
-that drift of the machine falls on all; the first steps of each round (compilation included)
-are warm-up and not counted. Prints a table and writes JSON (--json PATH).
+layer), and with `--ours-compile none,dvm` also with those `training.compile` settings. The
+Trainer runs as a user gets it: its default fused AdamW and transformers' default experts
+implementation ("grouped_mm" since transformers 5); it is also timed with its own
+`torch_compile=True`, and with "eager" experts (the per-expert loop of earlier versions).
+
+Each contender trains in a process of its own, all started together, and they take turns one
+optimizer step at a time (the others wait, idle, on a pipe): every contender sees the same
+machine, step for step, however its speed drifts. Each row's ratio is against hyperparallel at
+the same precision; the first steps (compilation included) are warm-up and not counted. Prints
+a table and writes JSON (--json PATH).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -38,7 +43,7 @@ from hyperparallel.train.config import load_config
 from hyperparallel.train.loop import inline_model_config, train
 
 
-def ours(cfg, steps: int, workdir: Path, precision: str, compile: str | None = None) -> tuple[list[float], list[float]]:
+def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str | None = None) -> list[float]:
     run = cfg.model_copy(deep=True)
     run.training.steps = steps
     run.training.mixed_precision = "bf16" if precision == "bf16" else "none"
@@ -50,8 +55,8 @@ def ours(cfg, steps: int, workdir: Path, precision: str, compile: str | None = N
     run.logging.progress = False
     run.checkpoint.every = 0
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the table is the output here
-        summary = train(run, stop_after=steps)
-    return [r["step_time_s"] for r in summary["records"]], [r["loss"] for r in summary["records"]]
+        summary = train(run, stop_after=steps, on_step=lambda step, record: step_done(record["step_time_s"]))
+    return [r["loss"] for r in summary["records"]]
 
 
 class _Sequences(torch.utils.data.Dataset):
@@ -65,8 +70,8 @@ class _Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.sequences[i], "labels": self.sequences[i]}
 
 
-def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, experts: str | None = None,
-               compile: bool = False) -> tuple[list[float], list[float]]:
+def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_done, experts: str | None = None,
+               compile: bool = False) -> list[float]:
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, dataset.tokenizer.vocab_size),
@@ -74,14 +79,14 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, experts:
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:
         model.set_experts_implementation(experts)
-    times, losses, started = [], [], [0.0]
+    losses, started = [], [0.0]
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             started[0] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - started[0])
+            step_done(time.perf_counter() - started[0])
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -99,67 +104,103 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, experts:
     trainer = Trainer(model=model, args=args, train_dataset=_Sequences(dataset.sequences), callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
     trainer.train()
-    return times, losses
+    return losses
+
+
+def _contender(name: tuple[str, str], kind: str, options: dict, config: str | None, overrides: list[str],
+               steps: int, workdir: str, conn) -> None:
+    """One contender in its own process: set up, then one step per "go" from the parent."""
+    torch.set_num_threads(options.pop("threads"))
+    try:
+        cfg = load_config(config, overrides)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            dataset = data.prepare(cfg.data)
+        conn.send(("ready",))
+        conn.recv()
+
+        def step_done(seconds: float) -> None:
+            conn.send(("step", seconds))
+            conn.recv()  # wait for the turn of the next step
+
+        if kind == "ours":
+            losses = ours(cfg, steps, Path(workdir), step_done=step_done, **options)
+        else:
+            losses = hf_trainer(cfg, dataset, steps, Path(workdir), step_done=step_done, **options)
+        conn.send(("done", losses))
+    except Exception as error:  # a contender that cannot run here is reported, not hidden
+        conn.send(("failed", f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="a trainer YAML (default: configs/default.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per round and trainer")
-    parser.add_argument("--warmup", type=int, default=3, help="steps of each round left out of the timing")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of each contender")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the timing")
     parser.add_argument("--precision", default="fp32,bf16", help="fp32, bf16 or both (comma-separated)")
-    parser.add_argument("--ours-compile", default="none,dvm",
+    parser.add_argument("--ours-compile", default="",
                         help="also time hyperparallel with these training.compile settings (comma-separated; '' for none)")
     parser.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
                         help="leave out the HF Trainer with torch_compile=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    dataset = data.prepare(cfg.data)
+    data.prepare(cfg.data)  # tokenized once here; the contenders read the cache
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     contenders = {}
     moe = "moe" in cfg.model.family or cfg.model.family in ("deepseek_v3", "kimi_k2")
     for precision in args.precision.split(","):
-        contenders[(precision, "hyperparallel")] = lambda tmp, p=precision: ours(cfg, args.steps, tmp, p)
+        contenders[(precision, "hyperparallel")] = ("ours", {"precision": precision})
         for other in args.ours_compile.split(",") if args.ours_compile else ():
             if other != cfg.training.compile:
                 contenders[(precision, f"hyperparallel, compile {other}")] = \
-                    lambda tmp, p=precision, c=other: ours(cfg, args.steps, tmp, p, c)
-        contenders[(precision, "HF Trainer")] = lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p)
+                    ("ours", {"precision": precision, "compile": other})
+        contenders[(precision, "HF Trainer")] = ("hf", {"precision": precision})
         if args.hf_compile:
-            contenders[(precision, "HF Trainer, torch_compile")] = \
-                lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p, compile=True)
+            contenders[(precision, "HF Trainer, torch_compile")] = ("hf", {"precision": precision, "compile": True})
         if moe and precision == "fp32":
-            contenders[(precision, "HF Trainer, eager experts")] = \
-                lambda tmp, p=precision: hf_trainer(cfg, dataset, args.steps, tmp, p, experts="eager")
-    results = {name: ([], [], None) for name in contenders}
+            contenders[(precision, "HF Trainer, eager experts")] = ("hf", {"precision": precision, "experts": "eager"})
+    results = {name: {"times": [], "losses": [], "failed": None} for name in contenders}
+    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for name, fn in contenders.items():
-                if results[name][2] is not None:
+        pipes = {}
+        for name, (kind, options) in contenders.items():
+            mine, theirs = spawn.Pipe()
+            options = {**options, "threads": torch.get_num_threads()}
+            spawn.Process(target=_contender, args=(name, kind, options, args.config, args.set, args.steps, tmp, theirs),
+                          daemon=True).start()
+            pipes[name] = mine
+        for name, pipe in pipes.items():  # every set-up done before the first timed step
+            message = pipe.recv()
+            if message[0] == "failed":
+                results[name]["failed"] = message[1]
+        running = [name for name in pipes if results[name]["failed"] is None]
+        while running:
+            for name in list(running):
+                pipes[name].send("go")
+                message = pipes[name].recv()
+                if message[0] == "step":
+                    results[name]["times"].append(message[1])
                     continue
-                try:
-                    times, losses = fn(Path(tmp))
-                except Exception as error:  # a contender that cannot run here is reported, not hidden
-                    results[name] = ([], [], f"{type(error).__name__}: {str(error).splitlines()[0][:80]}")
-                    continue
-                results[name][0].extend(times[args.warmup:])
-                results[name][1].append(losses)
+                running.remove(name)
+                if message[0] == "done":
+                    results[name]["losses"] = message[1]
+                else:
+                    results[name]["failed"] = message[1]
     rows = []
-    for (precision, name), (times, losses, failed) in results.items():
+    for (precision, name), result in results.items():
+        times, losses, failed = result["times"][args.warmup:], result["losses"], result["failed"]
         if failed:
             rows.append({"precision": precision, "trainer": name, "failed": failed})
             continue
         step = statistics.median(times)
         # the loss of one step is noisy (bf16 especially): the last 4 steps' mean says where a run got to
         rows.append({"precision": precision, "trainer": name, "step_ms": step * 1e3, "tokens_per_s": tokens_per_step / step,
-                     "first_loss": losses[0][0], "last_loss": statistics.mean(losses[0][-4:])})
-    print(f"Training throughput, {cfg.model.family} (1 process, torch {torch.__version__}, "
+                     "first_loss": losses[0], "last_loss": statistics.mean(losses[-4:])})
+    print(f"Training throughput, {cfg.model.family} (each trainer in a process of its own, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads): global batch {cfg.training.global_batch} x seq {cfg.data.seq_len}, "
-          f"micro-batch {cfg.training.micro_batch}, {args.rounds} rounds of {args.steps} steps "
-          f"({args.warmup} warm-up each); hyperparallel: compile {cfg.training.compile}, "
+          f"micro-batch {cfg.training.micro_batch}, {args.steps} steps each, in turns ({args.warmup} warm-up); "
+          f"hyperparallel: compile {cfg.training.compile}, "
           f"fused loss {'on' if cfg.training.fused_loss else 'off'}")
     print(f"| {'precision':<9} | {'trainer':<30} | {'ms/step':>8} | {'tokens/s':>9} | {'loss: 1st -> last 4':<19} | "
           f"{'hyperparallel is':>16} |")

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -80,11 +81,14 @@ def _reduce(value: float, op) -> float:
     return t.item()
 
 
-def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
+def train(cfg: TrainConfig, *, stop_after: int | None = None,
+          on_step: Callable[[int, dict | None], None] | None = None) -> dict:
     """Train as `cfg` says; returns a summary (steps run, first and last loss, run dir).
 
     `stop_after` ends the run after that step, as a job that is killed or runs out of its time
     slot would (after writing a checkpoint there); the schedule stays that of training.steps.
+    `on_step(step, record)` is called after each step, outside its timing (record: the metrics
+    logged at that step, or None); tools such as benchmarks hook in there.
     """
     rank, world, device = _init_distributed()
     sharded = cfg.parallel.dp_shard > 1
@@ -220,6 +224,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
                     "peak_mem_bytes": peak_memory_bytes(device),
                 }
             log.step(done, record)
+            if on_step is not None:
+                on_step(done, record)
             every = cfg.checkpoint.every
             if (every and done % every == 0) or done == last:
                 state = {"fingerprint": fingerprint, "scheduler": scheduler.state_dict(), "world_size": world,
