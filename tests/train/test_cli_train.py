@@ -75,12 +75,14 @@ def test_two_ranks_replicate_and_match_one_rank(tmp_path):
 
 
 def test_two_sharded_ranks_match_one_rank(tmp_path):
-    """parallel.dp_shard: 2, an MoE model, Muon, uneven shards (balanced, align 32), then resumed."""
+    """parallel.dp_shard: 2, an MoE model, Muon, uneven shards (balanced, align 32), decoder layers
+    compiled (dvm: FSDP's hooks stay outside the graphs), then resumed."""
     options = ["--set", "optimizer.name=muon", "--set", "training.steps=4", "--set", "checkpoint.every=2"]
     config = tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")
     one = run("train", str(config), *options, tmp_path=tmp_path)
     assert one.returncode == 0, one.stderr
-    sharding = ["--set", "parallel.dp_shard=2", "--set", "parallel.shard_geometry=balanced", "--set", "parallel.align=32"]
+    sharding = ["--set", "parallel.dp_shard=2", "--set", "parallel.shard_geometry=balanced", "--set", "parallel.align=32",
+                "--set", "training.compile=dvm"]
     config = tiny_config(tmp_path, tmp_path / "two", family="qwen3_moe")
     two = run("train", str(config), *options, *sharding, "--nproc", "2", tmp_path=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
