@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyperparallel.lowp import MXLinear
+from hyperparallel.lowp.experts import MXGroupedExperts
+
 from ..errors import ConfigError
 
 BACKENDS = ("none", "inductor", "dvm")
@@ -27,5 +30,11 @@ def compile_layers(model: nn.Module, backend: str) -> int:
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(f"training.compile: {type(model).__name__} has no decoder layers at model.layers")
     for layer in layers:
+        if backend == "inductor":
+            # Inductor's CPU code generator has no float8_e8m0fnu (the MX scales' dtype; it fails
+            # with a KeyError): MXFP8 modules run between its graphs, as they are
+            for module in layer.modules():
+                if isinstance(module, (MXLinear, MXGroupedExperts)):
+                    module.forward = torch.compiler.disable(module.forward, recursive=True)
         layer.forward = torch.compile(layer.forward, backend=backend)
     return len(layers)

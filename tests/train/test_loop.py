@@ -150,3 +150,14 @@ def test_mxfp8_training_ends_within_3_percent_of_bf16(tmp_path):
         return sum(r["loss"] for r in summary["records"][-10:]) / 10
 
     assert abs(end(mx) - end(bf16)) <= 0.03 * end(bf16), (end(mx), end(bf16))
+
+
+def test_mxfp8_layers_compile_with_each_backend(tmp_path):
+    """MXFP8 modules inside compiled layers: dvm traces them; Inductor (no float8_e8m0fnu on the
+    CPU) leaves them between its graphs. Both train to the losses of no compilation."""
+    low = {"enabled": True}
+    plain = train(config(tmp_path / "none", training={"steps": 4}, low_precision=low))
+    for backend in ("inductor", "dvm"):
+        again = train(config(tmp_path / backend, training={"steps": 4, "compile": backend}, low_precision=low))
+        for step, loss in losses(plain).items():
+            assert losses(again)[step] == pytest.approx(loss, rel=1e-3), (backend, step)
