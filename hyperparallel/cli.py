@@ -6,6 +6,7 @@ Errors a user can cause print ``error: ...`` on stderr and exit with status 2, n
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import runpy
 import sys
@@ -98,7 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_optional_imports() -> None:
+    """transformers imports torchao when it is installed (the `bench` extra). torchao then logs a
+    warning for each of its CUDA and other-Python libraries that cannot load here, and registers
+    enums that torch's pytree warns about: lines on every run that concern nothing a command does."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_optional_imports()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
