@@ -2,7 +2,7 @@
 
 Each layer's `forward` is replaced on the instance by its compiled version, so module names,
 state-dict keys and module hooks (FSDP's gathers run in them) stay outside the graph and as they
-were. Layers share their code, so Dynamo compiles it once and the other layers reuse the graph.
+were. With Inductor, MXFP8 modules (lowp) are left out of the graphs and run as they are.
 """
 
 from __future__ import annotations
