@@ -107,7 +107,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
     return losses
 
 
-def _contender(name: tuple[str, str], kind: str, options: dict, config: str | None, overrides: list[str],
+def _contender(kind: str, options: dict, config: str | None, overrides: list[str],
                steps: int, workdir: str, conn) -> None:
     """One contender in its own process: set up, then one step per "go" from the parent."""
     torch.set_num_threads(options.pop("threads"))
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         for name, (kind, options) in contenders.items():
             mine, theirs = spawn.Pipe()
             options = {**options, "threads": torch.get_num_threads()}
-            spawn.Process(target=_contender, args=(name, kind, options, args.config, args.set, args.steps, tmp, theirs),
+            spawn.Process(target=_contender, args=(kind, options, args.config, args.set, args.steps, tmp, theirs),
                           daemon=True).start()
             pipes[name] = mine
         for name, pipe in pipes.items():  # every set-up done before the first timed step
