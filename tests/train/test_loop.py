@@ -93,7 +93,7 @@ def test_how_the_numbers_are_computed_does_not_change_them(tmp_path):
                            ("hf_loss", {"fused_loss": False})):
         again = train(config(tmp_path / name, training=training))
         for step, loss in losses(plain).items():
-            assert losses(again)[step] == pytest.approx(loss, rel=1e-4), (name, step)
+            assert losses(again)[step] == pytest.approx(loss, rel=1e-5), (name, step)  # measured <= 1.2e-7
 
 
 def test_bf16_mixed_precision_follows_fp32(tmp_path):
@@ -101,7 +101,7 @@ def test_bf16_mixed_precision_follows_fp32(tmp_path):
     mixed = train(config(tmp_path / "bf16", training={"steps": 8, "mixed_precision": "bf16"}, optimizer={"lr": 3e-3}))
     assert mixed["last_loss"] < mixed["first_loss"]
     for step, loss in losses(plain).items():
-        assert losses(mixed)[step] == pytest.approx(loss, rel=2e-2), step
+        assert losses(mixed)[step] == pytest.approx(loss, rel=3e-3), step  # measured <= 1.7e-4
     assert losses(mixed) != losses(plain)  # bf16 really ran
 
 
@@ -160,4 +160,4 @@ def test_mxfp8_layers_compile_with_each_backend(tmp_path):
     for backend in ("inductor", "dvm"):
         again = train(config(tmp_path / backend, training={"steps": 4, "compile": backend}, low_precision=low))
         for step, loss in losses(plain).items():
-            assert losses(again)[step] == pytest.approx(loss, rel=1e-3), (backend, step)
+            assert losses(again)[step] == pytest.approx(loss, rel=1e-5), (backend, step)  # measured <= 8e-8
