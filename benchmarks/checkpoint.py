@@ -4,7 +4,7 @@
     python benchmarks/checkpoint.py --dim 1000    # bigger
 
 Both sides hold the same model (uneven shapes) and AdamW state after one step, sharded over the
-same ranks: ours by hyperparallel.fsdp (non-uniform shards, saved as ShardedTensors: global shape
+same ranks: ours by hyperparallel.fsdp (non-uniform shards, saved as chunks of their global tensors: global shape
 and each rank's rows, no padding, plus an atomic rename and a JSON manifest), FSDP2's as DTensors
 saved the way its docs show (get_model_state_dict / get_optimizer_state_dict, dcp.save,
 dcp.load, set_state_dict). Save and load times are the slowest rank's, median of --rounds,
@@ -14,6 +14,7 @@ contenders alternating, into fresh directories on the same disk; bytes are what 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import shutil
@@ -83,6 +84,7 @@ CONTENDERS = {"hyperparallel": (save_ours, load_ours), "FSDP2 + DCP": (save_fsdp
 
 
 def timed(fn) -> float:
+    gc.collect()  # every contender starts with the collector's generations empty: none pays for another's garbage
     dist.barrier()
     t0 = time.perf_counter()
     fn()

@@ -40,13 +40,35 @@ def _train(args: argparse.Namespace) -> int:
     from hyperparallel.train.config import load_config
 
     config = load_config(args.config, args.set)  # bad input stops here, before any rank starts
-    if args.nproc > 1:
+    if args.nproc != 1 or args.max_restarts:
+        from hyperparallel.train import run_dir
         from hyperparallel.train.launch import launch
 
-        return launch(args.config, args.set, args.nproc)
+        resolved = run_dir.expand(config.logging.run_dir)  # once: every rank and restart gets this one
+        return launch(args.config, args.set, nproc=args.nproc, max_restarts=args.max_restarts, run_dir=resolved,
+                      checkpoint_root=run_dir.checkpoint_root(resolved, config.checkpoint.dir))
+    from hyperparallel.train import elastic
+
+    if not elastic.launched_by_hyperparallel():
+        return _train_here(config)
+    try:  # a rank of our launcher: it prints one line for the whole run, from what we record
+        return _train_here(config)
+    except SystemExit:
+        raise
+    except BaseException as error:
+        elastic.record_failure(error)
+        return 2 if isinstance(error, HyperparallelError) else 1
+
+
+def _train_here(config) -> int:
     from hyperparallel.train.loop import train
+    from hyperparallel.train.preemption import EXIT_CODES
 
     summary = train(config)
+    if summary["stopped_by"] is not None:
+        # a rank of torchrun's agent exits 0, or the agent would restart the run it was told to stop
+        # (our launcher then exits with the signal's status); one process exits with it itself
+        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_CODES.get(summary["stopped_by"], 1)
     if summary["last_loss"] is not None and os.environ.get("RANK", "0") == "0":  # once, not per rank
         run_dir = Path(summary["run_dir"])
         contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
@@ -81,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="the YAML config (default: the embedded configs/default.yaml)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set training.steps=20 (repeatable)")
-    train.add_argument("--nproc", type=int, default=1, help="ranks to launch on this machine through torchrun")
+    train.add_argument("--nproc", type=int, default=1,
+                       help="ranks to launch on this machine, through torchrun's elastic agent (default: 1, in this "
+                            "process)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="after a rank fails, start every rank again up to K times, resuming from the newest "
+                            "checkpoint (default: 0)")
     train.set_defaults(func=_train)
     export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N)")

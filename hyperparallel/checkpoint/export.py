@@ -1,7 +1,7 @@
 """Export a training checkpoint to a Hugging Face model directory.
 
-The trainer's checkpoints carry a model card in their manifest (`extra["model"]`: the family, the
-training dtype and the full HF config), so a checkpoint alone is enough: the family's own
+The trainer's checkpoints carry a model card in their manifest (`model_card.ModelCard`: the
+family, the training dtype and the full HF config), so a checkpoint alone is enough: the family's own
 transformers class is rebuilt from the config (on the meta device, then given memory), the
 checkpoint is loaded into it whatever sharding layout saved it, and `save_pretrained` writes
 `config.json` and safetensors. transformers 5 keeps MoE experts fused in memory
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from hyperparallel.checkpoint.io import load, read_manifest
+from hyperparallel.checkpoint.model_card import DTYPES, ModelCard
 from hyperparallel.errors import CheckpointError, ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILE = "tokenizer.json"
 # The trainer's choice of end-of-text and padding tokens (hyperparallel.train.data): the first of
 # these in the vocabulary ends every document, and padding falls back to it.
@@ -30,27 +30,12 @@ _EOS_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
 _PAD_TOKEN = "<|pad|>"
 
 
-def _dtype(value, what: str, error: type[Exception] = ConfigError) -> torch.dtype:
+def _dtype(value) -> torch.dtype:
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
-    raise error(f"{what} is {value!r}; expected one of {', '.join(DTYPES)}")
-
-
-def _model_card(directory: Path, manifest: dict) -> dict:
-    card = (manifest.get("extra") or {}).get("model")
-    if card is None:
-        raise CheckpointError(
-            f"checkpoint {directory} has no model card (extra['model'] in its manifest): it was not written by "
-            f"`hyperparallel train`; save it with extra={{'model': {{'family': ..., 'dtype': ..., 'hf_config': ...}}}} "
-            f"to export it, or call the model's save_pretrained yourself"
-        )
-    if not isinstance(card, dict) or not isinstance(card.get("family"), str) or not isinstance(card.get("hf_config"), dict):
-        raise CheckpointError(
-            f"checkpoint {directory}: the model card must hold 'family' (a name) and 'hf_config' (a mapping); got {card!r}"
-        )
-    return card
+    raise ConfigError(f"the export dtype is {value!r}; expected one of {', '.join(DTYPES)}")
 
 
 def _check_out_dir(out: Path) -> None:
@@ -116,13 +101,11 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     directory, out = Path(checkpoint_dir), Path(out_dir)
     manifest = read_manifest(directory)
-    card = _model_card(directory, manifest)
-    saved_dtype = _dtype(card.get("dtype", "float32"), f"checkpoint {directory}: the model card's dtype",
-                         CheckpointError)
-    out_dtype = saved_dtype if dtype is None else _dtype(dtype, "the export dtype")
+    card = ModelCard.from_manifest(directory, manifest)
+    out_dtype = card.torch_dtype if dtype is None else _dtype(dtype)
     _check_out_dir(out)
 
-    model = _build(card["family"], card["hf_config"], saved_dtype, directory)
+    model = _build(card.family, card.hf_config, card.torch_dtype, directory)
     load(directory, model)
     model.to(out_dtype).eval()
 

@@ -2,19 +2,21 @@
 
 A checkpoint is a directory:
 - DCP's files: every tensor once, unpadded. Sharded parameters and their optimizer states are
-  recorded with their global shape and each rank's rows (`sharded.as_sharded`), so any layout
+  recorded with their global shape and each rank's rows (`sharded.shard_chunks`), so any layout
   reads any other: W ranks with one geometry, W' ranks with another, or one unsharded process.
 - `checkpoint.json`: everything that is not a tensor (optimizer hyperparameters, the caller's
   `extra` state, the world size), written last. A directory without it is not a checkpoint.
 
 `save` writes into `NAME.tmp` and renames it to `NAME` when complete: a process killed while
-saving leaves the previous checkpoint as it was. `load` unpickles nothing but DCP's own index
+saving leaves the previous checkpoint as it was. `async_save` does the same in the background
+(`pending.py`). `load` unpickles nothing but DCP's own index
 (`storage.SafeFileSystemReader`), and checks every tensor's global shape before reading, so a
 checkpoint of another model fails with the key and both shapes.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -27,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hyperparallel.checkpoint.sharded import load_planner, save_planner, unwrap, wrap_state
+from hyperparallel.checkpoint.sharded import Chunk, ShardedLoadPlanner, ShardedSavePlanner, shard_chunks
 from hyperparallel.checkpoint.storage import SafeFileSystemReader
 from hyperparallel.errors import CheckpointError
 
@@ -58,11 +59,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
-# ShardedTensor warns that it is deprecated on every size() or device DCP asks of it (hundreds
-# per checkpoint); it is the one way to tell DCP about uneven shards (DTensor cannot), so that
-# one warning is silenced for good, here. (Not with warnings.catch_warnings around each save and
-# load: inside one, every such warning searches the filters anew, which doubled a load's time.)
-warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+@contextmanager
+def no_gc_pauses() -> Iterator[None]:
+    """Python's cyclic garbage collector off while DCP plans, reads and writes.
+
+    [Note: GC pauses] DCP makes hundreds of small objects per checkpoint (plans, read and write
+    items, metadata); in a process that holds a model and transformers (~400k tracked objects)
+    they trigger full collections, each ~100-200 ms on these CPUs, which landed on random ranks
+    and doubled the median load time (docs/checkpoint.md). Nothing DCP makes lives in a cycle for
+    long: the collector runs again, as usual, afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -76,13 +89,14 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
-def _tensors(model: nn.Module, optimizer, per_rank: dict[str, torch.Tensor] | None) -> tuple[dict, list | None]:
-    """The tensors DCP saves or fills, and the optimizer's param_groups (not tensors: JSON)."""
+def _tensors(model: nn.Module, optimizer, per_rank: dict[str, torch.Tensor] | None
+             ) -> tuple[dict, list | None, dict[str, Chunk]]:
+    """The tensors DCP saves or fills (this rank's, aliasing the live ones), the optimizer's
+    param_groups (not tensors: JSON), and where the sharded ones sit in their global tensors."""
     if optimizer is None:
         model_sd, optim_sd = get_model_state_dict(model), None
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-    model_sd, optim_sd = wrap_state(model, model_sd, optim_sd)
     tensors: dict = {"model": model_sd}
     groups = None
     if optim_sd is not None:
@@ -95,13 +109,11 @@ def _tensors(model: nn.Module, optimizer, per_rank: dict[str, torch.Tensor] | No
         groups = optim_sd["param_groups"]
     if per_rank:
         tensors["rank"] = {str(_rank()): per_rank}
-    return tensors, groups
+    return tensors, groups, shard_chunks(model, model_sd, tensors.get("optim"))
 
 
-def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extra: dict | None = None,
-         per_rank: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write `model` (and `optimizer`) to `directory`; every rank calls it. `extra` is JSON the
-    caller gets back from `load`; `per_rank` tensors (RNG states, say) are kept per rank."""
+def _prepare(directory: str | os.PathLike) -> tuple[Path, Path]:
+    """The final name and its `.tmp`, emptied of what a killed save left (rank 0; then every rank)."""
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
@@ -109,19 +121,35 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extr
         if tmp.exists():  # left by a process killed while saving
             shutil.rmtree(tmp)
     _barrier()
-    tensors, groups = _tensors(model, optimizer, per_rank)
-    with quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=save_planner())
+    return final, tmp
+
+
+def _publish(tmp: Path, final: Path, manifest: dict) -> None:
+    """Rank 0, once every rank's data is in `tmp`: the manifest last, then one rename."""
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # the same name saved again (a resumed run): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _manifest(groups: list | None, extra: dict | None) -> dict:
+    return {"format": FORMAT, "world_size": _world(), "param_groups": groups, "extra": extra or {}}
+
+
+def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extra: dict | None = None,
+         per_rank: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `model` (and `optimizer`) to `directory`; every rank calls it. `extra` is JSON the
+    caller gets back from `load`; `per_rank` tensors (RNG states, say) are kept per rank."""
+    final, tmp = _prepare(directory)
+    with quiet_dcp(), no_gc_pauses():
+        tensors, groups, chunks = _tensors(model, optimizer, per_rank)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardedSavePlanner(chunks))
     _barrier()
     if _rank() == 0:
-        manifest = {"format": FORMAT, "world_size": _world(), "param_groups": groups, "extra": extra or {}}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # the same name saved again (a resumed run): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _publish(tmp, final, _manifest(groups, extra))
     _barrier()
     return final
 
@@ -148,7 +176,7 @@ def _leaves(tree: dict, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield name, value
 
 
-def _check_fits(directory: Path, metadata, tensors: dict) -> None:
+def _check_fits(directory: Path, metadata, tensors: dict, chunks: dict[str, Chunk]) -> None:
     """Every tensor the model asks for is in the checkpoint, with the same global shape."""
     saved = metadata.state_dict_metadata
     for key, value in _leaves(tensors):
@@ -157,8 +185,7 @@ def _check_fits(directory: Path, metadata, tensors: dict) -> None:
         entry = saved.get(key)
         if entry is None:
             raise CheckpointError(f"checkpoint {directory} has no {key}: it was saved from another model or optimizer")
-        # (a ShardedTensor's size() goes through its deprecated __torch_function__: slow)
-        want = value.metadata().size if isinstance(value, ShardedTensor) else value.shape
+        want = chunks[key].global_shape if key in chunks else value.shape
         if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(want):
             got = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else type(entry).__name__
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {got} in the checkpoint but "
@@ -184,23 +211,59 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
     if optimizer is not None and manifest.get("param_groups") is None:
         raise CheckpointError(f"checkpoint {directory} holds no optimizer state")
     reader = SafeFileSystemReader(str(directory))
-    metadata = reader.read_metadata()
+    metadata = reader.read_metadata()  # kept by the reader: dcp.load asks for it again
     same_layout = manifest.get("world_size") == _world()
-    tensors, groups = _tensors(model, optimizer, per_rank if same_layout else None)
-    _check_fits(directory, metadata, tensors)
-    try:
-        with quiet_dcp():
-            dcp.load(tensors, storage_reader=reader, planner=load_planner())
-    except (Exception, CheckpointException) as error:  # a truncated or missing data file
-        raise CheckpointError(f"checkpoint {directory} cannot be read: {_first_failure(error)}") from None
-    optim_sd = None
-    if optimizer is not None:
-        optim_sd = {"state": unwrap(tensors["optim"]), "param_groups": _as_saved(manifest["param_groups"], groups)}
-    if optimizer is None:
-        set_model_state_dict(model, unwrap(tensors["model"]))
-    else:
-        set_state_dict(model, optimizer, model_state_dict=unwrap(tensors["model"]), optim_state_dict=optim_sd)
+    with no_gc_pauses():
+        tensors, groups, chunks = _tensors(model, optimizer, per_rank if same_layout else None)
+        _check_fits(directory, metadata, tensors, chunks)
+        try:
+            with quiet_dcp():
+                dcp.load(tensors, storage_reader=reader, planner=ShardedLoadPlanner(chunks))
+        except (Exception, CheckpointException) as error:  # a truncated or missing data file
+            raise CheckpointError(f"checkpoint {directory} cannot be read: {_first_failure(error)}") from None
+        model_sd = tensors["model"]
+        optim_state = tensors.get("optim")
+        saved_groups = _as_saved(manifest["param_groups"], groups) if optimizer is not None else None
+        same_groups = optimizer is None or [g["params"] for g in saved_groups] == [g["params"] for g in groups]
+        if same_groups and _loaded_in_place(model, model_sd, optimizer, optim_state):
+            if optimizer is not None:
+                _set_hyperparameters(optimizer, saved_groups)
+        elif optimizer is None:
+            set_model_state_dict(model, model_sd)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=model_sd,
+                           optim_state_dict={"state": optim_state, "param_groups": saved_groups})
     return manifest
+
+
+def _loaded_in_place(model: nn.Module, model_sd: dict, optimizer, optim_state: dict | None) -> bool:
+    """Whether DCP's in-place load already wrote into the live tensors: every model entry shares
+    its parameter's or buffer's memory, and every optimizer state tensor is the optimizer's own.
+    (What `get_state_dict` gives for plain and `hyperparallel.fsdp` modules; the general path,
+    `set_state_dict`, would then only copy each tensor onto itself.)"""
+    live = model.state_dict()
+    for key, value in model_sd.items():
+        now = live.get(key)
+        if now is None or now.data_ptr() != value.data_ptr() or now.shape != value.shape:
+            return False
+    if optimizer is None:
+        return True
+    names = {id(p): name for name, p in model.named_parameters()}
+    own = {names.get(id(p)): state for p, state in optimizer.state.items()}
+    for name, entries in (optim_state or {}).items():
+        state = own.get(name)
+        if state is None or any(state.get(key) is not value for key, value in entries.items()):
+            return False
+    return True
+
+
+def _set_hyperparameters(optimizer, groups: list[dict]) -> None:
+    """The saved param_groups' settings (lr, betas, ...) into the live groups, as load_state_dict does."""
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, this optimizer "
+                              f"{len(optimizer.param_groups)}: it was saved from another optimizer")
+    for saved, group in zip(groups, optimizer.param_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _first_failure(error: BaseException) -> str:

@@ -1,92 +1,137 @@
-"""State dicts of models sharded by fully_shard, in a form torch.distributed.checkpoint understands.
+"""Where each rank's rows of a model sharded by fully_shard sit in its global tensors, told to
+torch.distributed.checkpoint through its planners.
 
-Each sharded parameter, and each optimizer state of its shape (AdamW moments, Muon momentum), is
-wrapped as a ShardedTensor that records the global shape and, for every rank, the first row and
-row count it holds: exactly what `shard_info` says, and no padding. DCP then writes each rank's
-rows once and, on load, reads whatever rows the current layout asks for, so a checkpoint saved
-with one world size and geometry loads into any other, or into one unsharded process. Loading
-writes into the live shards in place.
+The state dicts DCP saves and fills hold plain local tensors: for a sharded parameter, and each
+optimizer state of its shape (AdamW moments, Muon momentum), this rank's rows. `shard_chunks`
+records, per flattened state-dict key, the global shape and the offset of those rows: exactly
+what `shard_info` says, and no padding. Our planners hand DCP that placement: saving writes each
+rank's rows once, as one chunk of the global tensor; loading reads, for the rows this rank holds
+now, whatever saved chunks overlap them. So a checkpoint saved with one world size and geometry
+loads into any other, or into one unsharded process, and loading writes into the live shards in
+place.
+
+[Note: no ShardedTensor] Wrapping each local tensor as a ShardedTensor says the same thing to
+DCP's default planners, but builds a few dozen Python objects per tensor on every save and load
+(and warns, deprecated, on each size() DCP asks). The planners' lookup methods are DCP's own
+extension points (`lookup_object`, `lookup_tensor`); the files on disk are the same either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hyperparallel.fsdp import shard_info, shard_placement
 
 
-def as_sharded(local: Tensor, param: nn.Parameter) -> Tensor:
-    """`local` (this rank's rows of a tensor laid out like `param`) as a ShardedTensor; a tensor of
-    an unsharded parameter is returned as it is."""
+@dataclass(frozen=True)
+class Chunk:
+    """This rank's rows of a global tensor: its global shape and the offset of the first row."""
+
+    global_shape: torch.Size
+    row_offset: int
+    rows: int
+
+    @property
+    def offsets(self) -> torch.Size:
+        return torch.Size([self.row_offset] + [0] * (len(self.global_shape) - 1))
+
+    @property
+    def sizes(self) -> torch.Size:
+        return torch.Size([self.rows, *self.global_shape[1:]])
+
+
+def chunk_of(param: nn.Parameter) -> Chunk | None:
+    """The chunk of a parameter sharded over several ranks; None for one that is whole here."""
     placement = shard_placement(param)
     if placement is None or len(placement.ranges) == 1:
-        return local
+        return None
     info = shard_info(param)
-    global_shape = list(info.global_shape) or [1]  # a 0-d parameter is sharded as one row
-    rest = global_shape[1:]
-    group = placement.process_group
-    device = local.device.type if local.device.type == "cpu" else f"{local.device.type}:{local.device.index}"
-    shards = [
-        ShardMetadata(shard_offsets=[offset] + [0] * len(rest), shard_sizes=[length] + rest,
-                      placement=f"rank:{dist.get_global_rank(group, r) if group is not None else r}/{device}")
-        for r, (offset, length) in enumerate(placement.ranges) if length > 0
-    ]
-    if not shards:  # a parameter with no rows at all
-        return local
-    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                                  memory_format=torch.contiguous_format, pin_memory=False)
-    metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size(global_shape),
-                                     tensor_properties=properties)
-    mine = [s for r, s in zip((r for r, (_, n) in enumerate(placement.ranges) if n > 0), shards, strict=True)
-            if r == placement.rank]
-    local_shards = [Shard(local.reshape(mine[0].shard_sizes), mine[0])] if mine else []
-    wrapped = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
-    wrapped._hp_local = local  # what `unwrap` gives back, in its own shape, even with no rows here
-    return wrapped
+    global_shape = torch.Size(list(info.global_shape) or [1])  # a 0-d parameter is sharded as one row
+    return Chunk(global_shape, info.offset, info.length)
 
 
-def _params_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(model.named_parameters(remove_duplicate=False))
+def shard_chunks(model: nn.Module, model_sd: dict, optim_state: dict | None) -> dict[str, Chunk]:
+    """The chunk of every sharded entry, by the flattened key DCP gives it (`model.NAME`,
+    `optim.NAME.STATE`): the parameters themselves and the optimizer states shaped like them."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    chunks: dict[str, Chunk] = {}
+    for name in model_sd:
+        param = params.get(name)
+        chunk = chunk_of(param) if param is not None else None
+        if chunk is not None:
+            chunks[f"model.{name}"] = chunk
+    for name, entries in (optim_state or {}).items():
+        param = params.get(name)
+        chunk = chunk_of(param) if param is not None else None
+        if chunk is None:
+            continue
+        for key, value in entries.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape == param.shape:
+                chunks[f"optim.{name}.{key}"] = chunk
+    return chunks
 
 
-def wrap_state(model: nn.Module, model_sd: dict, optim_sd: dict | None = None) -> tuple[dict, dict | None]:
-    """Model and optimizer state dicts (as torch.distributed.checkpoint.state_dict.get_state_dict
-    gives them, keyed by parameter names) with every sharded tensor wrapped by `as_sharded`."""
-    params = _params_by_name(model)
-    model_sd = {k: as_sharded(v, params[k]) if k in params else v for k, v in model_sd.items()}
-    if optim_sd is not None:
-        state = {}
-        for name, entries in optim_sd.get("state", {}).items():
-            param = params.get(name)
-            state[name] = {k: as_sharded(v, param) if param is not None and isinstance(v, Tensor) and v.dim()
-                           and v.shape == param.shape else v for k, v in entries.items()}
-        optim_sd = dict(optim_sd, state=state)
-    return model_sd, optim_sd
+class ShardedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with each sharded entry written as its chunk of the global
+    tensor (and nothing for a rank that holds none of its rows)."""
+
+    def __init__(self, chunks: dict[str, Chunk]):
+        super().__init__()
+        self.chunks = chunks
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            chunk = self.chunks.get(item.index.fqn)
+            if chunk is None or item.tensor_data is None:
+                items.append(item)
+            elif chunk.rows:
+                items.append(dataclasses.replace(
+                    item, index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(chunk.offsets, chunk.sizes),
+                                                properties=item.tensor_data.properties, size=chunk.global_shape)))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self.chunks:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
 
 
-def unwrap(value):
-    """The local tensors of a (nested) state dict: a ShardedTensor becomes this rank's rows."""
-    if isinstance(value, ShardedTensor):
-        return value._hp_local
-    if isinstance(value, dict):
-        return {k: unwrap(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [unwrap(v) for v in value]
-    return value
+class ShardedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading for each sharded entry the saved chunks that overlap
+    the rows this rank holds now. Every key must be in the checkpoint (checked before, with
+    shapes, by `io.load`)."""
 
+    def __init__(self, chunks: dict[str, Chunk]):
+        super().__init__()
+        self.chunks = chunks
 
-# DCP's default planners "flatten" nested ShardedTensors, and on the way drop any ShardedTensor
-# with no rows on this rank, together with what it leaves empty (a rank whose shards of a
-# small parameter are empty would then ask for other keys than the others). Ours are never nested.
-def save_planner() -> DefaultSavePlanner:
-    return DefaultSavePlanner(flatten_sharded_tensors=False)
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        requests = []
+        for fqn, tensor in self.state_dict.items():
+            if fqn not in saved:
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            chunk = self.chunks.get(fqn)
+            if chunk is None:
+                local = ChunkStorageMetadata(torch.Size([0] * tensor.dim()), tensor.size())
+            elif chunk.rows:
+                local = ChunkStorageMetadata(chunk.offsets, chunk.sizes)
+            else:
+                continue  # no rows of it here
+            requests += create_read_items_for_chunk_list(fqn, saved[fqn], [local])
+        return LoadPlan(requests)
 
-
-def load_planner() -> DefaultLoadPlanner:
-    return DefaultLoadPlanner(flatten_sharded_tensors=False)
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn]  # read items' offsets are within this rank's rows

@@ -41,6 +41,9 @@ class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is unpickled from an allowlist of DCP's classes only."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        cached = getattr(self, "_hp_metadata", None)
+        if cached is not None:  # dcp.load reads it again after the caller's checks
+            return cached
         path = Path(self.path) / ".metadata" if kwargs.get("rank") is None else None
         if path is None:
             raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not supported")
@@ -57,4 +60,5 @@ class SafeFileSystemReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self._hp_metadata = metadata
         return metadata

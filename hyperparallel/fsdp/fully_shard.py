@@ -455,7 +455,10 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
 def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None) -> torch.Tensor:
     """The global gradient norm over every rank's shards; scales the shards' grads to max_norm."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64)
+    # on the parameters' device: the all-reduce then runs where the group's backend can (NCCL
+    # has no CPU path), also on a rank whose shards are all empty and have no gradient
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         local += g.detach().double().pow(2).sum()
     dist.all_reduce(local, group=process_group)

@@ -1,7 +1,18 @@
 """Optimizers: Muon (with AdamW groups) in one object, param-group rules, LR schedules."""
 
 from hyperparallel.optim.muon import Muon, orthogonalize
-from hyperparallel.optim.param_groups import build_optimizer, split_for_muon
-from hyperparallel.optim.schedules import build_scheduler, lr_factor
+from hyperparallel.optim.param_groups import OPTIMIZER_NAMES, build_optimizer, check_hyperparameters, split_for_muon
+from hyperparallel.optim.schedules import SCHEDULE_KINDS, build_scheduler, lr_factor, validate_schedule
 
-__all__ = ["Muon", "build_optimizer", "build_scheduler", "lr_factor", "orthogonalize", "split_for_muon"]
+__all__ = [
+    "OPTIMIZER_NAMES",
+    "SCHEDULE_KINDS",
+    "Muon",
+    "build_optimizer",
+    "build_scheduler",
+    "check_hyperparameters",
+    "lr_factor",
+    "orthogonalize",
+    "split_for_muon",
+    "validate_schedule",
+]

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.fsdp import ShardPlacement, shard_placement
+from hyperparallel.optim import bounds
 from hyperparallel.optim.sharded_muon import ShardedMatrix, orthogonalize_sharded
 
 # Defaults of torch.optim.Muon (Keller Jordan's quintic Newton–Schulz coefficients).
@@ -317,33 +318,16 @@ def _validate_param(param: Tensor, use_muon: bool, label: str) -> None:
         )
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require(ok: bool, label: str, key: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{label}: {key} must be {expected}, got {value!r}")
-
-
 def _validate_group(group: dict[str, Any], label: str) -> None:
     for key in ("lr", "weight_decay"):
-        _require(_is_number(group[key]) and group[key] >= 0, label, key, group[key], "a finite number >= 0")
+        bounds.check(key, group[key], label=label)
     if group["use_muon"]:
-        m = group["momentum"]
-        _require(_is_number(m) and 0 <= m < 1, label, "momentum", m, "a number in [0, 1)")
-        _require(isinstance(group["nesterov"], bool), label, "nesterov", group["nesterov"], "True or False")
-        coefficients = group["ns_coefficients"]
-        ok = isinstance(coefficients, (tuple, list)) and len(coefficients) == 3 and all(map(_is_number, coefficients))
-        _require(ok, label, "ns_coefficients", coefficients, "3 numbers (a, b, c)")
-        _require(_is_number(group["eps"]) and group["eps"] > 0, label, "eps", group["eps"], "a finite number > 0")
-        steps = group["ns_steps"]
-        ok = isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps < 100
-        _require(ok, label, "ns_steps", steps, "an integer in [1, 99]")
+        for key in ("momentum", "nesterov", "ns_coefficients", "ns_steps"):
+            bounds.check(key, group[key], label=label)
+        bounds.check("ns_eps", group["eps"], name="eps", label=label)
         fn = group["adjust_lr_fn"]
-        _require(fn in ADJUST_LR_FNS, label, "adjust_lr_fn", fn, f"one of {ADJUST_LR_FNS}")
+        if fn not in ADJUST_LR_FNS:
+            raise ConfigError(f"{label}: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {fn!r}")
     else:
-        betas = group["betas"]
-        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
-        _require(ok, label, "betas", betas, "2 numbers in [0, 1)")
-        _require(_is_number(group["eps"]) and group["eps"] >= 0, label, "eps", group["eps"], "a finite number >= 0")
+        bounds.check("betas", group["betas"], label=label)
+        bounds.check("adamw_eps", group["eps"], name="eps", label=label)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.optim import bounds
 from hyperparallel.optim.muon import Muon
 
 # Muon is meant for hidden-layer linear maps; embeddings, the output head, norms and MoE routers
@@ -60,16 +60,8 @@ def build_optimizer(
     with weight decay), "adamw_decay", and "adamw_no_decay" (biases, norms, every param with
     ndim < 2; weight_decay=0). ``betas`` and ``eps`` are AdamW's.
     """
-    if name not in OPTIMIZER_NAMES:
-        raise ConfigError(f"optimizer name must be one of {OPTIMIZER_NAMES}, got {name!r}")
-    _check_number("lr", lr)
-    _check_number("weight_decay", weight_decay)
-    if muon_lr is not None:
-        _check_number("muon_lr", muon_lr)
-    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
-    if not ok:
-        raise ConfigError(f"betas must be 2 numbers in [0, 1), got {betas!r}")
-    _check_number("eps", eps)
+    check_hyperparameters(name=name, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, muon_lr=muon_lr,
+                          momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
     no_decay = _globs(no_decay, "no_decay")
 
     if name == "adamw":
@@ -106,6 +98,25 @@ def build_optimizer(
     )
 
 
+def check_hyperparameters(*, name: str, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                          muon_lr: float | None = None, momentum: float = 0.95, nesterov: bool = True,
+                          ns_steps: int = 5) -> None:
+    """ConfigError naming the first of build_optimizer's settings that is out of range (the
+    trainer's `optimizer:` section is validated with this too)."""
+    if name not in OPTIMIZER_NAMES:
+        raise ConfigError(f"optimizer name must be one of {OPTIMIZER_NAMES}, got {name!r}")
+    bounds.check("lr", lr)
+    bounds.check("weight_decay", weight_decay)
+    if muon_lr is not None:
+        bounds.check("lr", muon_lr, name="muon_lr")
+    bounds.check("betas", betas)
+    bounds.check("adamw_eps", eps, name="eps")
+    if name == "muon":
+        bounds.check("momentum", momentum)
+        bounds.check("nesterov", nesterov)
+        bounds.check("ns_steps", ns_steps)
+
+
 def _adamw_groups(named_params: NamedParams, weight_decay: float, no_decay: tuple[str, ...]) -> list[dict]:
     decay, skip = [], []
     for name, param in named_params:
@@ -132,12 +143,3 @@ def _globs(value: Sequence[str], key: str) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(glob, str) for glob in value):
         raise ConfigError(f"{key} must be a list of glob patterns, got {value!r}")
     return tuple(value)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_number(key: str, value: object) -> None:
-    if not (_is_number(value) and value >= 0):
-        raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")

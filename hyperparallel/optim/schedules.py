@@ -40,15 +40,16 @@ def lr_factor(kind: str, step: int, warmup_steps: int, total_steps: int, min_lr_
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def validate_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
-    """Raise ConfigError naming the first schedule setting that is out of range."""
+def validate_schedule(kind: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> None:
+    """Raise ConfigError naming the first schedule setting that is out of range (total_steps None:
+    the settings on their own, before the run's length is known)."""
     if kind not in SCHEDULE_KINDS:
         raise ConfigError(f"kind must be one of {SCHEDULE_KINDS}, got {kind!r}")
     if not _is_int(warmup_steps) or warmup_steps < 0:
         raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if not _is_int(total_steps) or total_steps < 1:
+    if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
         raise ConfigError(f"total_steps must be an integer >= 1, got {total_steps!r}")
-    if warmup_steps > total_steps:
+    if total_steps is not None and warmup_steps > total_steps:
         raise ConfigError(f"warmup_steps ({warmup_steps}) must not exceed total_steps ({total_steps})")
     ok = isinstance(min_lr_ratio, (int, float)) and not isinstance(min_lr_ratio, bool) and 0 <= min_lr_ratio <= 1
     if not ok:

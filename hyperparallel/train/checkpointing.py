@@ -1,7 +1,8 @@
 """Training checkpoints: model, optimizer, scheduler, data position and RNG, in `step_NNNNNNNN`
 directories under the checkpoint root, through `hyperparallel.checkpoint` (which writes each one
-atomically and loads it into any sharding layout). Here: naming, `keep_last`, `resume`, the
-config fingerprint check, and each rank's RNG state."""
+atomically, now or in the background, and loads it into any sharding layout). Here: naming,
+`keep_last`, what `resume` (and an elastic restart) picks, the config fingerprint check, and
+each rank's RNG state."""
 
 from __future__ import annotations
 
@@ -23,20 +24,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in checkpoint.complete_checkpoints(root) if _NAME.match(p.name)]
 
 
-def save(root: Path, step: int, model, optimizer, train_state: dict, keep_last: int) -> Path:
-    """Write checkpoint `step` under root (every rank calls this) and prune old ones."""
-    final = checkpoint.save(root / f"step_{step:08d}", model, optimizer, extra=dict(train_state, step=step),
-                            per_rank={"rng": torch.get_rng_state()})
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        for old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
-
-
-def resolve(resume: str, root: Path) -> Path | None:
-    """The checkpoint `checkpoint.resume` names: none, latest (None if there is none yet) or a path."""
+def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
+    """The checkpoint to start from: what `checkpoint.resume` names (none, latest, or a path), or,
+    after an elastic restart, the newest complete one under root (this run's own progress)."""
+    if restarted:
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1]
     if resume == "none":
         return None
     if resume == "latest":
@@ -64,3 +58,51 @@ def load(path: Path, model, optimizer, fingerprint: str) -> dict:
     if state["rng_restored"]:
         torch.set_rng_state(rng["rng"])
     return state
+
+
+class Checkpointer:
+    """Saves every `every` steps and at the end, keeps the newest `keep_last`; with `background`,
+    writes while training goes on (one save in flight at a time)."""
+
+    def __init__(self, root: Path, *, every: int, keep_last: int, background: bool, is_main: bool):
+        self.root, self.every, self.keep_last = root, every, keep_last
+        self.background, self.is_main = background, is_main
+        self._pending: checkpoint.PendingSave | None = None
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == last
+
+    def save(self, step: int, model, optimizer, train_state: dict) -> Path | None:
+        """Write checkpoint `step` (every rank calls this). Returns its path when it is complete
+        now; a background save's path comes from `poll` or `finish` once written."""
+        done = self.finish()  # the previous background save first: its copy must not be overwritten
+        extra, per_rank = dict(train_state, step=step), {"rng": torch.get_rng_state()}
+        path = self.root / f"step_{step:08d}"
+        if self.background:
+            self._pending = checkpoint.async_save(path, model, optimizer, extra=extra, per_rank=per_rank)
+            return done
+        checkpoint.save(path, model, optimizer, extra=extra, per_rank=per_rank)
+        self._prune()
+        return path
+
+    def poll(self) -> Path | None:
+        """The background save's path if it has just completed on this rank (then rank 0 prunes
+        older ones)."""
+        if self._pending is not None and self._pending.done():
+            return self.finish()
+        return None
+
+    def finish(self) -> Path | None:
+        """Wait for a background save in flight; its path, or None when there was none."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        path = pending.wait()
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        # rank 0 alone, and no collective: `poll` runs on each rank at its own moment
+        if self.is_main:
+            for old in complete_checkpoints(self.root)[:-self.keep_last]:
+                shutil.rmtree(old)

@@ -15,8 +15,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.models import family_names
+from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
+from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
+from hyperparallel.parallel import RECOMPUTE_MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
 
@@ -25,11 +31,17 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def choice(names) -> Any:
+    """A Literal of the names a registry implements (model families, compile backends, ...): the
+    choices are stated once, where they are implemented."""
+    return Literal[tuple(names)]
+
+
 class ModelSection(Section):
-    family: Literal["qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2"]
+    family: choice(family_names())
     path: str | None = None  # a local directory for from_pretrained
     config: dict[str, Any] | None = None  # an inline Hugging Face config for from_config
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: choice(DTYPES) = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
     @model_validator(mode="after")
@@ -66,18 +78,24 @@ class TrainingSection(Section):
     # bf16: forward under torch.autocast(bfloat16), as the HF Trainer's bf16=True; parameters,
     # gradients and optimizer state stay in model.dtype
     mixed_precision: Literal["none", "bf16"] = "none"
-    compile: Literal["none", "inductor", "dvm"] = "none"  # torch.compile each decoder layer with this backend
+    compile: choice(COMPILE_BACKENDS) = "none"  # torch.compile each decoder layer with this backend
     fused_loss: bool = True  # cross-entropy from the hidden states in chunks; the logits are never made whole
+    # seconds a collective may wait for the other ranks before the run fails (a dead or stuck
+    # rank); default 600 on GPUs, 300 on the CPU
+    timeout_s: int | None = Field(None, gt=0)
+
+    def collective_timeout_s(self, device_type: str) -> int:
+        return self.timeout_s or (600 if device_type == "cuda" else 300)
 
 
 class ParallelSection(Section):
     dp_shard: int = Field(1, ge=1)  # ranks that shard the model (FSDP); must equal the ranks launched
-    shard_geometry: Literal["chunk", "balanced"] = "chunk"  # how rows that do not divide are dealt out
+    shard_geometry: choice(GEOMETRIES) = "chunk"  # how rows that do not divide are dealt out
     align: int = Field(1, ge=1)  # shard boundaries on multiples of this many rows (32: whole MXFP8 blocks)
     tp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
-    recompute: Literal["off", "full", "selective"] = "off"
+    recompute: choice(RECOMPUTE_MODES) = "off"
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -95,21 +113,39 @@ class ParallelSection(Section):
 
 
 class OptimizerSection(Section):
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    """Types here; the ranges are hyperparallel.optim's (`check_hyperparameters`), stated there once."""
+
+    name: choice(OPTIMIZER_NAMES) = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    muon_lr: float | None = Field(None, gt=0)  # Muon's own lr (default: lr)
-    momentum: float = Field(0.95, ge=0, lt=1)
+    eps: float = 1e-8
+    muon_lr: float | None = None  # Muon's own lr (default: lr)
+    momentum: float = 0.95
     nesterov: bool = True
-    ns_steps: int = Field(5, ge=1)
+    ns_steps: int = 5
+
+    @model_validator(mode="after")
+    def _in_range(self):
+        try:
+            check_hyperparameters(**self.model_dump())
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return self
 
 
 class SchedulerSection(Section):
-    kind: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    kind: choice(SCHEDULE_KINDS) = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+    @model_validator(mode="after")
+    def _in_range(self):
+        try:
+            validate_schedule(self.kind, self.warmup_steps, None, self.min_lr_ratio)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return self
 
 
 class CheckpointSection(Section):
@@ -117,6 +153,8 @@ class CheckpointSection(Section):
     every: int = Field(0, ge=0)  # steps between saves; 0 saves only at the end
     keep_last: int = Field(2, ge=1)
     resume: str = "none"  # none | latest | a checkpoint directory
+    # save in the background: training waits only while the state is copied to CPU memory
+    async_: bool = Field(False, alias="async")
 
 
 class LoggingSection(Section):
@@ -243,4 +281,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump(config: TrainConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False)

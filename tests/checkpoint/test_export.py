@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hyperparallel.checkpoint import export_hf, load, save
+from hyperparallel.checkpoint import ModelCard, export_hf, load, save
 from hyperparallel.errors import CheckpointError, ConfigError
 from hyperparallel.models import build_model, get_family
 
@@ -32,7 +32,7 @@ def tiny_config(family: str) -> dict:
 
 def model_card(model, family: str, dtype: str = "float32") -> dict:
     """What the trainer writes into a checkpoint's manifest."""
-    return {"family": family, "dtype": dtype, "hf_config": json.loads(model.config.to_json_string(use_diff=False))}
+    return ModelCard.of(family, dtype, model.config).to_json()
 
 
 def trained(family: str, steps: int = 2):

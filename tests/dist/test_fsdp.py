@@ -88,14 +88,15 @@ def micro_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
-def train(model, optimizers, rank=0, world=1, clip=clip_grad_norm_, dtype=torch.float32, whole_batch=False):
+def train(model, optimizers, rank=0, world=1, clip=clip_grad_norm_, dtype=torch.float32, whole_batch=False,
+          device=None):
     """STEPS steps of MICRO micro-batches; each rank takes its slice of every micro-batch, or with
     `whole_batch` all of it (then every rank's gradient is bit-equal to one process's)."""
     for step in range(STEPS):
         for micro in range(MICRO):
             if world > 1:
                 set_requires_gradient_sync(model, micro == MICRO - 1)
-            x, y = micro_batch(step, micro)
+            x, y = (t.to(device) for t in micro_batch(step, micro))
             rows = slice(None) if whole_batch else slice(rank * ROWS // world, (rank + 1) * ROWS // world)
             (torch.nn.functional.mse_loss(model(x[rows].to(dtype)).float(), y[rows]) / MICRO).backward()
         clip(model, 0.5)

@@ -71,7 +71,12 @@ BAD = [
     (MINIMAL + "low_precision: {format: mxfp4}\n", r"low_precision.format: .*got 'mxfp4'"),
     (MINIMAL + "low_precision: {wgrad: fp8}\n", r"low_precision.wgrad"),
     (MINIMAL + "optimizer: {name: sgd}\n", r"optimizer.name: .*got 'sgd'"),
-    (MINIMAL + "optimizer: {lr: -1}\n", r"optimizer.lr: .*greater than 0"),
+    (MINIMAL + "optimizer: {lr: -1}\n", r"optimizer: lr must be a finite number >= 0, got -1"),
+    (MINIMAL + "optimizer: {name: muon, momentum: 1.5}\n", r"optimizer: momentum must be a number in \[0, 1\), got 1.5"),
+    (MINIMAL + "optimizer: {ns_steps: 0, name: muon}\n", r"optimizer: ns_steps must be an integer in \[1, 99\]"),
+    (MINIMAL + "scheduler: {min_lr_ratio: 2}\n", r"scheduler: min_lr_ratio must be a number in \[0, 1\]"),
+    (MINIMAL + "training: {timeout_s: 0}\n", r"training.timeout_s: .*greater than 0"),
+    (MINIMAL + "checkpoint: {async: maybe}\n", r"checkpoint.async: .*got 'maybe'"),
     (MINIMAL + "scheduler: {kind: step}\n", r"scheduler.kind"),
     (MINIMAL + "training: {steps: 5}\nscheduler: {warmup_steps: 9}\n", r"warmup_steps \(9\) exceeds training.steps"),
     (MINIMAL + "data: {source: files}\n", r"data.source is 'files' but data.files is empty"),
@@ -110,3 +115,26 @@ def test_the_embedded_default_is_the_shipped_file():
 
 def test_a_bare_yaml_off_means_off(tmp_path):
     assert load_config(write(tmp_path, MINIMAL + "parallel: {recompute: off}\n")).parallel.recompute == "off"
+
+
+def test_the_choices_are_those_of_the_registries_that_implement_them():
+    from typing import get_args
+
+    from hyperparallel.checkpoint.model_card import DTYPES
+    from hyperparallel.fsdp import GEOMETRIES
+    from hyperparallel.models import family_names
+    from hyperparallel.models.compile import BACKENDS
+    from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS
+    from hyperparallel.parallel import RECOMPUTE_MODES
+    from hyperparallel.train import config
+
+    def choices(section, key):
+        return set(get_args(section.model_fields[key].annotation))
+
+    assert choices(config.ModelSection, "family") == set(family_names())
+    assert choices(config.ModelSection, "dtype") == set(DTYPES)
+    assert choices(config.TrainingSection, "compile") == set(BACKENDS)
+    assert choices(config.ParallelSection, "shard_geometry") == set(GEOMETRIES)
+    assert choices(config.ParallelSection, "recompute") == set(RECOMPUTE_MODES)
+    assert choices(config.OptimizerSection, "name") == set(OPTIMIZER_NAMES)
+    assert choices(config.SchedulerSection, "kind") == set(SCHEDULE_KINDS)

@@ -1,0 +1,101 @@
+"""Building a run from its config: the data, the model with its low-precision recipes and
+parallel plans, and the optimizer with its schedule. Each function is one stage of DESIGN.md's
+training step; `train.loop` calls them in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperparallel.checkpoint import ModelCard
+from hyperparallel.checkpoint.model_card import DTYPES
+from hyperparallel.errors import ConfigError
+from hyperparallel.lowp import convert
+from hyperparallel.models import build_model, compile_layers, install_fused_loss
+from hyperparallel.optim import build_optimizer, build_scheduler
+from hyperparallel.parallel import apply_recompute, shard_model
+from hyperparallel.train import data
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.distributed import Runtime
+
+
+def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
+    """Rank 0 builds the tokenizer and token caches; the others then read them."""
+    if rt.is_main:
+        dataset = data.prepare(cfg.data)
+    if dist.is_initialized():
+        dist.barrier()
+    if not rt.is_main:
+        dataset = data.prepare(cfg.data)
+    return dataset
+
+
+def build_batches(cfg: TrainConfig, dataset: data.Dataset, rt: Runtime) -> data.Batches:
+    order = data.SequenceOrder(len(dataset.sequences), cfg.training.seed)
+    return data.Batches(dataset.sequences, order, cfg.training.global_batch, cfg.training.micro_batch, rt.rank,
+                        rt.world, dataset.tokenizer.pad_id, cfg.data.packing)
+
+
+def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
+    """The inline model config, its vocabulary sized to the tokenizer when it does not say."""
+    if cfg.model.config is None:
+        return None
+    inline = dict(cfg.model.config)
+    given = inline.setdefault("vocab_size", vocab_size)
+    if given < vocab_size:
+        raise ConfigError(f"model.config.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
+                          f"({vocab_size})")
+    return inline
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module  # the model itself: parameters, state dicts, checkpoints
+    trained: nn.Module  # what forward runs through (the model, or DDP around it)
+    card: ModelCard
+    n_params: int
+    conversion_summary: str | None  # what low_precision converted, when on
+    sharded: bool
+
+
+def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
+    """The HF model, then MXFP8 recipes, the fused loss, recompute and compilation (all before
+    sharding, as they expect), then FSDP or DDP over the ranks."""
+    sharded = cfg.parallel.dp_shard > 1
+    model = build_model(
+        cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
+        dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation, seed=cfg.training.seed,
+    ).to(rt.device)
+    if cfg.model.path is not None and model.config.vocab_size < vocab_size:
+        raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
+                          f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
+    conversion = convert(model, cfg.low_precision)
+    if cfg.training.fused_loss:
+        install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
+    apply_recompute(model, cfg.parallel.recompute)
+    compile_layers(model, cfg.training.compile)
+    n_params = sum(p.numel() for p in model.parameters())
+    card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # before sharding: whole shapes
+    trained = model
+    if sharded:
+        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align)
+    elif rt.world > 1:  # ranks beyond the parallel plans replicate the model
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+    summary = conversion.summary() if cfg.low_precision.enabled else None
+    return BuiltModel(model, trained, card, n_params, summary, sharded)
+
+
+def build_optimization(cfg: TrainConfig, model: nn.Module):
+    """The optimizer over this rank's (sharded) parameters, and its learning-rate schedule."""
+    o = cfg.optimizer
+    optimizer = build_optimizer(
+        model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon_lr=o.muon_lr,
+        momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
+    )
+    s = cfg.scheduler
+    scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                                min_lr_ratio=s.min_lr_ratio)
+    return optimizer, scheduler

@@ -1,0 +1,113 @@
+"""The process group of a training run, and what its ranks tell each other every step.
+
+[Note: device-correct collectives] On GPUs the default group is `cpu:gloo,cuda:nccl`: CUDA
+tensors go through NCCL, and the few CPU tensors of bookkeeping (the run directory's start
+time, each step's loss, time and stop request) through gloo. NCCL has no CPU path, so code that
+passes on a gloo-only CPU run would otherwise fail at its first collective on GPUs. Model code
+(FSDP, Muon, checkpoints) keeps its collectives on its tensors' device.
+
+Elastic restarts: torchrun's agent starts the ranks again after a failure with
+TORCHELASTIC_RESTART_COUNT counting the attempts; the trainer then resumes from the newest
+complete checkpoint of the run directory (`train.loop`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hyperparallel.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def device_for_this_rank() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(timeout_s: int, device: torch.device | None = None) -> Runtime:
+    """Join the ranks torchrun started (WORLD_SIZE > 1), with collectives that fail after
+    `timeout_s` seconds of waiting for another rank instead of hanging."""
+    device = device or device_for_this_rank()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Runtime(rank, world, device)
+
+
+# ---------------------------------------------------------------------------- elastic runs
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this run's ranks (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def max_restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+
+
+def check_restartable(run_dir_template: str, resolved_by_launcher: bool) -> None:
+    """Under torchrun with --max-restarts, refuse what would make a restart fail or start over."""
+    if max_restarts() == 0:
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the agent then shares its store with the ranks across attempts, and restarted ranks
+        # can read the previous attempt's addresses and hang (measured on torch 2.13)
+        raise ConfigError("torchrun --max-restarts: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment; "
+                          "with the rendezvous store shared with the ranks, restarted ranks can hang at start")
+    if "{time}" in run_dir_template and not resolved_by_launcher:
+        raise ConfigError(f"logging.run_dir {run_dir_template!r}: under torchrun --max-restarts every restart would "
+                          f"start a new {{time}} directory and could not resume; give a fixed one (--set "
+                          f"logging.run_dir=runs/my-job) or launch with hyperparallel train --nproc N --max-restarts K")
+
+
+# ------------------------------------------------------------------------------ every step
+
+@dataclass(frozen=True)
+class StepAgreement:
+    loss: float  # the mean of the ranks' losses
+    step_time_s: float  # the slowest rank's
+    stop: bool  # some rank was asked to stop (SIGTERM, Ctrl-C): all stop after this step
+
+
+def agree(loss: float, step_time_s: float, stop: bool) -> StepAgreement:
+    """One small all-gather on the CPU (gloo) side of the group; every rank gets the same answer."""
+    if not dist.is_initialized():
+        return StepAgreement(loss, step_time_s, stop)
+    mine = torch.tensor([loss, step_time_s, float(stop)], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone)
+    return StepAgreement(table[:, 0].sum().item() / len(everyone), table[:, 1].max().item(),
+                         bool(table[:, 2].max().item()))
+
+
+def rank0_time() -> float:
+    """Rank 0's clock, on every rank (for a run directory named after the start time)."""
+    now = torch.tensor([time.time()], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.broadcast(now, src=0)
+    return now.item()

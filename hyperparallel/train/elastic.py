@@ -1,0 +1,125 @@
+"""What `hyperparallel train --nproc` (the launcher, `train.launch`) and its ranks tell each other.
+
+- The launcher marks the ranks' environment (`LAUNCHED`) and names a result file (`RESULT`):
+  rank 0 writes there how the run ended (completed, or stopped by a signal after step N).
+- A rank that fails records why in torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE, in
+  the format torch.distributed.elastic reads back): one line of message, what kind of failure it
+  was, and its traceback in a text file beside it. It prints nothing: the launcher prints one
+  line for the whole run, naming the rank that failed first (`root_cause`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+from hyperparallel.errors import HyperparallelError
+
+LAUNCHED = "HYPERPARALLEL_LAUNCHED"  # "1" in the environment of ranks our launcher started
+RESULT = "HYPERPARALLEL_RESULT"  # where rank 0 writes how the run ended
+
+# What a collective raises when the rank at the other end is gone, or when it waited too long
+# for one that is alive but stuck: gloo's and NCCL's words.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Read error")
+_TIMED_OUT = ("Timed out waiting", "Socket Timeout", "timed out", "Watchdog caught collective operation timeout")
+
+
+def launched_by_hyperparallel() -> bool:
+    return os.environ.get(LAUNCHED) == "1"
+
+
+def write_result(result: dict) -> None:
+    path = os.environ.get(RESULT)
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(path)
+
+
+def read_result(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def failure_kind(error: BaseException) -> str:
+    """user (a HyperparallelError), timeout (a collective waited training.timeout_s for a rank that
+    is stuck), peer_lost (a collective failed because another rank died) or error (anything else)."""
+    if isinstance(error, HyperparallelError):
+        return "user"
+    text = f"{type(error).__name__}: {error}"
+    if any(marker in text for marker in _TIMED_OUT):
+        return "timeout"
+    return "peer_lost" if any(marker in text for marker in _PEER_LOST) else "error"
+
+
+def one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def record_failure(error: BaseException) -> None:
+    """Write `error` into this rank's torchrun error file (nothing outside torchrun)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    kind = failure_kind(error)
+    message = str(error) if kind == "user" else one_line(error)
+    trace = Path(path).with_name("traceback.txt")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    trace.write_text("".join(traceback.format_exception(error)))
+    record = {"message": message, "timestamp": str(int(time.time())),
+              "hyperparallel": {"kind": kind, "traceback": str(trace)}}
+    Path(path).write_text(json.dumps(record))
+
+
+def _kind(failure) -> str:
+    data = getattr(failure, "error_file_data", None) or {}
+    return (data.get("hyperparallel") or {}).get("kind", "")
+
+
+def _signal(failure) -> str | None:
+    return failure.signal_name() if failure.exitcode is not None and failure.exitcode < 0 else None
+
+
+def root_cause(failures: dict) -> tuple[int, object]:
+    """(rank, failure) of the failure that most likely started it, out of torchrun's per-rank
+    failures: an error a rank raised or a collective that timed out (a stuck rank: the agent then
+    kills that one with SIGKILL), before a rank killed from outside (SIGKILL, a crash), before a
+    rank that only lost its peers, before one the agent stopped (SIGTERM) because another failed."""
+    def rank_order(item):
+        rank, failure = item
+        kind, sig = _kind(failure), _signal(failure)
+        if kind in ("user", "error", "timeout"):
+            order = 0
+        elif sig is not None and sig not in ("SIGTERM", "SIGINT"):
+            order = 1
+        elif kind == "peer_lost":
+            order = 3
+        elif sig is not None:
+            order = 4
+        else:
+            order = 2  # exited non-zero without saying why
+        return order, rank
+    return min(failures.items(), key=rank_order)
+
+
+def describe(rank: int, failure) -> tuple[str, bool]:
+    """One line for a failed rank, and whether it was the user's mistake (exit 2, no hints)."""
+    kind, sig = _kind(failure), _signal(failure)
+    if kind == "user":
+        return failure.message, True
+    if sig is not None:
+        return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
+    if kind == "timeout":
+        return (f"rank {rank} timed out waiting for the other ranks: another rank is stuck, or training.timeout_s is "
+                f"shorter than a step ({failure.message})"), False
+    if kind in ("error", "peer_lost"):
+        data = failure.error_file_data["hyperparallel"]
+        return f"rank {rank} failed: {failure.message} (traceback: {data['traceback']})", False
+    return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}", False

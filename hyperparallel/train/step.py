@@ -1,0 +1,64 @@
+"""One optimizer step: forward and backward over the step's micro-batches (gradient sync on the
+last only), clipping, the optimizer and the schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from hyperparallel import fsdp
+from hyperparallel.models import fused_loss
+from hyperparallel.train.build import BuiltModel
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # this rank's mean over its micro-batches
+    grad_norm: float
+    lr: float  # the learning rate the step used
+
+
+class TrainStep:
+    def __init__(self, built: BuiltModel, optimizer, scheduler, *, accumulation: int, world: int,
+                 device: torch.device, autocast_bf16: bool, max_grad_norm: float | None):
+        self.built, self.optimizer, self.scheduler = built, optimizer, scheduler
+        self.accumulation, self.world, self.device = accumulation, world, device
+        self.autocast_bf16 = autocast_bf16
+        self.max_norm = max_grad_norm or math.inf
+        self.params = [p for p in built.model.parameters() if p.requires_grad]
+
+    def _sync(self, last_micro: bool):
+        """Gradients are reduced over the ranks on the step's last micro-batch only."""
+        model, trained = self.built.model, self.built.trained
+        if self.built.sharded:
+            fsdp.set_requires_gradient_sync(model, last_micro)
+            return nullcontext()
+        if self.world > 1 and not last_micro:
+            return trained.no_sync()
+        return nullcontext()
+
+    def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        model, trained = self.built.model, self.built.trained
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, (ids, labels) in enumerate(micro_batches):
+            autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
+            with self._sync(i == self.accumulation - 1), fused_loss(model):
+                with autocast:
+                    loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+                (loss / self.accumulation).backward()
+            loss_sum += loss.detach().double().cpu()
+        if self.built.sharded:
+            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm).item()
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).item()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepResult(loss_sum.item() / self.accumulation, grad_norm, lr)
