@@ -78,15 +78,13 @@ def no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
-@contextmanager
-def quiet_dcp() -> Iterator[None]:
-    """DCP warns when it runs without a process group; one process is what we mean."""
-    if dist.is_initialized():
-        yield
-        return
-    with warnings.catch_warnings():
+def hush_single_process_notice() -> None:
+    """DCP warns on every save and load without a process group ("assuming the intent is to save
+    in a single process"): one process is what we mean. A filter for that one message (set again
+    at each call: it is idempotent, and test runners reset filters), not a catch_warnings around
+    the call: a background save warns in its writer thread, after the call has returned."""
+    if not dist.is_initialized():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _tensors(model: nn.Module, optimizer, per_rank: dict[str, torch.Tensor] | None
@@ -144,7 +142,8 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extr
     """Write `model` (and `optimizer`) to `directory`; every rank calls it. `extra` is JSON the
     caller gets back from `load`; `per_rank` tensors (RNG states, say) are kept per rank."""
     final, tmp = _prepare(directory)
-    with quiet_dcp(), no_gc_pauses():
+    hush_single_process_notice()
+    with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardedSavePlanner(chunks))
     _barrier()
@@ -213,12 +212,12 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
     reader = SafeFileSystemReader(str(directory))
     metadata = reader.read_metadata()  # kept by the reader: dcp.load asks for it again
     same_layout = manifest.get("world_size") == _world()
+    hush_single_process_notice()
     with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank if same_layout else None)
         _check_fits(directory, metadata, tensors, chunks)
         try:
-            with quiet_dcp():
-                dcp.load(tensors, storage_reader=reader, planner=ShardedLoadPlanner(chunks))
+            dcp.load(tensors, storage_reader=reader, planner=ShardedLoadPlanner(chunks))
         except (Exception, CheckpointException) as error:  # a truncated or missing data file
             raise CheckpointError(f"checkpoint {directory} cannot be read: {_first_failure(error)}") from None
         model_sd = tensors["model"]

@@ -39,8 +39,8 @@ from hyperparallel.checkpoint.io import (
     _publish,
     _rank,
     _tensors,
+    hush_single_process_notice,
     no_gc_pauses,
-    quiet_dcp,
 )
 from hyperparallel.checkpoint.sharded import ShardedSavePlanner
 from hyperparallel.errors import CheckpointError
@@ -99,7 +99,8 @@ def async_save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *
     `wait()` on the result before the next save and before the process ends.
     """
     final, tmp = _prepare(directory)
-    with quiet_dcp(), no_gc_pauses():
+    hush_single_process_notice()
+    with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank)
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
                                 planner=ShardedSavePlanner(chunks), process_group=_background_group())

@@ -158,6 +158,7 @@ def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts
         rank, failure = elastic.root_cause(outcome["failures"])
         line, user_error = elastic.describe(rank, failure)
         if user_error:
+            shutil.rmtree(log_dir, ignore_errors=True)
             print(f"error: {line}", file=sys.stderr)
             return 2
         restarts = f" after {max_restarts} restart(s)" if max_restarts else ""

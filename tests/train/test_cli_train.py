@@ -53,6 +53,9 @@ def test_train_runs_a_config_with_overrides_then_plot_redraws(tmp_path):
     (["train", "--set", "model.config=null", "--set", "model.path=nowhere"], "error: .*nowhere"),
     (["plot", "nowhere"], "error: nowhere holds no metrics.jsonl"),
     (["train", "--set", "parallel.dp_shard=2"], r"error: parallel.dp_shard = 2 .* this run has 1; .*--nproc 2"),
+    # found inside the ranks: one line for the run, not one per rank
+    (["train", "--set", "parallel.dp_shard=3", "--nproc", "2"], r"error: parallel.dp_shard = 3 .* this run has 2"),
+    (["train", "--nproc", "0"], r"error: --nproc must be at least 1, got 0"),
 ])
 def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
     result = run(*args, tmp_path=tmp_path)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,34 @@ def test_an_interrupted_run_resumes_to_the_same_losses(tmp_path, optimizer):
     assert losses(resumed) == losses(whole)  # exactly: fp32, same data order, same RNG and optimizer state
     records = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7))
+
+
+def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    """SIGINT (or SIGTERM) during step 4: the step finishes, a checkpoint is saved, train returns."""
+    whole = train(config(tmp_path / "a", "qwen3"))
+
+    def interrupt(step, record):
+        if step == 3:  # after step 3's checkpoint decision: the signal lands in step 4
+            os.kill(os.getpid(), signal.SIGINT)
+
+    first = train(config(tmp_path / "b", "qwen3"), on_step=interrupt)
+    assert first["stopped_by"] == "SIGINT"
+    assert [p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()] == ["step_00000004"]
+    assert losses(first) == {k: v for k, v in losses(whole).items() if k <= 4}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers are put back
+    resumed = train(config(tmp_path / "b", "qwen3", checkpoint={"resume": "latest"}))
+    assert resumed["first_step"] == 4 and losses(resumed) == losses(whole)
+
+
+def test_background_checkpoints_resume_as_synchronous_ones(tmp_path):
+    whole = train(config(tmp_path / "a", checkpoint={"every": 3}))
+    background = {"every": 3, "async": True}
+    train(config(tmp_path / "b", checkpoint=background), stop_after=3)
+    assert [p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()] == ["step_00000003"]
+    resumed = train(config(tmp_path / "b", checkpoint={**background, "resume": "latest"}))
+    assert resumed["first_step"] == 3 and losses(resumed) == losses(whole)
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").iterdir()) == ["step_00000003",
+                                                                                        "step_00000006"]
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

@@ -1,0 +1,102 @@
+"""What the launcher reads from its ranks: which failure started it, and the line it prints.
+
+The failures are torch.distributed.elastic's own ProcessFailure records, read from error files
+that `elastic.record_failure` wrote (as a failing rank does) or from exit codes alone (a rank
+killed by a signal writes nothing)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.train import elastic
+from hyperparallel.train.distributed import check_restartable
+from hyperparallel.train.launch import check_nproc
+
+
+def recorded(tmp_path, monkeypatch, rank: int, error: BaseException) -> ProcessFailure:
+    path = tmp_path / str(rank) / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise error
+    except BaseException as raised:  # with its traceback, as a rank records it
+        elastic.record_failure(raised)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(path))
+
+
+def killed(tmp_path, rank: int, sig: signal.Signals) -> ProcessFailure:
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=-sig, error_file=str(tmp_path / "none.json"))
+
+
+PEER_LOST = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24270")
+TIMED_OUT = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+
+
+def test_a_killed_rank_is_named_before_the_ranks_that_lost_it(tmp_path, monkeypatch):
+    failures = {0: recorded(tmp_path, monkeypatch, 0, PEER_LOST), 1: killed(tmp_path, 1, signal.SIGKILL),
+                2: killed(tmp_path, 2, signal.SIGTERM)}
+    rank, failure = elastic.root_cause(failures)
+    assert rank == 1
+    assert elastic.describe(rank, failure) == ("rank 1 (pid 1001) was killed by SIGKILL", False)
+
+
+def test_an_error_is_named_before_a_rank_that_lost_its_peer(tmp_path, monkeypatch):
+    failures = {0: recorded(tmp_path, monkeypatch, 0, PEER_LOST),
+                1: recorded(tmp_path, monkeypatch, 1, MemoryError("out of memory allocating 2 GiB"))}
+    rank, failure = elastic.root_cause(failures)
+    line, user_error = elastic.describe(rank, failure)
+    assert rank == 1 and not user_error
+    assert line == f"rank 1 failed: MemoryError: out of memory allocating 2 GiB (traceback: {tmp_path / '1' / 'traceback.txt'})"
+    assert "raise error" in (tmp_path / "1" / "traceback.txt").read_text()
+
+
+def test_a_timeout_is_named_before_the_stuck_rank_the_agent_killed(tmp_path, monkeypatch):
+    """A stuck rank does not exit on SIGTERM; the agent then kills it with SIGKILL. The rank whose
+    collective timed out tells what happened."""
+    failures = {0: recorded(tmp_path, monkeypatch, 0, TIMED_OUT), 1: killed(tmp_path, 1, signal.SIGKILL)}
+    rank, failure = elastic.root_cause(failures)
+    line, _ = elastic.describe(rank, failure)
+    assert rank == 0 and line.startswith("rank 0 timed out waiting for the other ranks: another rank is stuck")
+
+
+def test_a_user_error_in_the_ranks_is_its_own_message(tmp_path, monkeypatch):
+    error = ConfigError("parallel.dp_shard = 3 shards the model over that many ranks, but this run has 2")
+    failures = {r: recorded(tmp_path, monkeypatch, r, error) for r in (0, 1)}
+    rank, failure = elastic.root_cause(failures)
+    assert rank == 0 and elastic.describe(rank, failure) == (str(error), True)
+
+
+@pytest.mark.parametrize("nproc, restarts, message", [
+    (0, 0, "--nproc must be at least 1, got 0"),
+    (-2, 0, "--nproc must be at least 1, got -2"),
+    (2, -1, "--max-restarts must be 0 or more, got -1"),
+])
+def test_impossible_launches_are_named(nproc, restarts, message):
+    with pytest.raises(ConfigError, match=message):
+        check_nproc(nproc, restarts)
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"--nproc 3: this machine has 2 visible GPU\(s\), one per rank"):
+        check_nproc(3, 0)
+    check_nproc(2, 0)
+
+
+def test_torchrun_restarts_need_a_fixed_run_dir_and_no_shared_store(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    with pytest.raises(ConfigError, match=r"logging.run_dir 'runs/\{time\}': under torchrun --max-restarts"):
+        check_restartable("runs/{time}", resolved_by_launcher=False)
+    check_restartable("runs/job-1", resolved_by_launcher=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_restartable("runs/job-1", resolved_by_launcher=False)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # nothing to restart: nothing to refuse
+    check_restartable("runs/{time}", resolved_by_launcher=False)

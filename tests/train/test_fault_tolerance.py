@@ -1,0 +1,172 @@
+"""A rank that dies, an elastic restart, a preempted job and Ctrl-C, through the command line.
+
+Each run is 2 gloo ranks (`hyperparallel train --nproc 2`) of a tiny fp32 model, compared with
+one uninterrupted run of the same layout: resuming is exact there (the same ranks, shards and
+order of every sum), so a restarted or preempted run must give the very same losses.
+
+To interrupt a run at a point it cannot have passed, the test stops its ranks (SIGSTOP) as soon
+as the checkpoint of step 2 is complete, does what a failure or a scheduler would, and lets
+them go on (SIGCONT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+STEPS = 12
+TIMEOUT_S = 60  # training.timeout_s of these runs: a failure must end a run within it
+
+
+def write_config(tmp_path: Path, run_dir: Path) -> Path:
+    raw = {
+        "model": {"family": "qwen3", "config": yaml.safe_load((ROOT / "configs/models/qwen3_tiny.yaml").read_text())},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
+        "training": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "timeout_s": TIMEOUT_S},
+        "checkpoint": {"every": 2, "keep_last": 10},
+        "logging": {"run_dir": str(run_dir), "every": 1, "progress": False},
+    }
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def environment(cache: Path) -> dict:
+    return dict(os.environ, HYPERPARALLEL_CACHE=str(cache), OMP_NUM_THREADS="1")
+
+
+def start(tmp_path: Path, cache: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hyperparallel", "train", *args], cwd=tmp_path, text=True,
+                            env=environment(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rank_pids(cache: Path) -> dict[int, int]:
+    """The pids of this run's ranks, by rank (from each process's environment)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"HYPERPARALLEL_CACHE={cache}".encode() in env and b"HYPERPARALLEL_LAUNCHED=1" in env:
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                pids[rank] = int(proc.name)
+    return pids
+
+
+def pause_after_step_2(run_dir: Path, cache: Path, proc: subprocess.Popen) -> dict[int, int]:
+    """Wait for the checkpoint of step 2, then stop both ranks where they are; their pids."""
+    done = run_dir / "checkpoints" / "step_00000002" / "checkpoint.json"
+    while not done.is_file():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    pids = rank_pids(cache)
+    assert sorted(pids) == [0, 1], pids
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def resume(pids: dict[int, int]) -> None:
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    proc = start(tmp, tmp / "cache", str(write_config(tmp, tmp / "run")), "--nproc", "2")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert len(losses(tmp / "run")) == STEPS
+    return losses(tmp / "run")
+
+
+def kill_rank_1(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, dict[int, int], Path]:
+    """Start a run, kill rank 1 after step 2; the run, its ranks' pids, its run dir."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = start(tmp_path, cache, str(write_config(tmp_path, run_dir)), "--nproc", "2", *options)
+    pids = pause_after_step_2(run_dir, cache, proc)
+    os.kill(pids[1], signal.SIGKILL)
+    resume(pids)
+    return proc, pids, run_dir
+
+
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+    proc, pids, run_dir = kill_rank_1(tmp_path)
+    out, err = proc.communicate(timeout=TIMEOUT_S)  # within training.timeout_s, or this raises: never a hang
+    assert proc.returncode == 1
+    assert "Traceback" not in err + out
+    newest = sorted((run_dir / "checkpoints").glob("step_????????"))[-1]
+    assert err.splitlines() == [
+        f"error: rank 1 (pid {pids[1]}) was killed by SIGKILL; the run stopped; newest complete checkpoint: {newest} "
+        f"(continue with --set checkpoint.resume=latest)"
+    ], err
+    # nothing half-written: every checkpoint directory under its name is complete
+    assert all((p / "checkpoint.json").is_file() for p in (run_dir / "checkpoints").glob("step_????????"))
+
+
+def test_with_a_restart_the_killed_run_completes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
+    proc, _, run_dir = kill_rank_1(tmp_path, "--max-restarts", "1")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "restart 1 of 1 after a failure: resumed from" in out and f"done: {STEPS} steps" in out
+    assert losses(run_dir) == uninterrupted  # fp32, exactly: every step, the last one included
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    config = str(write_config(tmp_path, run_dir))
+    proc = start(tmp_path, cache, config, "--nproc", "2")
+    pids = pause_after_step_2(run_dir, cache, proc)
+    proc.send_signal(signal.SIGTERM)  # what a scheduler preempting the job does to the launcher
+    time.sleep(0.2)  # (the launcher passes it on to the stopped ranks; they see it when they go on)
+    resume(pids)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err + out
+    assert err.splitlines() == ["SIGTERM: the ranks finish this step, save a checkpoint and stop"]
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stopped) == 1, out
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert 2 < step < STEPS and (run_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json").is_file()
+    again = start(tmp_path, cache, config, "--nproc", "2", "--set", "checkpoint.resume=latest")
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}'} at step {step}" in out
+    assert losses(run_dir) == uninterrupted
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    """One process, no launcher: the first Ctrl-C asks for a checkpoint after the step, the
+    second (sent once the first has been seen) ends the process there and then."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = start(tmp_path, cache, str(write_config(tmp_path, run_dir)), "--set", "training.steps=100000")
+    while not (run_dir / "metrics.jsonl").is_file():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    first = proc.stderr.readline()
+    assert first == "SIGINT: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert err.splitlines() == ["error: interrupted again: stopped at once; the newest complete checkpoint is kept"]
+    assert "Traceback" not in out
