@@ -61,12 +61,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     `on_step(step, record)` is called after each step, outside its timing (record: the metrics
     logged at that step, or None); tools such as benchmarks hook in there.
     """
+    check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     rt = init_distributed(cfg.training.collective_timeout_s(device_for_this_rank().type))
     if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != rt.world:
         raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
                           f"run has {rt.world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
     accumulation = cfg.grad_accumulation(rt.world)
-    check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     run_dir = _run_dir(cfg)
     ckpt_root = checkpoint_root(run_dir, cfg.checkpoint.dir)
     restarted = restart_count() > 0

@@ -44,9 +44,9 @@ def environment(cache: Path) -> dict:
     return dict(os.environ, HYPERPARALLEL_CACHE=str(cache), OMP_NUM_THREADS="1")
 
 
-def start(tmp_path: Path, cache: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hyperparallel", "train", *args], cwd=tmp_path, text=True,
-                            env=environment(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def start(tmp_path: Path, cache: Path, *args: str, command=("-m", "hyperparallel", "train"), **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *command, *args], cwd=tmp_path, text=True,
+                            env={**environment(cache), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -61,7 +61,7 @@ def rank_pids(cache: Path) -> dict[int, int]:
             env = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if f"HYPERPARALLEL_CACHE={cache}".encode() in env and b"HYPERPARALLEL_LAUNCHED=1" in env:
+        if f"HYPERPARALLEL_CACHE={cache}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
             if rank is not None:
                 pids[rank] = int(proc.name)
@@ -99,10 +99,10 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return losses(tmp / "run")
 
 
-def kill_rank_1(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, dict[int, int], Path]:
+def kill_rank_1(tmp_path: Path, *options: str, **how) -> tuple[subprocess.Popen, dict[int, int], Path]:
     """Start a run, kill rank 1 after step 2; the run, its ranks' pids, its run dir."""
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    proc = start(tmp_path, cache, str(write_config(tmp_path, run_dir)), "--nproc", "2", *options)
+    proc = start(tmp_path, cache, str(write_config(tmp_path, run_dir)), *options, **how)
     pids = pause_after_step_2(run_dir, cache, proc)
     os.kill(pids[1], signal.SIGKILL)
     resume(pids)
@@ -110,7 +110,7 @@ def kill_rank_1(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, dict[i
 
 
 def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
-    proc, pids, run_dir = kill_rank_1(tmp_path)
+    proc, pids, run_dir = kill_rank_1(tmp_path, "--nproc", "2")
     out, err = proc.communicate(timeout=TIMEOUT_S)  # within training.timeout_s, or this raises: never a hang
     assert proc.returncode == 1
     assert "Traceback" not in err + out
@@ -124,11 +124,22 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
 
 
 def test_with_a_restart_the_killed_run_completes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
-    proc, _, run_dir = kill_rank_1(tmp_path, "--max-restarts", "1")
+    proc, _, run_dir = kill_rank_1(tmp_path, "--nproc", "2", "--max-restarts", "1")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert "restart 1 of 1 after a failure: resumed from" in out and f"done: {STEPS} steps" in out
     assert losses(run_dir) == uninterrupted  # fp32, exactly: every step, the last one included
+
+
+def test_under_torchrun_itself_a_restart_resumes_the_same_way(tmp_path, uninterrupted):
+    """What several machines run (README): torchrun on each, the trainer as its module."""
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                "-m", "hyperparallel", "train")
+    proc, _, run_dir = kill_rank_1(tmp_path, command=torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "restart 1 of 1 after a failure: resumed from" in out
+    assert losses(run_dir) == uninterrupted
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
