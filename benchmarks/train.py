@@ -39,8 +39,9 @@ import torch
 
 from hyperparallel.models import build_model
 from hyperparallel.train import data
+from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import load_config
-from hyperparallel.train.loop import inline_model_config, train
+from hyperparallel.train.loop import train
 
 
 def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str | None = None) -> list[float]:

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from hyperparallel.train import elastic
+
+    if elastic.launched_by_hyperparallel():
+        # until training starts (and handles it), a Ctrl-C passed on by the launcher ends this
+        # rank quietly instead of with a KeyboardInterrupt traceback from whatever it imports
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     from hyperparallel.train.config import load_config
 
     config = load_config(args.config, args.set)  # bad input stops here, before any rank starts
@@ -47,8 +54,6 @@ def _train(args: argparse.Namespace) -> int:
         resolved = run_dir.expand(config.logging.run_dir)  # once: every rank and restart gets this one
         return launch(args.config, args.set, nproc=args.nproc, max_restarts=args.max_restarts, run_dir=resolved,
                       checkpoint_root=run_dir.checkpoint_root(resolved, config.checkpoint.dir))
-    from hyperparallel.train import elastic
-
     if not elastic.launched_by_hyperparallel():
         return _train_here(config)
     try:  # a rank of our launcher: it prints one line for the whole run, from what we record

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hyperparallel.checkpoint.model_card import DTYPES
+from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
 from hyperparallel.train import checkpointing, elastic
@@ -94,13 +95,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                      total_steps=cfg.training.steps, first_step=start)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     peak, peak_source = peak_tflops(rt.device, compute_dtype, cfg.logging.peak_tflops)
-    layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
-    log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
-              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {rt.world} rank(s) {layout}, grad accumulation "
-              f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
-              f"{cfg.training.compile}; MFU against {peak:.2f} TFLOP/s ({peak_source})")
-    if built.conversion_summary:
-        log.print(built.conversion_summary)
+    _announce(log, cfg, rt, built, dataset, accumulation, f"{peak:.2f} TFLOP/s ({peak_source})")
     if restarted:
         where = f"resumed from {resume_from} at step {start}" if resume_from else "no checkpoint yet: from step 0"
         log.print(f"restart {restart_count()} of {max_restarts()} after a failure: {where}")
@@ -142,11 +137,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 _log_saved(log, checkpointer.poll())
                 if checkpointer.due(done, last) or agreed.stop:
                     state = {"fingerprint": fingerprint, "scheduler": scheduler.state_dict(), "world_size": rt.world,
-                             "model": built.card.to_json(), "sequences_consumed": done * cfg.training.global_batch,
+                             MODEL_CARD: built.card.to_json(), "sequences_consumed": done * cfg.training.global_batch,
                              "loss": agreed.loss}
                     _log_saved(log, checkpointer.save(done, built.model, optimizer, state))
                 if agreed.stop:
-                    stopped_by = stop.requested or "SIGTERM"  # (another rank's request: told apart only by name)
+                    stopped_by = stop.requested or "SIGTERM"  # (None here: another rank was signalled)
                     break
             path = checkpointer.finish()
             _log_saved(log, path)
@@ -165,3 +160,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 def _log_saved(log: MetricsLog, path: Path | None) -> None:
     if path is not None:
         log.print(f"checkpoint {path}")
+
+
+def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulation: int, peak: str) -> None:
+    """The run's first lines: what trains, on what, how."""
+    layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
+    log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
+              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {rt.world} rank(s) {layout}, grad accumulation "
+              f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
+              f"{cfg.training.compile}; MFU against {peak}")
+    if built.conversion_summary:
+        log.print(built.conversion_summary)
