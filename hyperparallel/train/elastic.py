@@ -32,15 +32,20 @@ def launched_by_hyperparallel() -> bool:
     return os.environ.get(LAUNCHED) == "1"
 
 
+def _write_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # whole or not at all: the launcher reads it meanwhile
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
 def write_result(result: dict) -> None:
     path = os.environ.get(RESULT)
     if path:
-        tmp = Path(path + ".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(path)
+        _write_json(Path(path), result)
 
 
-def read_result(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON file a rank wrote (the result, an error record); None while it is absent or partial."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -75,7 +80,7 @@ def record_failure(error: BaseException) -> None:
     trace.write_text("".join(traceback.format_exception(error)))
     record = {"message": message, "timestamp": str(int(time.time())),
               "hyperparallel": {"kind": kind, "traceback": str(trace)}}
-    Path(path).write_text(json.dumps(record))
+    _write_json(Path(path), record)
 
 
 def _kind(failure) -> str:

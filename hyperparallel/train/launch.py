@@ -102,6 +102,31 @@ def _send(pid: int, signum: int, group: bool) -> None:
         pass
 
 
+def _user_error(log_dir: Path) -> str | None:
+    """A rank's record of a mistake in the config or the data (the same on every attempt)."""
+    for path in log_dir.rglob("error.json"):
+        record = elastic.read_json(path) or {}
+        if (record.get("hyperparallel") or {}).get("kind") == "user":
+            return record.get("message")
+    return None
+
+
+def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: Path) -> int:
+    """One line for a failed run: the rank that failed first, and where to continue from."""
+    rank, failure = elastic.root_cause(failures)
+    line, user_error = elastic.describe(rank, failure)
+    if user_error:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+    restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
+    newest = complete_checkpoints(checkpoint_root)
+    hint = (f"; newest complete checkpoint: {newest[-1]} (continue with --set checkpoint.resume=latest)" if newest
+            else "; no checkpoint was complete")
+    print(f"error: {line}; the run stopped{restarts}{hint}", file=sys.stderr)
+    return 1
+
+
 def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts: int, run_dir: Path,
            checkpoint_root: Path) -> int:
     """Run the ranks; the exit status of the whole run."""
@@ -149,24 +174,19 @@ def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts
             # stopping, yet the agent started ranks again (one failed while stopping): not now
             signals.kill_ranks()
             break
-    result = elastic.read_result(result_file) or {}
+        mistake = _user_error(log_dir)
+        if mistake is not None:  # a restart would meet it again: stop here
+            signals.kill_ranks()
+            shutil.rmtree(log_dir, ignore_errors=True)
+            print(f"error: {mistake}", file=sys.stderr)
+            return 2
+    result = elastic.read_json(result_file) or {}
     stopped_by = result.get("stopped_by") or signals.received
     if "error" in outcome:
         print(f"error: the launcher failed: {elastic.one_line(outcome['error'])}", file=sys.stderr)
         return 1
     if "failures" in outcome and not stopped_by:
-        rank, failure = elastic.root_cause(outcome["failures"])
-        line, user_error = elastic.describe(rank, failure)
-        if user_error:
-            shutil.rmtree(log_dir, ignore_errors=True)
-            print(f"error: {line}", file=sys.stderr)
-            return 2
-        restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
-        newest = complete_checkpoints(checkpoint_root)
-        hint = (f"; newest complete checkpoint: {newest[-1]} (continue with --set checkpoint.resume=latest)" if newest
-                else "; no checkpoint was complete")
-        print(f"error: {line}; the run stopped{restarts}{hint}", file=sys.stderr)
-        return 1
+        return _report(outcome["failures"], max_restarts, checkpoint_root, log_dir)
     shutil.rmtree(log_dir, ignore_errors=True)  # (kept after a failure: the ranks' tracebacks are there)
     if stopped_by:  # rank 0 has said where the checkpoint is
         return EXIT_CODES.get(stopped_by, 1)

@@ -54,7 +54,8 @@ def test_train_runs_a_config_with_overrides_then_plot_redraws(tmp_path):
     (["plot", "nowhere"], "error: nowhere holds no metrics.jsonl"),
     (["train", "--set", "parallel.dp_shard=2"], r"error: parallel.dp_shard = 2 .* this run has 1; .*--nproc 2"),
     # found inside the ranks: one line for the run, not one per rank
-    (["train", "--set", "parallel.dp_shard=3", "--nproc", "2"], r"error: parallel.dp_shard = 3 .* this run has 2"),
+    (["train", "--set", "parallel.dp_shard=3", "--nproc", "2", "--max-restarts", "3"],
+     r"error: parallel.dp_shard = 3 .* this run has 2"),  # and no restart meets it again
     (["train", "--nproc", "0"], r"error: --nproc must be at least 1, got 0"),
 ])
 def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
