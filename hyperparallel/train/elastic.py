@@ -88,6 +88,12 @@ def _kind(failure) -> str:
     return (data.get("hyperparallel") or {}).get("kind", "")
 
 
+def traceback_of(failure) -> str | None:
+    """The file holding the traceback a failed rank recorded, if it recorded one."""
+    data = getattr(failure, "error_file_data", None) or {}
+    return (data.get("hyperparallel") or {}).get("traceback") if _kind(failure) in ("error", "peer_lost") else None
+
+
 def _signal(failure) -> str | None:
     return failure.signal_name() if failure.exitcode is not None and failure.exitcode < 0 else None
 
@@ -125,6 +131,5 @@ def describe(rank: int, failure) -> tuple[str, bool]:
         return (f"rank {rank} timed out waiting for the other ranks: another rank is stuck, or training.timeout_s is "
                 f"shorter than a step ({failure.message})"), False
     if kind in ("error", "peer_lost"):
-        data = failure.error_file_data["hyperparallel"]
-        return f"rank {rank} failed: {failure.message} (traceback: {data['traceback']})", False
+        return f"rank {rank} failed: {failure.message} (traceback: {traceback_of(failure)})", False
     return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}", False

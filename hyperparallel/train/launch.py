@@ -115,8 +115,9 @@ def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: P
     """One line for a failed run: the rank that failed first, and where to continue from."""
     rank, failure = elastic.root_cause(failures)
     line, user_error = elastic.describe(rank, failure)
-    if user_error:
+    if elastic.traceback_of(failure) is None:  # nothing there the line points to
         shutil.rmtree(log_dir, ignore_errors=True)
+    if user_error:
         print(f"error: {line}", file=sys.stderr)
         return 2
     restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
