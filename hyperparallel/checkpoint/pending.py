@@ -92,17 +92,20 @@ class PendingSave:
 
 
 def async_save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extra: dict | None = None,
-               per_rank: dict[str, torch.Tensor] | None = None) -> PendingSave:
+               per_rank: dict[str, torch.Tensor] | None = None, process_group=None) -> PendingSave:
     """`save`, returning as soon as the state is copied to CPU memory; every rank calls it.
 
     The checkpoint appears at `directory` when it is complete (see the module docstring); call
-    `wait()` on the result before the next save and before the process ends.
+    `wait()` on the result before the next save and before the process ends. `process_group`:
+    a gloo group for the writer thread's collectives, used by nothing else (default: one made on
+    first use, with torch's default timeout).
     """
     final, tmp = _prepare(directory)
     hush_single_process_notice()
     with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank)
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
-                                planner=ShardedSavePlanner(chunks), process_group=_background_group())
+                                planner=ShardedSavePlanner(chunks),
+                                process_group=process_group or _background_group())
     manifest = _manifest(groups, extra) if _rank() == 0 else None
     return PendingSave(final, tmp, future, manifest)

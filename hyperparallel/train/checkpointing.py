@@ -64,9 +64,11 @@ class Checkpointer:
     """Saves every `every` steps and at the end, keeps the newest `keep_last`; with `background`,
     writes while training goes on (one save in flight at a time)."""
 
-    def __init__(self, root: Path, *, every: int, keep_last: int, background: bool, is_main: bool):
+    def __init__(self, root: Path, *, every: int, keep_last: int, background: bool, is_main: bool,
+                 background_group=None):
         self.root, self.every, self.keep_last = root, every, keep_last
         self.background, self.is_main = background, is_main
+        self.background_group = background_group  # the writer thread's own gloo group
         self._pending: checkpoint.PendingSave | None = None
 
     def due(self, step: int, last: int) -> bool:
@@ -79,7 +81,8 @@ class Checkpointer:
         extra, per_rank = dict(train_state, step=step), {"rng": torch.get_rng_state()}
         path = self.root / f"step_{step:08d}"
         if self.background:
-            self._pending = checkpoint.async_save(path, model, optimizer, extra=extra, per_rank=per_rank)
+            self._pending = checkpoint.async_save(path, model, optimizer, extra=extra, per_rank=per_rank,
+                                                  process_group=self.background_group)
             return done
         checkpoint.save(path, model, optimizer, extra=extra, per_rank=per_rank)
         self._prune()

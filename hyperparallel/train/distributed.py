@@ -58,6 +58,14 @@ def init_distributed(timeout_s: int, device: torch.device | None = None) -> Runt
     return Runtime(rank, world, device)
 
 
+def background_group(timeout_s: int):
+    """A gloo group of every rank for work in a thread of its own (background checkpoints), with
+    the run's collective timeout; None without a process group. Every rank calls it."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 # ---------------------------------------------------------------------------- elastic runs
 
 def restart_count() -> int:

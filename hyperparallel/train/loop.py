@@ -24,6 +24,7 @@ from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
 from hyperparallel.train.distributed import (
     agree,
+    background_group,
     check_restartable,
     device_for_this_rank,
     init_distributed,
@@ -63,7 +64,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     logged at that step, or None); tools such as benchmarks hook in there.
     """
     check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
-    rt = init_distributed(cfg.training.collective_timeout_s(device_for_this_rank().type))
+    timeout_s = cfg.training.collective_timeout_s(device_for_this_rank().type)
+    rt = init_distributed(timeout_s)
     if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != rt.world:
         raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
                           f"run has {rt.world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
@@ -108,7 +110,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     step_fn = TrainStep(built, optimizer, scheduler, accumulation=accumulation, world=rt.world, device=rt.device,
                         autocast_bf16=cfg.training.mixed_precision == "bf16", max_grad_norm=cfg.training.max_grad_norm)
     checkpointer = Checkpointer(ckpt_root, every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                                background=cfg.checkpoint.async_, is_main=rt.is_main)
+                                background=cfg.checkpoint.async_, is_main=rt.is_main,
+                                background_group=background_group(timeout_s) if cfg.checkpoint.async_ else None)
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     flops_per_step = training_flops_per_token(built.model.config, cfg.data.seq_len) * tokens_per_step
     first_loss = last_loss = stopped_by = None
