@@ -151,3 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     except HyperparallelError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before training handles it (reading the config, say)
+        print("error: interrupted", file=sys.stderr)
+        return 130

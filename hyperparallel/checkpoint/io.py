@@ -128,9 +128,14 @@ def _publish(tmp: Path, final: Path, manifest: dict) -> None:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():  # the same name saved again (a resumed run): replace it whole
-        shutil.rmtree(final)
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # the same name saved again (a resumed run): moved aside, then replaced whole
+        if old.exists():  # left by a process killed here before
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _manifest(groups: list | None, extra: dict | None) -> dict:
@@ -280,4 +285,5 @@ def complete_checkpoints(root: str | os.PathLike, pattern: str = "step_*") -> li
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob(pattern) if not p.name.endswith(".tmp") and (p / MANIFEST).is_file())
+    return sorted(p for p in root.glob(pattern)
+                  if not p.name.endswith((".tmp", ".old")) and (p / MANIFEST).is_file())

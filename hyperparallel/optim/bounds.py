@@ -34,7 +34,7 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr": (lambda v: is_number(v) and v >= 0, "a finite number >= 0"),
     "weight_decay": (lambda v: is_number(v) and v >= 0, "a finite number >= 0"),
     "betas": (_betas, "2 numbers in [0, 1)"),
-    "adamw_eps": (lambda v: is_number(v) and v >= 0, "a finite number >= 0"),
+    "adamw_eps": (lambda v: is_number(v) and v > 0, "a finite number > 0"),  # 0: 0/0 where a gradient stays 0
     "momentum": (lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "nesterov": (lambda v: isinstance(v, bool), "True or False"),
     "ns_coefficients": (_coefficients, "3 numbers (a, b, c)"),

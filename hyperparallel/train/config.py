@@ -208,7 +208,7 @@ class TrainConfig(Section):
         data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel"})
         data["training"].pop("steps")  # a resumed run may go on for longer
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
-        for how in ("compile", "fused_loss"):  # how the same numbers are computed
+        for how in ("compile", "fused_loss", "timeout_s"):  # how the same numbers are computed, and waited for
             data["training"].pop(how)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

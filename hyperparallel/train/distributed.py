@@ -13,15 +13,19 @@ complete checkpoint of the run directory (`train.loop`).
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hyperparallel.errors import ConfigError
+from hyperparallel import errors
+from hyperparallel.errors import ConfigError, HyperparallelError
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,26 @@ def check_restartable(run_dir_template: str, resolved_by_launcher: bool) -> None
         raise ConfigError(f"logging.run_dir {run_dir_template!r}: under torchrun --max-restarts every restart would "
                           f"start a new {{time}} directory and could not resume; give a fixed one (--set "
                           f"logging.run_dir=runs/my-job) or launch with hyperparallel train --nproc N --max-restarts K")
+
+
+def decided_by_rank0(decide: Callable[[], Path | None]) -> Path | None:
+    """`decide()` on rank 0 only (a look at the file system: on shared storage, ranks looking for
+    themselves could see different files), its answer on every rank; a mistake it finds (a
+    HyperparallelError) is raised on every rank alike."""
+    if not dist.is_initialized():
+        return decide()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = decide()
+            box[0] = json.dumps({"path": None if found is None else str(found)})
+        except HyperparallelError as error:
+            box[0] = json.dumps({"error": type(error).__name__, "message": str(error)})
+    dist.broadcast_object_list(box, src=0)  # (a JSON string: nothing but text is unpickled)
+    answer = json.loads(box[0])
+    if "error" in answer:
+        raise getattr(errors, answer["error"], HyperparallelError)(answer["message"])
+    return None if answer["path"] is None else Path(answer["path"])
 
 
 # ------------------------------------------------------------------------------ every step

@@ -55,12 +55,13 @@ def read_json(path: Path) -> dict | None:
 def failure_kind(error: BaseException) -> str:
     """user (a HyperparallelError), timeout (a collective waited training.timeout_s for a rank that
     is stuck), peer_lost (a collective failed because another rank died) or error (anything else)."""
-    if isinstance(error, HyperparallelError):
-        return "user"
+    # first: a CheckpointError around a collective that lost its peer is not the user's mistake
     text = f"{type(error).__name__}: {error}"
     if any(marker in text for marker in _TIMED_OUT):
         return "timeout"
-    return "peer_lost" if any(marker in text for marker in _PEER_LOST) else "error"
+    if any(marker in text for marker in _PEER_LOST):
+        return "peer_lost"
+    return "user" if isinstance(error, HyperparallelError) else "error"
 
 
 def one_line(error: BaseException) -> str:
@@ -88,6 +89,11 @@ def _kind(failure) -> str:
     return (data.get("hyperparallel") or {}).get("kind", "")
 
 
+def failure_recorded(failure) -> str | None:
+    """The kind of failure a rank recorded before it ended (None: it recorded nothing)."""
+    return _kind(failure) or None
+
+
 def traceback_of(failure) -> str | None:
     """The file holding the traceback a failed rank recorded, if it recorded one."""
     data = getattr(failure, "error_file_data", None) or {}
@@ -101,21 +107,24 @@ def _signal(failure) -> str | None:
 def root_cause(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the failure that most likely started it, out of torchrun's per-rank
     failures: an error a rank raised or a collective that timed out (a stuck rank: the agent then
-    kills that one with SIGKILL), before a rank killed from outside (SIGKILL, a crash), before a
-    rank that only lost its peers, before one the agent stopped (SIGTERM) because another failed."""
+    kills that one with SIGKILL), before a rank killed from outside (SIGKILL, a crash), before one
+    NCCL's watchdog aborted (SIGABRT: its collective failed or timed out, often because of
+    another), before a rank that only lost its peers, before one the agent stopped (SIGTERM)."""
     def rank_order(item):
         rank, failure = item
         kind, sig = _kind(failure), _signal(failure)
         if kind in ("user", "error", "timeout"):
             order = 0
-        elif sig is not None and sig not in ("SIGTERM", "SIGINT"):
+        elif sig is not None and sig not in ("SIGTERM", "SIGINT", "SIGABRT"):
             order = 1
+        elif sig == "SIGABRT":  # on GPUs: NCCL's watchdog ending a rank whose collective failed
+            order = 2
         elif kind == "peer_lost":
-            order = 3
-        elif sig is not None:
             order = 4
+        elif sig is not None:
+            order = 5
         else:
-            order = 2  # exited non-zero without saying why
+            order = 3  # exited non-zero without saying why
         return order, rank
     return min(failures.items(), key=rank_order)
 
@@ -125,6 +134,10 @@ def describe(rank: int, failure) -> tuple[str, bool]:
     kind, sig = _kind(failure), _signal(failure)
     if kind == "user":
         return failure.message, True
+    if sig == "SIGABRT":
+        return (f"rank {rank} (pid {failure.pid}) was aborted (SIGABRT; on GPUs NCCL's watchdog does this when a "
+                f"collective fails or waits longer than training.timeout_s, often for a rank that died or is stuck)"), \
+            False
     if sig is not None:
         return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
     if kind == "timeout":

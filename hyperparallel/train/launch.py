@@ -7,8 +7,9 @@ elastic agent (torch.distributed.elastic), with one line for a failure instead o
 - A rank that dies ends the run (or, with restarts left, restarts every rank) as soon as the
   agent sees it; the ranks' collectives time out after `training.timeout_s`, so a stuck rank ends
   it too. One line names the rank that failed first and why (`elastic.root_cause`).
-- SIGTERM or Ctrl-C here is passed on to the ranks once: they finish the step, save a
-  checkpoint and stop. A second Ctrl-C kills them at once.
+- SIGTERM or Ctrl-C here is passed on to the ranks once (as SIGUSR1 / SIGUSR2: see
+  `preemption`): they finish the step, save a checkpoint and stop. A second Ctrl-C kills them
+  at once.
 
 The agent runs in a thread of this process, so that the signals are ours to handle (the agent
 only installs its own handlers in the main thread), and the ranks run in sessions of their own,
@@ -32,7 +33,7 @@ from pathlib import Path
 from hyperparallel.errors import ConfigError
 from hyperparallel.train import elastic
 from hyperparallel.train.checkpointing import complete_checkpoints
-from hyperparallel.train.preemption import EXIT_CODES
+from hyperparallel.train.preemption import EXIT_CODES, FORWARD_AS
 
 
 def check_nproc(nproc: int, max_restarts: int) -> None:
@@ -49,11 +50,20 @@ def check_nproc(nproc: int, max_restarts: int) -> None:
 
 def _children() -> set[int]:
     """This process's child processes (the ranks the agent started), from /proc."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+    me, pids = os.getpid(), set()
+    tasks = list(Path(f"/proc/{me}/task").glob("*/children"))
+    for task in tasks:
         try:
-            pids.update(int(pid) for pid in (task / "children").read_text().split())
+            pids.update(int(pid) for pid in task.read_text().split())
         except OSError:
+            continue
+    if tasks:
+        return pids
+    for stat in Path("/proc").glob("[0-9]*/stat"):  # kernels without the children files
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                pids.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
             continue
     return pids
 
@@ -66,7 +76,8 @@ def _quiet_agent() -> None:
 
 
 class _Signals:
-    """The launcher's SIGTERM / SIGINT: the first is passed on to the ranks, a second Ctrl-C kills them."""
+    """The launcher's SIGTERM / SIGINT: the first is passed on to the ranks (as SIGUSR1 / SIGUSR2,
+    `preemption.FORWARD_AS`), a second Ctrl-C kills them."""
 
     def __init__(self):
         self.received: str | None = None
@@ -84,15 +95,16 @@ class _Signals:
             os.write(2, f"{name}: the ranks finish this step, save a checkpoint and stop{again}\n".encode())
             self.forwarded_to = _children()
             for pid in self.forwarded_to:
-                _send(pid, signum, group=False)
+                _send(pid, FORWARD_AS[name], group=False)
         elif name == "SIGINT":
-            self.kill_ranks()
+            kill_ranks()
             os.write(2, b"error: interrupted again: stopped at once; the newest complete checkpoint is kept\n")
             os._exit(EXIT_CODES["SIGINT"])
 
-    def kill_ranks(self) -> None:
-        for pid in _children():
-            _send(pid, signal.SIGKILL, group=True)
+
+def kill_ranks(spare: set[int] = frozenset()) -> None:
+    for pid in _children() - spare:
+        _send(pid, signal.SIGKILL, group=True)
 
 
 def _send(pid: int, signum: int, group: bool) -> None:
@@ -100,6 +112,13 @@ def _send(pid: int, signum: int, group: bool) -> None:
         os.killpg(pid, signum) if group else os.kill(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _drain(agent: threading.Thread) -> None:
+    """Kill the ranks until the agent gives up restarting them: none may outlive the launcher."""
+    while agent.is_alive():
+        kill_ranks()
+        agent.join(0.1)
 
 
 def _user_error(log_dir: Path) -> str | None:
@@ -111,8 +130,9 @@ def _user_error(log_dir: Path) -> str | None:
     return None
 
 
-def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: Path) -> int:
-    """One line for a failed run: the rank that failed first, and where to continue from."""
+def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: Path, stopping: str | None) -> int:
+    """One line for a run that failed (or, `stopping`, was told to stop and could not save): the
+    rank that failed first, and where to continue from."""
     rank, failure = elastic.root_cause(failures)
     line, user_error = elastic.describe(rank, failure)
     if elastic.traceback_of(failure) is None:  # nothing there the line points to
@@ -120,10 +140,13 @@ def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: P
     if user_error:
         print(f"error: {line}", file=sys.stderr)
         return 2
-    restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
     newest = complete_checkpoints(checkpoint_root)
     hint = (f"; newest complete checkpoint: {newest[-1]} (continue with --set checkpoint.resume=latest)" if newest
             else "; no checkpoint was complete")
+    if stopping and elastic.failure_recorded(failure) is None:  # ranks we stopped, or that died starting up
+        print(f"error: stopped by {stopping} before the ranks saved a checkpoint{hint}", file=sys.stderr)
+        return EXIT_CODES[stopping]
+    restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
     print(f"error: {line}; the run stopped{restarts}{hint}", file=sys.stderr)
     return 1
 
@@ -171,24 +194,24 @@ def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts
     agent.start()
     while agent.is_alive():
         agent.join(0.2)
-        if signals.received and signals.forwarded_to and not (_children() <= signals.forwarded_to):
-            # stopping, yet the agent started ranks again (one failed while stopping): not now
-            signals.kill_ranks()
-            break
+        if signals.received and _children() - signals.forwarded_to:
+            # stopping, yet ranks that were not asked to: started before the signal reached any,
+            # or restarted after one failed while stopping. Not now.
+            _drain(agent)
         mistake = _user_error(log_dir)
         if mistake is not None:  # a restart would meet it again: stop here
-            signals.kill_ranks()
+            _drain(agent)
             shutil.rmtree(log_dir, ignore_errors=True)
             print(f"error: {mistake}", file=sys.stderr)
             return 2
     result = elastic.read_json(result_file) or {}
-    stopped_by = result.get("stopped_by") or signals.received
     if "error" in outcome:
         print(f"error: the launcher failed: {elastic.one_line(outcome['error'])}", file=sys.stderr)
         return 1
-    if "failures" in outcome and not stopped_by:
-        return _report(outcome["failures"], max_restarts, checkpoint_root, log_dir)
+    if result.get("stopped_by"):  # stopped and saved; rank 0 has said where
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return EXIT_CODES.get(result["stopped_by"], 1)
+    if "failures" in outcome:
+        return _report(outcome["failures"], max_restarts, checkpoint_root, log_dir, signals.received)
     shutil.rmtree(log_dir, ignore_errors=True)  # (kept after a failure: the ranks' tracebacks are there)
-    if stopped_by:  # rank 0 has said where the checkpoint is
-        return EXIT_CODES.get(stopped_by, 1)
-    return 0
+    return EXIT_CODES[signals.received] if signals.received else 0

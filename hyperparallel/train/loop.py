@@ -26,6 +26,7 @@ from hyperparallel.train.distributed import (
     agree,
     background_group,
     check_restartable,
+    decided_by_rank0,
     device_for_this_rank,
     init_distributed,
     max_restarts,
@@ -73,9 +74,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     run_dir = _run_dir(cfg)
     ckpt_root = checkpoint_root(run_dir, cfg.checkpoint.dir)
     restarted = restart_count() > 0
-    if not restarted:  # a restart continues this run's own directory
-        check_not_another_run(run_dir, cfg.checkpoint.resume)
-    resume_from = checkpointing.resolve(cfg.checkpoint.resume, ckpt_root, restarted=restarted)
+
+    def resume_point() -> Path | None:
+        if not restarted:  # a restart continues this run's own directory
+            check_not_another_run(run_dir, cfg.checkpoint.resume)
+        return checkpointing.resolve(cfg.checkpoint.resume, ckpt_root, restarted=restarted)
+
+    resume_from = decided_by_rank0(resume_point)
 
     torch.manual_seed(cfg.training.seed)
     if cfg.training.deterministic:
@@ -116,8 +121,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     flops_per_step = training_flops_per_token(built.model.config, cfg.data.seq_len) * tokens_per_step
     first_loss = last_loss = stopped_by = None
     last = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
-    # (under our launcher, the launcher says it; ranks also get SIGTERM when another rank failed)
-    with StopRequests(announce=rt.is_main and not elastic.launched_by_hyperparallel()) as stop:
+    launched = elastic.launched_by_hyperparallel()  # (then the launcher announces a stop, and forwards it)
+    with StopRequests(announce=rt.is_main and not launched, forwarded=launched) as stop:
         try:
             for step in range(start, last):
                 t0 = time.perf_counter()

@@ -5,6 +5,11 @@ The first SIGTERM or SIGINT only records the request; the loop sees it after the
 step), saves a checkpoint and returns. A second Ctrl-C stops at once, without a traceback: the
 newest complete checkpoint stays as it was (saves are atomic). A repeated SIGTERM changes
 nothing: schedulers and launchers often send it to every process of a job, some twice.
+
+[Note: forwarded signals] Ranks of our launcher (`train.launch`) get the request as SIGUSR1
+(for a SIGTERM) or SIGUSR2 (for a Ctrl-C), and keep SIGTERM and SIGINT fatal: torchrun's agent
+stops the surviving ranks of a failure with SIGTERM, and a rank blocked in a collective with a
+dead peer (NCCL may wait for its timeout) must die then, not wait to finish a step it never will.
 """
 
 from __future__ import annotations
@@ -14,19 +19,24 @@ import signal
 import threading
 
 EXIT_CODES = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+# what our launcher sends its ranks for the signal it got
+FORWARD_AS = {"SIGTERM": signal.SIGUSR1, "SIGINT": signal.SIGUSR2}
+_FORWARDED = {sig.name: name for name, sig in FORWARD_AS.items()}
 
 
 class StopRequests:
-    """While entered (in the main thread), SIGTERM and SIGINT ask the run to stop after its step."""
+    """While entered (in the main thread), SIGTERM and SIGINT (`forwarded`: SIGUSR1 and SIGUSR2
+    from our launcher) ask the run to stop after its step."""
 
-    def __init__(self, announce: bool):
+    def __init__(self, announce: bool, forwarded: bool = False):
         self.announce = announce  # rank 0 says what is happening; the others stay quiet
-        self.requested: str | None = None  # the name of the first signal
+        self.signals = tuple(FORWARD_AS.values()) if forwarded else (signal.SIGTERM, signal.SIGINT)
+        self.requested: str | None = None  # the name of the first signal (as the launcher got it)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -37,6 +47,7 @@ class StopRequests:
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        name = _FORWARDED.get(name, name)
         if self.requested is None:
             self.requested = name
             if self.announce:

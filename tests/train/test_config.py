@@ -41,13 +41,6 @@ def test_grad_accumulation_is_derived_and_checked(tmp_path):
         cfg.grad_accumulation(3)
 
 
-def test_fingerprint_ignores_where_a_run_logs_and_how_long_it_goes(tmp_path):
-    a = load_config(write(tmp_path, MINIMAL))
-    b = load_config(write(tmp_path, MINIMAL), ["logging.run_dir=elsewhere", "training.steps=999", "checkpoint.every=5"])
-    c = load_config(write(tmp_path, MINIMAL), ["optimizer.lr=0.5"])
-    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
-
-
 BAD = [
     ("model: [unclosed", r"malformed YAML at line 1"),
     ("- a\n- b\n", r"top level must be a mapping"),
@@ -138,3 +131,14 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
     assert choices(config.ParallelSection, "recompute") == set(RECOMPUTE_MODES)
     assert choices(config.OptimizerSection, "name") == set(OPTIMIZER_NAMES)
     assert choices(config.SchedulerSection, "kind") == set(SCHEDULE_KINDS)
+
+
+def test_the_fingerprint_ignores_how_a_run_is_laid_out_computed_and_waited_for(tmp_path):
+    """What a resumed run may change without its checkpoint being refused, and what it may not."""
+    base = load_config(write(tmp_path, MINIMAL)).fingerprint()
+    for item in ("logging.run_dir=elsewhere", "checkpoint.every=5", "training.timeout_s=1200", "training.compile=inductor", "training.fused_loss=false",
+                 "training.steps=500", "training.micro_batch=1", "checkpoint.async=true", "parallel.dp_shard=2",
+                 "logging.every=1"):
+        assert load_config(write(tmp_path, MINIMAL), [item]).fingerprint() == base, item
+    for item in ("optimizer.lr=0.5", "training.seed=3", "data.seq_len=64", "model.dtype=bfloat16"):
+        assert load_config(write(tmp_path, MINIMAL), [item]).fingerprint() != base, item

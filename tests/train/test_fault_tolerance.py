@@ -181,3 +181,18 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT
     assert err.splitlines() == ["error: interrupted again: stopped at once; the newest complete checkpoint is kept"]
     assert "Traceback" not in out
+
+
+def test_sigterm_while_the_ranks_start_stops_them_and_says_nothing_was_saved(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = start(tmp_path, cache, str(write_config(tmp_path, run_dir)), "--nproc", "2", "--max-restarts", "2")
+    while len(rank_pids(cache)) < 2:  # started, and still importing torch: long before their first step
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.splitlines() == ["SIGTERM: the ranks finish this step, save a checkpoint and stop",
+                                "error: stopped by SIGTERM before the ranks saved a checkpoint; no checkpoint was "
+                                "complete"], err
+    assert rank_pids(cache) == {}  # none left behind, restarts included
