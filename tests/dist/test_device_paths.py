@@ -117,9 +117,9 @@ def one_process(device: torch.device, optimizer: str):
     return model, opts[0]
 
 
-def test_the_trainer_joins_the_group_with_the_backend_of_its_device(ranks):
+def test_the_trainer_joins_the_group_with_the_backends_of_its_device(ranks):
     device, _, per_rank = ranks
-    want = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+    want = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"  # torch returns the string the group was made with
     assert all(r["backend"] == want for r in per_rank)
 
 
