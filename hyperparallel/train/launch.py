@@ -153,7 +153,8 @@ def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: P
 
 def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts: int, run_dir: Path,
            checkpoint_root: Path) -> int:
-    """Run the ranks; the exit status of the whole run."""
+    """Run the ranks; the exit status of the whole run. (Made for the command line: it sets what
+    the agent and the ranks read in this process's environment, and its signal handlers.)"""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
