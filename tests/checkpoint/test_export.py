@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from hyperparallel.checkpoint import ModelCard, export_hf, load, save
 from hyperparallel.errors import CheckpointError, ConfigError
 from hyperparallel.models import build_model, get_family
+from tests.dist.ranks import leave
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TINY = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "deepseek_v3": "kimi_k2_tiny"}
@@ -144,7 +145,7 @@ def sharded_worker(rank: int, world: int, out_dir: str) -> None:
     card = model_card(model, "qwen3_moe")
     shard_model(model, geometry="balanced", align=32)  # uneven shards: some ranks hold no rows of a tensor
     save(Path(out_dir) / "sharded", model, extra={"model": card})
-    dist.destroy_process_group()
+    leave()
 
 
 def test_a_checkpoint_of_two_sharded_ranks_exports_as_one_process_would(tmp_path):

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from hyperparallel import checkpoint
 from hyperparallel.fsdp import MixedPrecision, clip_grad_norm_, shard_info
 from tests.dist.test_fsdp import Uneven, make_optimizer, micro_batch, one_thread, shard_all
+from tests.dist.ranks import leave
 
 OPTIMIZERS = ("adamw", "muon")
 THREE_BALANCED, TWO_CHUNK, ONE = (3, "balanced"), (2, "chunk"), (1, None)
@@ -81,7 +82,7 @@ def worker(rank, world, geometry, tasks, out_dir):
     torch.set_num_threads(1)
     results = {opt: run(geometry, opt, out_dir, tasks) for opt in OPTIMIZERS}
     torch.save(results, os.path.join(out_dir, f"results-{world}-{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 def spawn(layout, tasks, out_dir) -> list[dict]:

@@ -26,6 +26,7 @@ from hyperparallel import checkpoint
 from hyperparallel.fsdp import MixedPrecision, clip_grad_norm_, shard_info
 from tests.dist.test_fsdp import Uneven, clip_one_process, make_optimizer, one_thread, shard_all
 from tests.dist.test_fsdp import train as train_steps
+from tests.dist.ranks import leave
 
 OPTIMIZERS = ("adamw", "muon")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -81,7 +82,7 @@ def worker(rank: int, world: int, device_type: str, port: int, out_dir: str) -> 
     results["agreed"] = (agreed.loss, agreed.step_time_s, agreed.stop)
     results["rank0_time"] = rank0_time()
     torch.save(results, os.path.join(out_dir, f"rank{rt.rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 @pytest.fixture(scope="module", params=DEVICES)

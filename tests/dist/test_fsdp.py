@@ -20,6 +20,7 @@ from hyperparallel.fsdp.fully_shard import (
     shard_info,
 )
 from hyperparallel.parallel.recompute import apply_recompute
+from tests.dist.ranks import leave
 
 STEPS = 4
 MICRO = 2  # micro-batches per step: the first runs with gradient sync off
@@ -280,7 +281,7 @@ def worker(rank, world, out_dir):
                "tied": run_tied(rank, world),
                "memory": run_memory(rank, world), "schedule": run_schedule(rank, world)}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"{w}ranks")
@@ -376,7 +377,7 @@ def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
         with pytest.raises(ConfigError, match="already sharded"):
             fully_shard(layer)
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def accumulate_worker(rank, world, out_dir):
@@ -397,7 +398,7 @@ def accumulate_worker(rank, world, out_dir):
     set_requires_gradient_sync(model, True)
     (torch.nn.functional.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
     torch.save([(shard_info(p), p.grad.clone()) for p in model.parameters()], os.path.join(out_dir, f"g{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
@@ -428,7 +429,7 @@ def test_an_optimizer_built_before_sharding_is_refused():
             early.step()
         torch.optim.AdamW(model.parameters()).step()  # built after: fine
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def mismatch_worker(rank, world, out_dir):
@@ -445,7 +446,7 @@ def mismatch_worker(rank, world, out_dir):
     except ConfigError as error:
         message = str(error)
     open(os.path.join(out_dir, f"m{rank}.txt"), "w").write(message)
-    dist.destroy_process_group()
+    leave()
 
 
 def test_a_block_sharded_over_other_ranks_than_its_root_is_refused(tmp_path):
@@ -470,7 +471,7 @@ def mixed_precision_worker(rank, world, out_dir):
     torch.nn.functional.mse_loss(out.float(), y[rank * per_rank:(rank + 1) * per_rank]).backward()
     grads = [(shard_info(p), p.dtype, p.grad.dtype, p.grad.clone()) for p in model.parameters()]
     torch.save((out.dtype, grads), os.path.join(out_dir, f"mp{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards_and_grads(tmp_path):
@@ -517,7 +518,7 @@ def test_new_weights_reach_mx_modules_after_a_load_into_shards(tmp_path):
             got = model(x)
         assert full._version != gathered  # new values: the caches start over
     finally:
-        dist.destroy_process_group()
+        leave()
     with torch.no_grad():
         want = mx_model(1)(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -19,6 +19,7 @@ from hyperparallel.errors import ShapeError
 from hyperparallel.fsdp import ShardPlacement, fully_shard, shard_info, shard_ranges
 from hyperparallel.optim import Muon
 from hyperparallel.optim.sharded_muon import newton_schulz_cost, plan_owners
+from tests.dist.ranks import leave
 
 STEPS = 3
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.9
@@ -105,7 +106,7 @@ def worker(rank, world, settings, out_dir):
         counts.update(ns_calls=[], exchanges=0)
         result = train_sharded(rank, world, geometry, align, adjust_lr_fn)
         torch.save({**result, **counts}, os.path.join(out_dir, f"setting{index}_rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 def train_sharded(rank, world, geometry, align, adjust_lr_fn) -> dict:
