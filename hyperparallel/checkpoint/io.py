@@ -262,10 +262,8 @@ def _loaded_in_place(model: nn.Module, model_sd: dict, optimizer, optim_state: d
 
 
 def _set_hyperparameters(optimizer, groups: list[dict]) -> None:
-    """The saved param_groups' settings (lr, betas, ...) into the live groups, as load_state_dict does."""
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, this optimizer "
-                              f"{len(optimizer.param_groups)}: it was saved from another optimizer")
+    """The saved param_groups' settings (lr, betas, ...) into the live groups, as load_state_dict does
+    (the groups hold the same parameters: `load` checked)."""
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
 

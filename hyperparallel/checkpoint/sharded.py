@@ -51,8 +51,8 @@ class Chunk:
 def chunk_of(param: nn.Parameter) -> Chunk | None:
     """The chunk of a parameter sharded over several ranks; None for one that is whole here."""
     placement = shard_placement(param)
-    if placement is None or len(placement.ranges) == 1:
-        return None
+    if placement is None or len(placement.ranges) == 1 or not any(rows for _, rows in placement.ranges):
+        return None  # (no rows anywhere: every rank saves the same empty tensor, whole)
     info = shard_info(param)
     global_shape = torch.Size(list(info.global_shape) or [1])  # a 0-d parameter is sharded as one row
     return Chunk(global_shape, info.offset, info.length)

@@ -27,15 +27,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
     """The checkpoint to start from: what `checkpoint.resume` names (none, latest, or a path), or,
     after an elastic restart, the newest complete one under root (this run's own progress)."""
-    if restarted:
-        found = complete_checkpoints(root)
-        if found:
-            return found[-1]
-    if resume == "none":
+    newest = complete_checkpoints(root)[-1:] if restarted or resume == "latest" else []
+    if newest:
+        return newest[0]
+    if resume in ("none", "latest"):
         return None
-    if resume == "latest":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
     path = Path(resume).expanduser()
     if not (path / checkpoint.MANIFEST).is_file():
         raise CheckpointError(f"checkpoint.resume: {path} is not a complete checkpoint (no {checkpoint.MANIFEST} in it)")

@@ -84,20 +84,30 @@ def record_failure(error: BaseException) -> None:
     _write_json(Path(path), record)
 
 
-def _kind(failure) -> str:
-    data = getattr(failure, "error_file_data", None) or {}
-    return (data.get("hyperparallel") or {}).get("kind", "")
+def _ours(record: dict | None) -> dict:
+    """What `record_failure` put in an error file for us (kind, traceback), or {}."""
+    return (record or {}).get("hyperparallel") or {}
 
 
-def failure_recorded(failure) -> str | None:
+def kind_of(failure) -> str | None:
     """The kind of failure a rank recorded before it ended (None: it recorded nothing)."""
-    return _kind(failure) or None
+    return _ours(getattr(failure, "error_file_data", None)).get("kind")
 
 
 def traceback_of(failure) -> str | None:
     """The file holding the traceback a failed rank recorded, if it recorded one."""
-    data = getattr(failure, "error_file_data", None) or {}
-    return (data.get("hyperparallel") or {}).get("traceback") if _kind(failure) in ("error", "peer_lost") else None
+    ours = _ours(getattr(failure, "error_file_data", None))
+    return ours.get("traceback") if ours.get("kind") in ("error", "peer_lost") else None
+
+
+def user_error_in(log_dir: Path) -> str | None:
+    """The message of a mistake in the config or the data that a rank recorded under torchrun's
+    log directory, while the run goes on (it would come back on every attempt)."""
+    for path in log_dir.rglob("error.json"):
+        record = read_json(path)
+        if _ours(record).get("kind") == "user":
+            return record.get("message")
+    return None
 
 
 def _signal(failure) -> str | None:
@@ -112,7 +122,7 @@ def root_cause(failures: dict) -> tuple[int, object]:
     another), before a rank that only lost its peers, before one the agent stopped (SIGTERM)."""
     def rank_order(item):
         rank, failure = item
-        kind, sig = _kind(failure), _signal(failure)
+        kind, sig = kind_of(failure), _signal(failure)
         if kind in ("user", "error", "timeout"):
             order = 0
         elif sig is not None and sig not in ("SIGTERM", "SIGINT", "SIGABRT"):
@@ -131,7 +141,7 @@ def root_cause(failures: dict) -> tuple[int, object]:
 
 def describe(rank: int, failure) -> tuple[str, bool]:
     """One line for a failed rank, and whether it was the user's mistake (exit 2, no hints)."""
-    kind, sig = _kind(failure), _signal(failure)
+    kind, sig = kind_of(failure), _signal(failure)
     if kind == "user":
         return failure.message, True
     if sig == "SIGABRT":

@@ -102,8 +102,8 @@ class _Signals:
             os._exit(EXIT_CODES["SIGINT"])
 
 
-def kill_ranks(spare: set[int] = frozenset()) -> None:
-    for pid in _children() - spare:
+def kill_ranks() -> None:
+    for pid in _children():
         _send(pid, signal.SIGKILL, group=True)
 
 
@@ -121,15 +121,6 @@ def _drain(agent: threading.Thread) -> None:
         agent.join(0.1)
 
 
-def _user_error(log_dir: Path) -> str | None:
-    """A rank's record of a mistake in the config or the data (the same on every attempt)."""
-    for path in log_dir.rglob("error.json"):
-        record = elastic.read_json(path) or {}
-        if (record.get("hyperparallel") or {}).get("kind") == "user":
-            return record.get("message")
-    return None
-
-
 def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: Path, stopping: str | None) -> int:
     """One line for a run that failed (or, `stopping`, was told to stop and could not save): the
     rank that failed first, and where to continue from."""
@@ -143,7 +134,7 @@ def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: P
     newest = complete_checkpoints(checkpoint_root)
     hint = (f"; newest complete checkpoint: {newest[-1]} (continue with --set checkpoint.resume=latest)" if newest
             else "; no checkpoint was complete")
-    if stopping and elastic.failure_recorded(failure) is None:  # ranks we stopped, or that died starting up
+    if stopping and elastic.kind_of(failure) is None:  # ranks we stopped, or that died starting up
         print(f"error: stopped by {stopping} before the ranks saved a checkpoint{hint}", file=sys.stderr)
         return EXIT_CODES[stopping]
     restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
@@ -199,7 +190,7 @@ def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts
             # stopping, yet ranks that were not asked to: started before the signal reached any,
             # or restarted after one failed while stopping. Not now.
             _drain(agent)
-        mistake = _user_error(log_dir)
+        mistake = elastic.user_error_in(log_dir)
         if mistake is not None:  # a restart would meet it again: stop here
             _drain(agent)
             shutil.rmtree(log_dir, ignore_errors=True)

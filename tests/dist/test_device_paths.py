@@ -27,6 +27,7 @@ from hyperparallel.fsdp import MixedPrecision, clip_grad_norm_, shard_info
 from tests.dist.test_fsdp import Uneven, clip_one_process, make_optimizer, one_thread, shard_all
 from tests.dist.test_fsdp import train as train_steps
 from tests.dist.ranks import leave
+from tests.dist.test_checkpoint import full
 
 OPTIMIZERS = ("adamw", "muon")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -68,16 +69,16 @@ def worker(rank: int, world: int, device_type: str, port: int, out_dir: str) -> 
         # every rank sees the whole batch and gradients are averaged in float64: one process's training, exactly
         model, opt = sharded(device, optimizer, "chunk")
         train_steps(model, [opt], rank, world, clip=clip_grad_norm_, whole_batch=True, device=device)
-        results[f"{optimizer}/trained"] = full_state(model, opt)
+        results[optimizer] = {"states": {"trained": full_state(model, opt)}}
         now, later = os.path.join(out_dir, f"{optimizer}-now"), os.path.join(out_dir, f"{optimizer}-background")
         checkpoint.save(now, model, opt, extra={"how": "now"})
         pending = checkpoint.async_save(later, model, opt, extra={"how": "background"})
         train_steps(model, [opt], rank, world, clip=clip_grad_norm_, whole_batch=True, device=device)  # while it writes
-        results[f"{optimizer}/published"] = str(pending.wait())
+        results[optimizer]["published"] = str(pending.wait())
         # the checkpoint saved now, into another geometry
         again, again_opt = sharded(device, optimizer, "balanced")
         checkpoint.load(now, again, again_opt)
-        results[f"{optimizer}/loaded"] = full_state(again, again_opt)
+        results[optimizer]["states"]["loaded"] = full_state(again, again_opt)
     agreed = agree(loss=float(rank + 1), step_time_s=0.5 + rank, stop=rank == world - 1)
     results["agreed"] = (agreed.loss, agreed.step_time_s, agreed.stop)
     results["rank0_time"] = rank0_time()
@@ -94,20 +95,9 @@ def ranks(request, tmp_path_factory):
     return device, out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def whole(per_rank: list[dict], key: str) -> list[tuple[torch.Tensor, dict]]:
+def whole(per_rank: list[dict], optimizer: str, key: str) -> list[tuple[torch.Tensor, dict]]:
     """Whole tensors (parameter, optimizer state) assembled from every rank's rows."""
-    out = []
-    for i in range(len(per_rank[0][key])):
-        pieces = sorted((r[key][i] for r in per_rank), key=lambda e: e[0].offset)
-        info = pieces[0][0]
-        shape = info.global_shape
-
-        def cat(tensors):
-            return torch.cat([t.reshape(-1) for t in tensors]).reshape(shape)
-
-        states = {k: v if v.dim() == 0 else cat([s[k] for _, _, s in pieces]) for k, v in pieces[0][2].items()}
-        out.append((cat([p for _, p, _ in pieces]), states))
-    return out
+    return full(per_rank, optimizer, "states", key)
 
 
 def one_process(device: torch.device, optimizer: str):
@@ -128,7 +118,7 @@ def test_the_trainer_joins_the_group_with_the_backends_of_its_device(ranks):
 def test_sharded_training_with_clipping_equals_one_process(ranks, optimizer):
     device, _, per_rank = ranks
     model, opt = one_process(torch.device(device), optimizer)
-    trained = whole(per_rank, f"{optimizer}/trained")
+    trained = whole(per_rank, optimizer, "trained")
     for (param, states), (name, want) in zip(trained, model.named_parameters(), strict=True):
         assert torch.equal(param, want.detach().cpu()), name
         for key, value in states.items():
@@ -140,7 +130,7 @@ def test_a_background_save_holds_the_same_tensors_as_one_saved_now(ranks, optimi
     """Saved from the same state, the background one while training went on: loaded into one
     process, every parameter and optimizer state is the same, bit for bit."""
     device, out, per_rank = ranks
-    assert per_rank[0][f"{optimizer}/published"] == str(out / f"{optimizer}-background")
+    assert per_rank[0][optimizer]["published"] == str(out / f"{optimizer}-background")
     loaded = {}
     for how in ("now", "background"):
         model = Uneven()
@@ -151,7 +141,7 @@ def test_a_background_save_holds_the_same_tensors_as_one_saved_now(ranks, optimi
     for (a, sa), (b, sb) in zip(loaded["now"], loaded["background"], strict=True):
         assert torch.equal(a, b)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    trained = whole(per_rank, f"{optimizer}/trained")  # and both are the state they were saved from
+    trained = whole(per_rank, optimizer, "trained")  # and both are the state they were saved from
     for (param, _), (saved, _) in zip(trained, loaded["now"], strict=True):
         assert torch.equal(param, saved)
 
@@ -159,7 +149,7 @@ def test_a_background_save_holds_the_same_tensors_as_one_saved_now(ranks, optimi
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_checkpoint_loads_into_another_geometry_on_the_device(ranks, optimizer):
     _, _, per_rank = ranks
-    for (pa, sa), (pb, sb) in zip(whole(per_rank, f"{optimizer}/loaded"), whole(per_rank, f"{optimizer}/trained"),
+    for (pa, sa), (pb, sb) in zip(whole(per_rank, optimizer, "loaded"), whole(per_rank, optimizer, "trained"),
                                   strict=True):
         assert torch.equal(pa, pb)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)

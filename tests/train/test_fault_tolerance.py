@@ -11,7 +11,6 @@ them go on (SIGCONT).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+from tests.train.test_cli_train import ROOT, losses
+
 STEPS = 12
 TIMEOUT_S = 60  # training.timeout_s of these runs: a failure must end a run within it
 
@@ -47,10 +47,6 @@ def environment(cache: Path) -> dict:
 def start(tmp_path: Path, cache: Path, *args: str, command=("-m", "hyperparallel", "train"), **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *command, *args], cwd=tmp_path, text=True,
                             env={**environment(cache), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def rank_pids(cache: Path) -> dict[int, int]:
