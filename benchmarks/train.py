@@ -50,14 +50,14 @@ def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str
     run.training.mixed_precision = "bf16" if precision == "bf16" else "none"
     if compile is not None:
         run.training.compile = compile
-    run.scheduler.warmup_steps = min(run.scheduler.warmup_steps, steps)
+    run.scheduler.warmup_steps = min(cfg.warmup_steps(), steps)
     run.logging.run_dir = str(workdir / f"ours-{time.monotonic_ns()}")
     run.logging.every = 1
     run.logging.progress = False
     run.checkpoint.every = 0
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the table is the output here
         summary = train(run, stop_after=steps, on_step=lambda step, record: step_done(record["step_time_s"]))
-    return [r["loss"] for r in summary["records"]]
+    return [r["loss"] for r in summary["records"] if "loss" in r]  # (not the validation records)
 
 
 class _Sequences(torch.utils.data.Dataset):
@@ -93,12 +93,12 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    t, o, s = cfg.training, cfg.optimizer, cfg.scheduler
+    t, o = cfg.training, cfg.optimizer
     args = TrainingArguments(
         output_dir=str(workdir / "hf"), per_device_train_batch_size=t.micro_batch,
         gradient_accumulation_steps=cfg.grad_accumulation(1), max_steps=steps, learning_rate=o.lr,
         weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        lr_scheduler_type="cosine", warmup_steps=min(s.warmup_steps, steps), max_grad_norm=t.max_grad_norm or 0.0,
+        lr_scheduler_type="cosine", warmup_steps=min(cfg.warmup_steps(), steps), max_grad_norm=t.max_grad_norm or 0.0,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
     )

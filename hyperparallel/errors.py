@@ -7,7 +7,13 @@ built-in so that callers who catch ``ValueError`` or ``RuntimeError`` keep worki
 
 
 class HyperparallelError(Exception):
-    """Base of every error hyperparallel raises on purpose."""
+    """Base of every error hyperparallel raises on purpose. A message of several lines is several
+    problems found together (a config's), one per line."""
+
+
+def error_lines(message: str) -> str:
+    """What the command line prints for an error: `error: ` before each of its problems."""
+    return "\n".join(f"error: {line}" for line in message.splitlines() or [""])
 
 
 class ConfigError(HyperparallelError, ValueError):

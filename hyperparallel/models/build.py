@@ -174,7 +174,12 @@ def _clear_initialized_marks(model: nn.Module) -> None:
             del obj._is_hf_initialized
 
 
-def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+def pretrained_config(spec: ModelFamily | str, path: str | Path) -> PretrainedConfig:
+    """The config of a local Hugging Face checkpoint directory, checked to be of `spec`'s family
+    (what build_model(path=...) loads; nothing of the weights is read)."""
+    if isinstance(spec, str):
+        spec = get_family(spec)
+    path = Path(path)
     if not path.is_dir():
         raise ConfigError(
             f"model path {str(path)!r} is not a directory; expected a local Hugging Face checkpoint directory"
@@ -190,6 +195,14 @@ def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_imp
         owner = family_for_model_type(model_type)
         hint = f"; use family {owner.name!r}" if owner else ""
         raise ConfigError(f"family {spec.name!r} does not match model_type {model_type!r} in {config_file}{hint}")
+    try:
+        return spec.config_class.from_pretrained(path, local_files_only=True)
+    except (OSError, TypeError, ValueError) as error:
+        raise ConfigError(f"{config_file} is not a valid {spec.config_class.__name__}: {error}") from error
+
+
+def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+    pretrained_config(spec, path)
     try:
         return spec.model_class.from_pretrained(
             path,

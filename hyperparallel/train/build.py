@@ -47,7 +47,7 @@ def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
     given = inline.setdefault("vocab_size", vocab_size)
     if given < vocab_size:
         raise ConfigError(f"model.config.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
-                          f"({vocab_size})")
+                          f"({vocab_size}); leave vocab_size out of the model config to follow the tokenizer")
     return inline
 
 
@@ -96,6 +96,6 @@ def build_optimization(cfg: TrainConfig, model: nn.Module):
         momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
     )
     s = cfg.scheduler
-    scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+    scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=cfg.warmup_steps(), total_steps=cfg.training.steps,
                                 min_lr_ratio=s.min_lr_ratio)
     return optimizer, scheduler

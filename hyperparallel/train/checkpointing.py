@@ -38,15 +38,26 @@ def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
     return path
 
 
-def load(path: Path, model, optimizer, fingerprint: str) -> dict:
+def check_matches(path: Path, cfg) -> dict:
+    """The train state saved in checkpoint `path`, after checking that `cfg` may continue it: the
+    same fingerprint (what decides the numbers; the keys that differ are named)."""
+    from hyperparallel.train.config import differences
+
+    state = checkpoint.read_manifest(path)["extra"]
+    if state.get("fingerprint") != cfg.fingerprint():
+        saved = state.get("config")
+        changed = ("; it differs in " + "; ".join(differences(saved, cfg.fingerprinted()))) if saved else ""
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run with a different model, data or optimizer config{changed}; "
+            f"resume it with the config it was made with"
+        )
+    return state
+
+
+def load(path: Path, model, optimizer, cfg) -> dict:
     """Restore model, optimizer and (same number of ranks) this rank's RNG; returns the train state,
     with `rng_restored` saying whether the RNG state came back."""
-    state = checkpoint.read_manifest(path)["extra"]
-    if state.get("fingerprint") != fingerprint:
-        raise CheckpointError(
-            f"checkpoint {path} was written by a run with a different model, data or optimizer config "
-            f"(fingerprint {state.get('fingerprint')} vs {fingerprint}); resume it with the config it was made with"
-        )
+    state = check_matches(path, cfg)
     rng = {"rng": torch.get_rng_state()}
     manifest = checkpoint.load(path, model, optimizer, per_rank=rng)
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -1,12 +1,17 @@
 """The training configuration: YAML validated into typed sections.
 
-Every section rejects keys it does not know, so a typo is an error, not a silent default. The
-`--set a.b=v` overrides of the command line are applied to the raw mapping before validation,
-with their values parsed as YAML scalars (``--set training.steps=20``, ``--set model.dtype=bfloat16``).
+Every section rejects keys it does not know, so a typo is an error, not a silent default, and
+every mistake of a config is reported together (one line each, with "did you mean" for unknown
+keys). The `--set a.b=v` overrides of the command line are applied to the raw mapping before
+validation, with their values parsed as YAML scalars (``--set training.steps=20``).
+
+The defaults here are those of configs/default.yaml (a test holds them equal), so a config that
+leaves a section out behaves as the demo does.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -19,7 +24,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.models import family_names
+from hyperparallel.models import family_for_model_type, family_names
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
 from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
 from hyperparallel.parallel import RECOMPUTE_MODES
@@ -38,11 +43,20 @@ def choice(names) -> Any:
 
 
 class ModelSection(Section):
-    family: choice(family_names())
+    family: choice(family_names())  # may be left out with model.path: its config.json's model_type names it
     path: str | None = None  # a local directory for from_pretrained
-    config: dict[str, Any] | None = None  # an inline Hugging Face config for from_config
+    # an inline Hugging Face config for from_config: a mapping, or a YAML file holding one
+    # (configs/models/*.yaml; a relative path is looked for beside the config file first)
+    config: dict[str, Any] | None = None
     dtype: choice(DTYPES) = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_from_path(cls, data):
+        if isinstance(data, dict) and "family" not in data and isinstance(data.get("path"), str):
+            data = dict(data, family=_family_in(Path(data["path"]).expanduser()))
+        return data
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -51,25 +65,64 @@ class ModelSection(Section):
         return self
 
 
+def _family_in(path: Path) -> str:
+    """The family that model.path's config.json names (by its model_type)."""
+    config_json = path / "config.json"
+    try:
+        model_type = json.loads(config_json.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        raise ValueError(f"model.family is not given and {config_json} cannot be read to infer it; give "
+                         f"model.family") from None
+    family = family_for_model_type(str(model_type))
+    if family is None:
+        raise ValueError(f"model.family is not given and {config_json} has model_type {model_type!r}, which no family "
+                         f"trains (families: {', '.join(family_names())})")
+    return family.name
+
+
+def _one_or_many(value):
+    return [value] if isinstance(value, str) else value
+
+
 class DataSection(Section):
     source: Literal["stdlib", "files"] = "stdlib"  # stdlib: this Python's own library sources
-    files: list[str] = Field(default_factory=list)  # .txt/.md/.py text, .jsonl, .parquet (globs allowed)
+    # .txt/.md/.py text, .jsonl, .parquet: a path or a list of them (globs allowed)
+    files: list[str] = Field(default_factory=list)
     text_field: str = "text"  # the field of jsonl records and parquet columns
     tokenizer: str = "builtin"  # "builtin" (byte-level BPE trained here on the corpus) or a local path
     vocab_size: int = Field(4096, ge=256)  # of the builtin tokenizer
     max_corpus_bytes: int = Field(8_000_000, ge=10_000)  # how much text the corpus reads
     seq_len: int = Field(256, ge=8)
     packing: bool = True  # concatenate documents into full sequences; else one document per row
+    # held out for the validation loss: a fraction of the corpus's documents (its last ones), or
+    # files of its own (a path or a list, globs allowed); null: no validation
+    validation: float | list[str] | None = 0.05
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _one_path_or_a_list(cls, value):
+        return _one_or_many(value)
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _validation_kinds(cls, value):
+        if value is False or value == 0:
+            return None
+        return _one_or_many(value)
 
     @model_validator(mode="after")
     def _files_given(self):
         if self.source == "files" and not self.files:
             raise ValueError("data.source is 'files' but data.files is empty")
+        if isinstance(self.validation, float) and not 0 < self.validation <= 0.5:
+            raise ValueError(f"data.validation: a held-out fraction is a number in (0, 0.5], got {self.validation}")
+        if isinstance(self.validation, list) and not self.validation:
+            raise ValueError("data.validation is an empty list of files; give files, a fraction, or null")
         return self
 
 
 class TrainingSection(Section):
-    steps: int = Field(100, ge=1)
+    steps: int = Field(150, ge=1)
     global_batch: int = Field(8, ge=1)  # sequences per optimizer step, all ranks together
     micro_batch: int = Field(4, ge=1)  # sequences per forward on one rank
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -78,11 +131,13 @@ class TrainingSection(Section):
     # bf16: forward under torch.autocast(bfloat16), as the HF Trainer's bf16=True; parameters,
     # gradients and optimizer state stay in model.dtype
     mixed_precision: Literal["none", "bf16"] = "none"
-    compile: choice(COMPILE_BACKENDS) = "none"  # torch.compile each decoder layer with this backend
+    compile: choice(COMPILE_BACKENDS) = "inductor"  # torch.compile each decoder layer with this backend
     fused_loss: bool = True  # cross-entropy from the hidden states in chunks; the logits are never made whole
     # seconds a collective may wait for the other ranks before the run fails (a dead or stuck
     # rank); default 600 on GPUs, 300 on the CPU
     timeout_s: int | None = Field(None, gt=0)
+    eval_every: int = Field(50, ge=0)  # steps between validation losses (and always after the last); 0: the last only
+    eval_batches: int = Field(4, ge=1)  # global batches of validation sequences per evaluation
 
     def collective_timeout_s(self, device_type: str) -> int:
         return self.timeout_s or (600 if device_type == "cuda" else 300)
@@ -116,7 +171,7 @@ class OptimizerSection(Section):
     """Types here; the ranges are hyperparallel.optim's (`check_hyperparameters`), stated there once."""
 
     name: choice(OPTIMIZER_NAMES) = "adamw"
-    lr: float = 1e-3
+    lr: float = 3e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -136,13 +191,13 @@ class OptimizerSection(Section):
 
 class SchedulerSection(Section):
     kind: choice(SCHEDULE_KINDS) = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int | None = None  # null: 10% of training.steps
     min_lr_ratio: float = 0.1
 
     @model_validator(mode="after")
     def _in_range(self):
         try:
-            validate_schedule(self.kind, self.warmup_steps, None, self.min_lr_ratio)
+            validate_schedule(self.kind, self.warmup_steps or 0, None, self.min_lr_ratio)
         except ConfigError as error:
             raise ValueError(str(error)) from None
         return self
@@ -186,10 +241,14 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _schedule_fits(self):
-        if self.scheduler.warmup_steps > self.training.steps:
+        if self.scheduler.warmup_steps is not None and self.scheduler.warmup_steps > self.training.steps:
             raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) exceeds training.steps "
                              f"({self.training.steps})")
         return self
+
+    def warmup_steps(self) -> int:
+        given = self.scheduler.warmup_steps
+        return self.training.steps // 10 if given is None else given
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; ConfigError if the batch does not split."""
@@ -202,15 +261,46 @@ class TrainConfig(Section):
             )
         return t.global_batch // per_step
 
-    def fingerprint(self) -> str:
-        """A hash of what decides the numbers of a run: not where it logs or checkpoints, nor how
-        it is laid out over ranks (a checkpoint loads into any sharding), nor the micro-batch split."""
+    def fingerprinted(self) -> dict[str, Any]:
+        """What decides the numbers of a run, as flat dotted keys: not where it logs or
+        checkpoints, nor how it is laid out over ranks (a checkpoint loads into any sharding), nor
+        the micro-batch split, nor how long it runs or how often it evaluates."""
         data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel"})
-        data["training"].pop("steps")  # a resumed run may go on for longer
+        data["training"].pop("steps")  # a resumed run may go on for longer (its schedule stretches)
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
-        for how in ("compile", "fused_loss", "timeout_s"):  # how the same numbers are computed, and waited for
-            data["training"].pop(how)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        for how in ("compile", "fused_loss", "timeout_s", "eval_every", "eval_batches"):
+            data["training"].pop(how)  # how the same numbers are computed, waited for, and looked at
+        return _flatten(data)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.fingerprinted(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "config":  # (an inline model config: one value, compared whole)
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for each fingerprinted key that differs (`model.config: ...` names the
+    inline config's keys that differ)."""
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "(absent)"), after.get(key, "(absent)")
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            lines.append(f"{key}: " + ", ".join(f"{k} {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
+                                                for k in inner))
+        else:
+            lines.append(f"{key}: {old!r} -> {new!r}")
+    return lines
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -239,45 +329,100 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _describe(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if not where:
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys of the section at loc[:-1] (for "did you mean")."""
+    section: type[BaseModel] = TrainConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(part)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        section = annotation
+    return [field.alias or name for name, field in section.model_fields.items()]
+
+
+def _describe(problem: dict) -> str:
+    where = ".".join(str(p) for p in problem["loc"])
+    message = problem["msg"].removeprefix("Value error, ")
+    if problem["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(problem["loc"][-1]), _known_keys(problem["loc"]), n=1)
+        parent = ".".join(str(p) for p in problem["loc"][:-1])
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        return f"{where}: unknown key{hint}"
+    if problem["type"] == "missing":
+        return f"{where}: missing"
+    if message.startswith(f"{where}") or not where:  # our validators name their keys themselves
         return message
-    if first["type"] == "extra_forbidden":
-        return f"unknown key {where!r}"
-    if first["type"] == "missing":
-        return f"missing key {where!r}"
-    if "input" in first and first["type"] not in ("value_error", "assertion_error"):
-        return f"{where}: {message} (got {first['input']!r})"
+    if "input" in problem and problem["type"] not in ("value_error", "assertion_error"):
+        return f"{where}: {message} (got {problem['input']!r})"
     return f"{where}: {message}"
 
 
-def from_mapping(raw: Any, source: str = "config") -> TrainConfig:
+def _problems(error: ValidationError) -> list[str]:
+    seen: list[str] = []
+    for problem in error.errors():
+        line = _describe(problem)
+        if line not in seen:  # (a union reports a wrong value once per member)
+            seen.append(line)
+    return seen
+
+
+def _read_model_file(raw: dict, base_dir: Path | None) -> list[str]:
+    """model.config naming a YAML file of HF config keys: read it in place; the problems found."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("config"), str):
+        return []
+    path = Path(model["config"]).expanduser()
+    if not path.is_absolute() and base_dir is not None and (base_dir / path).is_file():
+        path = base_dir / path  # beside the config file, else (a --set, say) from where the command runs
+    try:
+        mapping = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        return [f"model.config: cannot read the model config file {path} ({getattr(error, 'strerror', None) or error})"]
+    except yaml.YAMLError as error:
+        return [f"model.config: {path} is malformed YAML: {getattr(error, 'problem', error)}"]
+    if not isinstance(mapping, dict):
+        return [f"model.config: {path} must hold a mapping of Hugging Face config keys, got {type(mapping).__name__}"]
+    model["config"] = mapping
+    return []
+
+
+def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None) -> TrainConfig:
+    """Validate a raw mapping; every problem found is in the ConfigError, one per line."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    problems = _read_model_file(raw, base_dir)
     try:
-        return TrainConfig.model_validate(raw)
+        config = TrainConfig.model_validate(raw)
     except ValidationError as error:
-        extra = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        raise ConfigError(f"{source}: {_describe(error)}{extra}") from None
+        problems += _problems(error)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return config
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read, override and validate a YAML config (the embedded default when `path` is None)."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/default.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {error.start}); a config is a YAML file") from None
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read ({error.strerror})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(error, 'problem', error)}") from None
     if isinstance(raw, dict):
         raw = apply_overrides(raw, overrides or [])
-    return from_mapping(raw, str(path))
+    return from_mapping(raw, str(path), base_dir=path.resolve().parent)
 
 
 def dump(config: TrainConfig) -> str:

@@ -5,6 +5,9 @@ with Python; the default ("builtin") tokenizer is a byte-level BPE trained on th
 few seconds. Both are cached under ~/.cache/hyperparallel (HYPERPARALLEL_CACHE) keyed by what
 made them, so later runs start at once.
 
+Validation (`data.validation`): a held-out fraction of the corpus (its last tokens when packed,
+its last documents when not), or files of its own; the tokenizer is trained on the whole corpus.
+
 Order: the sequences are shuffled once per epoch by a generator seeded with (seed, epoch). The
 sequence at global position p is therefore a pure function of p, and a run resumes exactly by
 starting at position step x global_batch.
@@ -31,8 +34,12 @@ PAD = "<|pad|>"
 IGNORE = -100  # label of padding: no loss
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("HYPERPARALLEL_CACHE", Path.home() / ".cache" / "hyperparallel"))
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("HYPERPARALLEL_CACHE", Path.home() / ".cache" / "hyperparallel"))
+    root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -52,20 +59,47 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0])
 
 
-def _expand(patterns: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        if not matches:
-            raise ConfigError(f"data.files: {pattern!r} matches no file")
-        for match in matches:
-            if not Path(match).is_file():
-                raise ConfigError(f"data.files: {match} is not a file")
-            files.append(Path(match))
+def _expand(patterns: list[str], key: str = "data.files") -> list[Path]:
+    files, problems = _matches(patterns, key)
+    if problems:
+        raise ConfigError("\n".join(problems))
     return files
 
 
-def _documents_of(path: Path, text_field: str) -> list[str]:
+def _matches(patterns: list[str], key: str) -> tuple[list[Path], list[str]]:
+    files: list[Path] = []
+    problems = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            problems.append(f"{key}: {pattern!r} matches no file")
+        for match in matches:
+            if not Path(match).is_file():
+                problems.append(f"{key}: {match} is not a file")
+            elif not os.access(match, os.R_OK):
+                problems.append(f"{key}: {match} is not readable")
+            else:
+                files.append(Path(match))
+    return files, problems
+
+
+def input_problems(cfg: DataSection) -> list[str]:
+    """What is wrong with the data's inputs that a look finds (files that are missing or not
+    files, a tokenizer that does not parse), before anything is read in full or written."""
+    problems = []
+    if cfg.source == "files":
+        problems += _matches(cfg.files, "data.files")[1]
+    if isinstance(cfg.validation, list):
+        problems += _matches(cfg.validation, "data.validation")[1]
+    if cfg.tokenizer != "builtin":
+        try:
+            _read_tokenizer_file(cfg)
+        except ConfigError as error:
+            problems.append(str(error))
+    return problems
+
+
+def _documents_of(path: Path, text_field: str, key: str) -> list[str]:
     if path.suffix == ".jsonl":
         docs = []
         for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
@@ -74,36 +108,44 @@ def _documents_of(path: Path, text_field: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                raise ConfigError(f"data.files: {path} line {number} is not valid JSON") from None
+                raise ConfigError(f"{key}: {path} line {number} is not valid JSON") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ConfigError(f"data.files: {path} line {number} has no string field {text_field!r} "
+                raise ConfigError(f"{key}: {path} line {number} has no string field {text_field!r} "
                                   f"(set data.text_field)")
             docs.append(record[text_field])
         return docs
     if path.suffix == ".parquet":
+        import pyarrow
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pyarrow.ArrowException, OSError) as error:
+            raise ConfigError(f"{key}: {path} is not a readable parquet file ({error})") from None
         if text_field not in table.column_names:
-            raise ConfigError(f"data.files: {path} has no column {text_field!r} (columns: {table.column_names}; "
+            raise ConfigError(f"{key}: {path} has no column {text_field!r} (columns: {table.column_names}; "
                               f"set data.text_field)")
         return [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
     return [path.read_text(encoding="utf-8", errors="replace")]
 
 
-def load_documents(cfg: DataSection) -> list[str]:
-    """The corpus as documents, at most cfg.max_corpus_bytes of text, in a fixed order."""
-    files = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.files)
+def load_documents(cfg: DataSection, files: list[str] | None = None, key: str = "data.files") -> list[str]:
+    """The corpus as documents (or those of `files`), at most cfg.max_corpus_bytes of text, in a
+    fixed order."""
+    if files is not None:
+        paths = _expand(files, key)
+    else:
+        paths = stdlib_files() if cfg.source == "stdlib" else _expand(cfg.files)
     docs, total = [], 0
-    for path in files:
-        for doc in _documents_of(path, cfg.text_field):
+    for path in paths:
+        for doc in _documents_of(path, cfg.text_field, key):
             if total >= cfg.max_corpus_bytes:
                 return docs
             doc = doc[: cfg.max_corpus_bytes - total]
             docs.append(doc)
             total += len(doc)
     if not docs:
-        raise ConfigError("data: the corpus is empty")
+        raise ConfigError(f"{'data' if files is None else key}: the corpus is empty")
     return docs
 
 
@@ -171,13 +213,24 @@ def load_tokenizer(cfg: DataSection, docs: list[str], corpus: str) -> Tokenizer:
         tokenizer = _wrap(train_builtin_tokenizer(docs, cfg.vocab_size), key)
         tokenizer.save(cached)
         return tokenizer
+    return _read_tokenizer_file(cfg)
+
+
+def _read_tokenizer_file(cfg: DataSection) -> Tokenizer:
+    from tokenizers import Tokenizer as RustTokenizer
+
     path = Path(cfg.tokenizer).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"data.tokenizer: {file} does not exist (give a tokenizer.json or a directory holding one, "
                           f"or 'builtin')")
-    key = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-    return _wrap(RustTokenizer.from_file(str(file)), key)
+    payload = file.read_bytes()
+    try:
+        backend = RustTokenizer.from_str(payload.decode("utf-8"))
+    except Exception as error:  # (the Rust library raises plain Exceptions; UnicodeDecodeError too)
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"data.tokenizer: {file} is not a tokenizers JSON file ({first})") from None
+    return _wrap(backend, hashlib.sha256(payload).hexdigest()[:16])
 
 
 # --------------------------------------------------------------------------------- sequences
@@ -263,18 +316,56 @@ class Batches:
         return len(self.sequences)
 
 
+class InOrder:
+    """Positions in corpus order, wrapping around: the validation set, the same on any layout."""
+
+    def __init__(self, num_sequences: int):
+        self.n = num_sequences
+
+    def index(self, position: int) -> int:
+        return position % self.n
+
+
 @dataclass
 class Dataset:
     tokenizer: Tokenizer
     sequences: torch.Tensor
     corpus_key: str
     num_tokens: int
+    validation: torch.Tensor | None = None  # [M, seq_len] held-out sequences
+
+
+def _hold_out(ids: list[np.ndarray], cfg: DataSection) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(training, validation) token ids: the corpus's last cfg.validation of its tokens (packed:
+    the document at the cut is split there) or of its documents (unpacked: rows are documents)."""
+    fraction = cfg.validation
+    if not cfg.packing:
+        held = max(1, round(len(ids) * fraction))
+        if held >= len(ids):
+            raise ConfigError(f"data.validation: the corpus has {len(ids)} document(s), too few to hold out "
+                              f"{fraction} of them; give validation files, more data, or null")
+        return ids[:-held], ids[-held:]
+    flat = np.concatenate(ids)
+    cut = len(flat) - max(cfg.seq_len, round(len(flat) * fraction))
+    if cut < cfg.seq_len:
+        raise ConfigError(f"data.validation: the corpus ({len(flat)} tokens) is too short to hold out {fraction} of "
+                          f"it and still train on one sequence of {cfg.seq_len}; give validation files, more data, "
+                          f"or null")
+    return [flat[:cut]], [flat[cut:]]
 
 
 def prepare(cfg: DataSection) -> Dataset:
     docs = load_documents(cfg)
+    extra_docs = load_documents(cfg, cfg.validation, "data.validation") if isinstance(cfg.validation, list) else None
     key = corpus_key(cfg, docs)
-    tokenizer = load_tokenizer(cfg, docs, key)
+    tokenizer = load_tokenizer(cfg, docs, key)  # (every input is read and checked before this first write)
     ids = tokenize_corpus(docs, tokenizer, key)
+    validation = None
+    if isinstance(cfg.validation, float):
+        ids, held_out = _hold_out(ids, cfg)
+        validation = build_sequences(held_out, cfg.seq_len, cfg.packing, tokenizer.pad_id)
+    elif extra_docs is not None:
+        held_out = tokenize_corpus(extra_docs, tokenizer, corpus_key(cfg, extra_docs))
+        validation = build_sequences(held_out, cfg.seq_len, cfg.packing, tokenizer.pad_id)
     sequences = build_sequences(ids, cfg.seq_len, cfg.packing, tokenizer.pad_id)
-    return Dataset(tokenizer, sequences, key, int(sum(len(i) for i in ids)))
+    return Dataset(tokenizer, sequences, key, int(sum(len(i) for i in ids)), validation)

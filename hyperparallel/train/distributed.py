@@ -1,8 +1,8 @@
 """The process group of a training run, and what its ranks tell each other every step.
 
 [Note: device-correct collectives] On GPUs the default group is `cpu:gloo,cuda:nccl`: CUDA
-tensors go through NCCL, and the few CPU tensors of bookkeeping (the run directory's start
-time, each step's loss, time and stop request) through gloo. NCCL has no CPU path, so code that
+tensors go through NCCL, and the few CPU tensors of bookkeeping (each step's loss, time and
+stop request, the validation loss's sums) through gloo. NCCL has no CPU path, so code that
 passes on a gloo-only CPU run would otherwise fail at its first collective on GPUs. Model code
 (FSDP, Muon, checkpoints) keeps its collectives on its tensors' device.
 
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,24 +95,31 @@ def check_restartable(run_dir_template: str, resolved_by_launcher: bool) -> None
                           f"logging.run_dir=runs/my-job) or launch with hyperparallel train --nproc N --max-restarts K")
 
 
-def decided_by_rank0(decide: Callable[[], Path | None]) -> Path | None:
+def decided_by_rank0(decide: Callable[[], Any]) -> Any:
     """`decide()` on rank 0 only (a look at the file system: on shared storage, ranks looking for
-    themselves could see different files), its answer on every rank; a mistake it finds (a
-    HyperparallelError) is raised on every rank alike."""
+    themselves could see different files), its answer (anything JSON holds) on every rank; a
+    mistake it finds (a HyperparallelError) is raised on every rank alike."""
     if not dist.is_initialized():
         return decide()
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            found = decide()
-            box[0] = json.dumps({"path": None if found is None else str(found)})
+            box[0] = json.dumps({"answer": decide()})
         except HyperparallelError as error:
             box[0] = json.dumps({"error": type(error).__name__, "message": str(error)})
     dist.broadcast_object_list(box, src=0)  # (a JSON string: nothing but text is unpickled)
     answer = json.loads(box[0])
     if "error" in answer:
         raise getattr(errors, answer["error"], HyperparallelError)(answer["message"])
-    return None if answer["path"] is None else Path(answer["path"])
+    return answer["answer"]
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Each value summed over the ranks, in float64 on the CPU (gloo) side of the group."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(mine)
+    return mine.tolist()
 
 
 # ------------------------------------------------------------------------------ every step
@@ -135,11 +141,3 @@ def agree(loss: float, step_time_s: float, stop: bool) -> StepAgreement:
     table = torch.stack(everyone)
     return StepAgreement(table[:, 0].sum().item() / len(everyone), table[:, 1].max().item(),
                          bool(table[:, 2].max().item()))
-
-
-def rank0_time() -> float:
-    """Rank 0's clock, on every rank (for a run directory named after the start time)."""
-    now = torch.tensor([time.time()], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.broadcast(now, src=0)
-    return now.item()

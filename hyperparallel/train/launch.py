@@ -30,7 +30,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from hyperparallel.errors import ConfigError
+from hyperparallel.errors import ConfigError, error_lines
 from hyperparallel.train import elastic
 from hyperparallel.train.checkpointing import complete_checkpoints
 from hyperparallel.train.preemption import EXIT_CODES, FORWARD_AS
@@ -129,7 +129,7 @@ def _report(failures: dict, max_restarts: int, checkpoint_root: Path, log_dir: P
     if elastic.traceback_of(failure) is None:  # nothing there the line points to
         shutil.rmtree(log_dir, ignore_errors=True)
     if user_error:
-        print(f"error: {line}", file=sys.stderr)
+        print(error_lines(line), file=sys.stderr)
         return 2
     newest = complete_checkpoints(checkpoint_root)
     hint = (f"; newest complete checkpoint: {newest[-1]} (continue with --set checkpoint.resume=latest)" if newest
@@ -194,7 +194,7 @@ def launch(config: str | None, overrides: list[str], *, nproc: int, max_restarts
         if mistake is not None:  # a restart would meet it again: stop here
             _drain(agent)
             shutil.rmtree(log_dir, ignore_errors=True)
-            print(f"error: {mistake}", file=sys.stderr)
+            print(error_lines(mistake), file=sys.stderr)
             return 2
     result = elastic.read_json(result_file) or {}
     if "error" in outcome:

@@ -1,9 +1,9 @@
 """The training loop: `train(cfg)` from a validated config to a finished run directory, built
 from the components beside it (distributed, build, step, checkpointing, metrics, preemption).
 
-Everything a user can get wrong is checked before anything is written: the config, the batch
-split, the data, the model, the checkpoint to resume, and whether the run directory already
-holds another run.
+Everything a user can get wrong is checked before anything is written (`preflight`, then the
+checkpoint to resume and whether the run directory already holds another run), all of it on
+rank 0, whose answer every rank takes.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import torch
 
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
-from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
-from hyperparallel.train import checkpointing, elastic
+from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
@@ -30,20 +29,41 @@ from hyperparallel.train.distributed import (
     device_for_this_rank,
     init_distributed,
     max_restarts,
-    rank0_time,
     restart_count,
 )
-from hyperparallel.train.metrics import MetricsLog, peak_memory_bytes, peak_tflops
+from hyperparallel.train.evaluate import Evaluator
+from hyperparallel.train.metrics import LogWindow, MetricsLog, peak_memory_bytes, peak_tflops
 from hyperparallel.train.preemption import StopRequests
-from hyperparallel.train.run_dir import check_not_another_run, checkpoint_root, expand
 from hyperparallel.train.step import TrainStep
 
 
-def _run_dir(cfg: TrainConfig) -> Path:
-    """logging.run_dir with {time} filled in, the same on every rank (rank 0's clock); the launcher
-    has usually filled it in already."""
-    template = cfg.logging.run_dir
-    return expand(template, rank0_time()) if "{time}" in template else Path(template)
+def _decide_start(cfg: TrainConfig, world: int, restarted: bool) -> dict:
+    """Rank 0's look before any work: the run directory (the one to continue, with `resume:
+    latest`), every problem of the config found at once, and the checkpoint to start from."""
+    directory = run_dir.resolve(cfg)
+    preflight.check(cfg, world, directory)
+    if not restarted:  # a restart continues this run's own directory
+        run_dir.check_not_another_run(directory, cfg.checkpoint.resume)
+    root = run_dir.checkpoint_root(directory, cfg.checkpoint.dir)
+    resume = checkpointing.resolve(cfg.checkpoint.resume, root, restarted=restarted)
+    if resume is not None:
+        checkpointing.check_matches(resume, cfg)
+    return {"run_dir": str(directory), "resume": None if resume is None else str(resume)}
+
+
+def _follow_new_schedule(cfg: TrainConfig, state: dict, optimizer, scheduler) -> str | None:
+    """A resumed run with another training.steps: the schedule is rebuilt for it (LambdaLR keeps
+    no function in its state); the lr of the next step follows it at once. What changed, said."""
+    saved = state.get("steps")
+    if saved is None or saved == cfg.training.steps:
+        return None
+    before = optimizer.param_groups[0]["lr"]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return (f"training.steps {saved} -> {cfg.training.steps}: the {cfg.scheduler.kind} schedule is rebuilt for "
+            f"{cfg.training.steps} steps (warmup {cfg.warmup_steps()}); the lr at step {state['step'] + 1} is "
+            f"{optimizer.param_groups[0]['lr']:.3g} instead of {before:.3g}")
 
 
 def _write_run_files(cfg: TrainConfig, run_dir: Path, tokenizer) -> None:
@@ -67,20 +87,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     timeout_s = cfg.training.collective_timeout_s(device_for_this_rank().type)
     rt = init_distributed(timeout_s)
-    if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != rt.world:
-        raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
-                          f"run has {rt.world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
-    accumulation = cfg.grad_accumulation(rt.world)
-    run_dir = _run_dir(cfg)
-    ckpt_root = checkpoint_root(run_dir, cfg.checkpoint.dir)
     restarted = restart_count() > 0
-
-    def resume_point() -> Path | None:
-        if not restarted:  # a restart continues this run's own directory
-            check_not_another_run(run_dir, cfg.checkpoint.resume)
-        return checkpointing.resolve(cfg.checkpoint.resume, ckpt_root, restarted=restarted)
-
-    resume_from = decided_by_rank0(resume_point)
+    decided = decided_by_rank0(lambda: _decide_start(cfg, rt.world, restarted))
+    run_dir_path = Path(decided["run_dir"])
+    resume_from = None if decided["resume"] is None else Path(decided["resume"])
+    ckpt_root = run_dir.checkpoint_root(run_dir_path, cfg.checkpoint.dir)
+    accumulation = cfg.grad_accumulation(rt.world)
 
     torch.manual_seed(cfg.training.seed)
     if cfg.training.deterministic:
@@ -88,17 +100,24 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     dataset = build_data(cfg, rt)
     built = build_trained_model(cfg, rt, dataset.tokenizer.vocab_size)
     optimizer, scheduler = build_optimization(cfg, built.model)
-    fingerprint = cfg.fingerprint()
-    start, rng_restored, saved_world = 0, True, rt.world
+    start, rng_restored, saved_world, schedule_change = 0, True, rt.world, None
     if resume_from is not None:
-        state = checkpointing.load(resume_from, built.model, optimizer, fingerprint)
+        state = checkpointing.load(resume_from, built.model, optimizer, cfg)
         scheduler.load_state_dict(state["scheduler"])
         start, rng_restored, saved_world = state["step"], state["rng_restored"], state["world_size"]
+        schedule_change = _follow_new_schedule(cfg, state, optimizer, scheduler)
     batches = build_batches(cfg, dataset, rt)
+    autocast_bf16 = cfg.training.mixed_precision == "bf16"
+    evaluate = None
+    if dataset.validation is not None:
+        evaluate = Evaluator(built, dataset.validation, global_batch=cfg.training.global_batch,
+                             micro_batch=cfg.training.micro_batch, eval_batches=cfg.training.eval_batches,
+                             pad_id=dataset.tokenizer.pad_id, packing=cfg.data.packing, rt=rt,
+                             autocast_bf16=autocast_bf16)
     if rt.is_main:
-        _write_run_files(cfg, run_dir, dataset.tokenizer)
+        _write_run_files(cfg, run_dir_path, dataset.tokenizer)
 
-    log = MetricsLog(run_dir, enabled=rt.is_main, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+    log = MetricsLog(run_dir_path, enabled=rt.is_main, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                      total_steps=cfg.training.steps, first_step=start)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     peak, peak_source = peak_tflops(rt.device, compute_dtype, cfg.logging.peak_tflops)
@@ -108,12 +127,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         log.print(f"restart {restart_count()} of {max_restarts()} after a failure: {where}")
     elif start:
         log.print(f"resumed from {resume_from} at step {start}")
+    if schedule_change:
+        log.print(schedule_change)
     if start and not rng_restored:
         log.print(f"the checkpoint was saved by {saved_world} rank(s), this run has {rt.world}: parameters and "
                   f"optimizer state are resharded; RNG states start from training.seed")
 
     step_fn = TrainStep(built, optimizer, scheduler, accumulation=accumulation, world=rt.world, device=rt.device,
-                        autocast_bf16=cfg.training.mixed_precision == "bf16", max_grad_norm=cfg.training.max_grad_norm)
+                        autocast_bf16=autocast_bf16, max_grad_norm=cfg.training.max_grad_norm)
     checkpointer = Checkpointer(ckpt_root, every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                                 background=cfg.checkpoint.async_, is_main=rt.is_main,
                                 background_group=background_group(timeout_s) if cfg.checkpoint.async_ else None)
@@ -121,6 +142,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     flops_per_step = training_flops_per_token(built.model.config, cfg.data.seq_len) * tokens_per_step
     first_loss = last_loss = stopped_by = None
     last = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
+    window = LogWindow()
     launched = elastic.launched_by_hyperparallel()  # (then the launcher announces a stop, and forwards it)
     with StopRequests(announce=rt.is_main and not launched, forwarded=launched) as stop:
         try:
@@ -131,20 +153,21 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 first_loss = agreed.loss if first_loss is None else first_loss
                 last_loss = agreed.loss
                 done = step + 1
+                window.add(agreed.loss, result.grad_norm, result.lr, agreed.step_time_s)
                 record = None
-                if done % cfg.logging.every == 0 or done == cfg.training.steps or done == start + 1:
-                    tflops = flops_per_step / agreed.step_time_s / 1e12 / rt.world
-                    record = {
-                        "step": done, "loss": agreed.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-                        "tokens_per_s": tokens_per_step / agreed.step_time_s, "step_time_s": agreed.step_time_s,
-                        "tflops": tflops, "mfu": tflops / peak, "peak_mem_bytes": peak_memory_bytes(rt.device),
-                    }
+                if done % cfg.logging.every == 0 or done == last or done == start + 1:
+                    record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+                                         world=rt.world, peak_tflops=peak, peak_mem_bytes=peak_memory_bytes(rt.device))
                 log.step(done, record)
+                if evaluate is not None and not agreed.stop and (done == last or (
+                        cfg.training.eval_every and done % cfg.training.eval_every == 0)):
+                    log.evaluation(done, evaluate())
                 if on_step is not None:
                     on_step(done, record)
                 _log_saved(log, checkpointer.poll())
                 if checkpointer.due(done, last) or agreed.stop:
-                    state = {"fingerprint": fingerprint, "scheduler": scheduler.state_dict(), "world_size": rt.world,
+                    state = {"fingerprint": cfg.fingerprint(), "config": cfg.fingerprinted(),
+                             "steps": cfg.training.steps, "scheduler": scheduler.state_dict(), "world_size": rt.world,
                              MODEL_CARD: built.card.to_json(), "sequences_consumed": done * cfg.training.global_batch,
                              "loss": agreed.loss}
                     _log_saved(log, checkpointer.save(done, built.model, optimizer, state))
@@ -160,8 +183,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         finally:
             log.close()
     if rt.is_main:
-        elastic.write_result({"stopped_by": stopped_by, "run_dir": str(run_dir)})
-    return {"run_dir": str(run_dir), "first_step": start, "steps": cfg.training.steps, "first_loss": first_loss,
+        elastic.write_result({"stopped_by": stopped_by, "run_dir": str(run_dir_path)})
+    return {"run_dir": str(run_dir_path), "first_step": start, "steps": cfg.training.steps, "first_loss": first_loss,
             "last_loss": last_loss, "records": log.records, "stopped_by": stopped_by}
 
 
@@ -170,11 +193,18 @@ def _log_saved(log: MetricsLog, path: Path | None) -> None:
         log.print(f"checkpoint {path}")
 
 
+def _validation(cfg: TrainConfig, dataset) -> str:
+    if dataset.validation is None:
+        return "no validation"
+    every = f"every {cfg.training.eval_every} steps and " if cfg.training.eval_every else ""
+    return f"{len(dataset.validation):,} held out, evaluated {every}at the end"
+
+
 def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulation: int, peak: str) -> None:
     """The run's first lines: what trains, on what, how."""
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
     log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
-              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len}; {rt.world} rank(s) {layout}, grad accumulation "
+              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
     if built.conversion_summary:

@@ -1,8 +1,11 @@
 """What a run reports: a live progress bar, metrics.jsonl, TensorBoard events, and peak figures.
 
 metrics.jsonl holds one JSON object per logged step with at least
-``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops`` and
-``mfu``). Only rank 0 writes; step times are the slowest rank's.
+``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops``,
+``mfu``, ``lrs`` and ``window``), and one per evaluation with ``step, val_loss, val_perplexity``.
+A logged step's figures are means over the steps since the previous log (its ``window``), as
+the Hugging Face Trainer logs them; ``lrs`` is the learning rate of each of those steps. Only
+rank 0 writes; step times are the slowest rank's.
 """
 
 from __future__ import annotations
@@ -54,6 +57,36 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
     return measured_cpu_peak_tflops(dtype), "measured torch.mm"
 
 
+class LogWindow:
+    """The steps since the last log, summed, for the window means of the next record."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+        self.seconds = 0.0
+
+    def add(self, loss: float, grad_norm: float, lr: float, step_time_s: float) -> None:
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        self.lrs.append(lr)
+        self.seconds += step_time_s
+
+    def take(self, step: int, *, tokens_per_step: int, flops_per_step: float, world: int, peak_tflops: float,
+             peak_mem_bytes: int) -> dict:
+        """The record of `step` (means over the window), and an empty window after it."""
+        n = len(self.losses)
+        step_time = self.seconds / n
+        tflops = flops_per_step / step_time / 1e12 / world
+        record = {
+            "step": step, "loss": sum(self.losses) / n, "lr": self.lrs[-1], "grad_norm": sum(self.grad_norms) / n,
+            "tokens_per_s": tokens_per_step * n / self.seconds, "step_time_s": step_time, "tflops": tflops,
+            "mfu": tflops / peak_tflops, "peak_mem_bytes": peak_mem_bytes, "window": n, "lrs": list(self.lrs),
+        }
+        self.__init__()
+        return record
+
+
 class MetricsLog:
     """metrics.jsonl, TensorBoard and the console of rank 0 (other ranks write nothing)."""
 
@@ -103,18 +136,21 @@ class MetricsLog:
         else:
             print(message, flush=True)
 
+    def _write(self, step: int, record: dict) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "window") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+
     def step(self, step: int, record: dict | None) -> None:
         """Advance the bar to `step`; `record` (a logged step) goes to every sink."""
         if not self.enabled:
             return
         if record is not None:
-            self.records.append(record)
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self.writer is not None:
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        self.writer.add_scalar(key, value, step)
+            self._write(step, record)
             summary = (f"loss {record['loss']:.4f}  lr {record['lr']:.1e}  gnorm {record['grad_norm']:.2f}  "
                        f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms  "
                        f"mfu {record['mfu'] * 100:.0f}%  {record['peak_mem_bytes'] / 2**30:.2f} GiB")
@@ -123,6 +159,14 @@ class MetricsLog:
             self.print(f"step {step:>6}  {summary}")
         if self.bar is not None:
             self.bar.update(self.task, completed=step)
+
+    def evaluation(self, step: int, record: dict) -> None:
+        """A validation loss (`val_loss`, `val_perplexity`, `val_tokens`) after `step`."""
+        if not self.enabled:
+            return
+        self._write(step, {"step": step, **record})
+        self.print(f"step {step:>6}  validation loss {record['val_loss']:.4f}  perplexity "
+                   f"{record['val_perplexity']:.2f}  ({record['val_tokens']:,} tokens)")
 
     def close(self) -> None:
         if not self.enabled:

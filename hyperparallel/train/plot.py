@@ -25,11 +25,17 @@ def draw_loss(records: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 1))
-    steps = [r["step"] for r in records]
-    loss_ax.plot(steps, [r["loss"] for r in records], color="tab:blue")
+    logged = [r for r in records if "loss" in r]
+    evaluated = [r for r in records if "val_loss" in r]
+    loss_ax.plot([r["step"] for r in logged], [r["loss"] for r in logged], color="tab:blue", marker=".",
+                 label="training (mean since the previous point)")
+    if evaluated:
+        loss_ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], color="tab:green",
+                     marker="o", label="validation")
     loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
-    lr_ax.plot(steps, [r["lr"] for r in records], color="tab:orange")
+    loss_ax.legend()
+    lr_ax.plot(*_lr_per_step(logged), color="tab:orange")
     lr_ax.set_ylabel("lr")
     lr_ax.set_xlabel("step")
     lr_ax.grid(alpha=0.3)
@@ -39,6 +45,16 @@ def draw_loss(records: list[dict], out: Path) -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def _lr_per_step(records: list[dict]) -> tuple[list[int], list[float]]:
+    """Every step's lr: each record holds those of its window (`lrs`; older runs: its own only)."""
+    steps, lrs = [], []
+    for r in records:
+        window = r.get("lrs") or [r["lr"]]
+        steps += range(r["step"] - len(window) + 1, r["step"] + 1)
+        lrs += window
+    return steps, lrs
 
 
 def plot_run(run_dir: str | Path) -> Path:

@@ -2,23 +2,81 @@
 
 `hyperparallel train --nproc N` resolves it before any rank starts and hands every rank (and
 every elastic restart) the result, so they all write to and resume from the same directory.
-Ranks started by torchrun itself resolve it from rank 0's clock.
+Ranks started by torchrun itself resolve it on rank 0 (`train.loop`).
+
+`checkpoint.resume: latest` with a `{time}` template continues a run instead of starting one:
+the newest directory the template names whose config.yaml has this config's fingerprint and
+that holds a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import glob
+import re
 import time
 from pathlib import Path
 
-from hyperparallel.errors import ConfigError
+from hyperparallel.errors import ConfigError, HyperparallelError
 
 TIME_FORMAT = "%Y%m%d-%H%M%S"
+_TIME_PATTERN = r"\d{8}-\d{6}"
 
 
 def expand(template: str, when: float | None = None) -> Path:
     """The template with `{time}` as the local time `when` (default: now)."""
     stamp = time.strftime(TIME_FORMAT, time.localtime(time.time() if when is None else when))
     return Path(template.format(time=stamp))
+
+
+def resolve(cfg, when: float | None = None) -> Path:
+    """The run directory of `cfg`: the template filled in, or with `resume: latest` and a
+    `{time}` template, the run to continue (ConfigError naming where it looked if none)."""
+    template = cfg.logging.run_dir
+    if "{time}" not in template:
+        return Path(template)
+    if cfg.checkpoint.resume != "latest":
+        return expand(template, when)
+    return newest_matching_run(template, cfg)
+
+
+def runs_of(template: str) -> list[Path]:
+    """The directories a `{time}` template has named, oldest first."""
+    pattern = re.compile(re.escape(template).replace(re.escape("{time}"), f"({_TIME_PATTERN})"))
+    found = []
+    for match in glob.glob(template.replace("{time}", "*")):
+        named = pattern.fullmatch(match)
+        if named and Path(match).is_dir():
+            found.append((named.groups(), Path(match)))
+    return [path for _, path in sorted(found)]
+
+
+def newest_matching_run(template: str, cfg) -> Path:
+    from hyperparallel.train.checkpointing import complete_checkpoints
+    from hyperparallel.train.config import differences, load_config
+
+    wanted = cfg.fingerprinted()
+    runs = runs_of(template)
+    reasons = []
+    for run in reversed(runs):
+        try:
+            theirs = load_config(run / "config.yaml").fingerprinted()
+        except HyperparallelError:
+            reasons.append(f"{run}: no valid config.yaml")
+            continue
+        if theirs != wanted:
+            reasons.append(f"{run}: another config ({'; '.join(differences(theirs, wanted))})")
+            continue
+        if not complete_checkpoints(checkpoint_root(run, cfg.checkpoint.dir)):
+            reasons.append(f"{run}: no complete checkpoint")
+            continue
+        return run
+    where = template.replace("{time}", "*")
+    if not runs:
+        raise ConfigError(f"checkpoint.resume: latest: there is no run to continue in {where}; set checkpoint.resume: "
+                          f"none to start one, or logging.run_dir to the run to continue")
+    shown = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
+    raise ConfigError(f"checkpoint.resume: latest: none of the {len(runs)} run(s) in {where} can be continued with "
+                      f"this config: {shown}")
 
 
 def check_not_another_run(run_dir: Path, resume: str) -> None:

@@ -97,8 +97,10 @@ def test_a_trainer_checkpoint_exports_with_its_tokenizer_and_trains_again(tmp_pa
     monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
     raw = {
         "model": {"family": "qwen3_moe", "config": tiny_config("qwen3_moe")},
-        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
-        "training": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seed": 1},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32, "validation": None},
+        "training": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seed": 1, "compile": "none"},
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"warmup_steps": 0},
         "logging": {"run_dir": str(tmp_path / "run"), "every": 1, "progress": False},
     }
     train(from_mapping(raw))

@@ -44,9 +44,10 @@ def test_grad_accumulation_is_derived_and_checked(tmp_path):
 BAD = [
     ("model: [unclosed", r"malformed YAML at line 1"),
     ("- a\n- b\n", r"top level must be a mapping"),
-    (MINIMAL + "trainig: {steps: 3}\n", r"unknown key 'trainig'"),
-    (MINIMAL + "training: {stepz: 3}\n", r"unknown key 'training.stepz'"),
-    ("data: {}\n", r"missing key 'model'"),
+    (MINIMAL + "trainig: {steps: 3}\n", r"trainig: unknown key; did you mean training\?"),
+    (MINIMAL + "training: {stepz: 3}\n", r"training.stepz: unknown key; did you mean training.steps\?"),
+    (MINIMAL + "checkpoint: {asynk: true}\n", r"checkpoint.asynk: unknown key; did you mean checkpoint.async\?"),
+    ("data: {}\n", r"model: missing"),
     ("model: {family: llama, config: {}}\n", r"model.family: .*got 'llama'"),
     ("model: {family: qwen3}\n", r"exactly one of model.path .* or model.config"),
     ("model: {family: qwen3, path: x, config: {}}\n", r"exactly one of model.path"),
@@ -55,7 +56,11 @@ BAD = [
     (MINIMAL + "training: {mixed_precision: fp16}\n", r"training.mixed_precision: .*got 'fp16'"),
     (MINIMAL + "training: {compile: tvm}\n", r"training.compile: .*got 'tvm'"),
     (MINIMAL + "training: {fused_loss: maybe}\n", r"training.fused_loss"),
-    (MINIMAL + "model2: 1\n", r"unknown key 'model2'"),
+    (MINIMAL + "model2: 1\n", r"model2: unknown key"),
+    (MINIMAL + "data: {validation: 0.9}\n", r"data.validation: a held-out fraction is a number in \(0, 0.5\], got 0.9"),
+    (MINIMAL + "training: {eval_batches: 0}\n", r"training.eval_batches: .*greater than or equal to 1"),
+    ("model: {family: qwen3, config: nowhere.yaml}\n", r"model.config: cannot read the model config file .*nowhere.yaml"),
+    ("model: {path: /nonexistent-model}\n", r"model.family is not given and /nonexistent-model/config.json cannot be read"),
     (MINIMAL + "parallel: {tp: 2}\n", r"parallel.tp = 2 is not supported yet"),
     (MINIMAL + "parallel: {dp_shard: 0}\n", r"parallel.dp_shard: .*greater than or equal to 1"),
     (MINIMAL + "parallel: {shard_geometry: even}\n", r"parallel.shard_geometry: .*got 'even'"),
@@ -88,6 +93,57 @@ def test_each_mistake_is_named(tmp_path, text, message):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_directory_or_a_binary_file_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=r"config .* is a directory; give a YAML file"):
+        load_config(tmp_path)
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"model: \xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(byte 7\)"):
+        load_config(binary)
+
+
+def test_every_mistake_is_listed_at_once_one_per_line(tmp_path):
+    text = MINIMAL + "training: {stepz: 3, global_batch: 0}\noptimizer: {lr: fast}\n"
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    assert str(error.value).splitlines() == [
+        "training.global_batch: Input should be greater than or equal to 1 (got 0)",
+        "training.stepz: unknown key; did you mean training.steps?",
+        "optimizer.lr: Input should be a valid number, unable to parse string as a number (got 'fast')",
+    ]
+
+
+def test_the_built_in_defaults_are_those_of_the_default_config():
+    """A config that leaves a section out gets what configs/default.yaml says: the demo's values."""
+    from hyperparallel.train.config import TrainConfig
+
+    shipped = load_config()
+    built_in = TrainConfig(model=shipped.model)
+    assert shipped.model_dump() == built_in.model_dump()
+
+
+def test_model_config_may_name_a_mapping_file_beside_the_config(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.yaml").write_text("hidden_size: 64\nnum_hidden_layers: 1\n")
+    cfg = load_config(write(tmp_path, "model: {family: qwen3, config: models/tiny.yaml}\n"))
+    assert cfg.model.config == {"hidden_size": 64, "num_hidden_layers": 1}
+
+
+def test_the_family_is_read_from_model_path(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    assert load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n")).model.family == "deepseek_v3"
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"model_type 'llama', which no family trains"):
+        load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n"))
+
+
+def test_data_files_and_validation_take_one_path_or_a_list(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "data: {source: files, files: a.txt, validation: b.txt}\n"))
+    assert cfg.data.files == ["a.txt"] and cfg.data.validation == ["b.txt"]
+    assert load_config(write(tmp_path, MINIMAL + "data: {validation: null}\n")).data.validation is None
 
 
 @pytest.mark.parametrize("item, message", [
@@ -136,9 +192,18 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
 def test_the_fingerprint_ignores_how_a_run_is_laid_out_computed_and_waited_for(tmp_path):
     """What a resumed run may change without its checkpoint being refused, and what it may not."""
     base = load_config(write(tmp_path, MINIMAL)).fingerprint()
-    for item in ("logging.run_dir=elsewhere", "checkpoint.every=5", "training.timeout_s=1200", "training.compile=inductor", "training.fused_loss=false",
-                 "training.steps=500", "training.micro_batch=1", "checkpoint.async=true", "parallel.dp_shard=2",
-                 "logging.every=1"):
+    for item in ("logging.run_dir=elsewhere", "checkpoint.every=5", "training.timeout_s=1200", "training.compile=none",
+                 "training.fused_loss=false", "training.steps=500", "training.micro_batch=1", "checkpoint.async=true",
+                 "parallel.dp_shard=2", "logging.every=1", "training.eval_every=7", "training.eval_batches=2"):
         assert load_config(write(tmp_path, MINIMAL), [item]).fingerprint() == base, item
-    for item in ("optimizer.lr=0.5", "training.seed=3", "data.seq_len=64", "model.dtype=bfloat16"):
+    for item in ("optimizer.lr=0.5", "training.seed=3", "data.seq_len=64", "model.dtype=bfloat16",
+                 "data.validation=0.1", "scheduler.warmup_steps=3"):
         assert load_config(write(tmp_path, MINIMAL), [item]).fingerprint() != base, item
+
+
+def test_the_differences_of_two_configs_name_their_keys(tmp_path):
+    from hyperparallel.train.config import differences
+
+    before = load_config(write(tmp_path, MINIMAL)).fingerprinted()
+    after = load_config(write(tmp_path, MINIMAL), ["optimizer.lr=0.5", "model.config.num_hidden_layers=3"]).fingerprinted()
+    assert differences(before, after) == ["model.config: num_hidden_layers '(absent)' -> 3", "optimizer.lr: 0.003 -> 0.5"]

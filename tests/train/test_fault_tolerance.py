@@ -30,8 +30,10 @@ TIMEOUT_S = 60  # training.timeout_s of these runs: a failure must end a run wit
 def write_config(tmp_path: Path, run_dir: Path) -> Path:
     raw = {
         "model": {"family": "qwen3", "config": yaml.safe_load((ROOT / "configs/models/qwen3_tiny.yaml").read_text())},
-        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
-        "training": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "timeout_s": TIMEOUT_S},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32, "validation": None},
+        "training": {"steps": STEPS, "global_batch": 4, "micro_batch": 2, "timeout_s": TIMEOUT_S, "compile": "none"},
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"warmup_steps": 0},
         "checkpoint": {"every": 2, "keep_last": 10},
         "logging": {"run_dir": str(run_dir), "every": 1, "progress": False},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -28,9 +29,10 @@ def config(tmp_path, family="qwen3_moe", **sections):
     inline = yaml.safe_load((ROOT / "configs" / "models" / f"{FRAGMENTS[family]}.yaml").read_text())
     raw = {
         "model": {"family": family, "config": inline},
-        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
-        "training": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seed": 1},
+        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32, "validation": None},
+        "training": {"steps": 6, "global_batch": 4, "micro_batch": 2, "seed": 1, "compile": "none"},
         "scheduler": {"warmup_steps": 2},
+        "optimizer": {"lr": 1e-3},
         "logging": {"run_dir": str(tmp_path / "run"), "every": 1, "progress": False},
     }
     for name, values in sections.items():
@@ -147,9 +149,77 @@ def test_resume_checks_the_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="is not a complete checkpoint"):
         train(config(tmp_path, "qwen3", checkpoint={"resume": str(tmp_path / "nowhere")}))
     train(config(tmp_path, "qwen3", training={"steps": 2}, scheduler={"warmup_steps": 0}))
-    with pytest.raises(CheckpointError, match="different model, data or optimizer config"):
+    with pytest.raises(CheckpointError, match=r"different model, data or optimizer config; it differs in "
+                                              r"optimizer.lr: 0.001 -> 0.5; resume it with the config it was made"):
         train(config(tmp_path, "qwen3", training={"steps": 4}, scheduler={"warmup_steps": 0},
                      optimizer={"lr": 0.5}, checkpoint={"resume": "latest"}))
+
+
+def test_resume_latest_with_a_time_template_continues_the_newest_run_of_this_config(tmp_path):
+    """The default run_dir is runs/{time}: `resume: latest` finds the run instead of starting one."""
+    timed = {"run_dir": str(tmp_path / "runs" / "{time}"), "every": 1, "progress": False}
+    whole = train(config(tmp_path / "whole", "qwen3"))
+    first = train(config(tmp_path, "qwen3", logging=timed), stop_after=3)
+    ran = Path(first["run_dir"])
+    # a newer run of another config beside it (as if it had been started later with another lr)
+    other = tmp_path / "runs" / "29991231-235959"
+    other.mkdir()
+    (other / "config.yaml").write_text((ran / "config.yaml").read_text().replace("lr: 0.001", "lr: 0.5"))
+    resumed = train(config(tmp_path, "qwen3", logging=timed, checkpoint={"resume": "latest"}))
+    assert resumed["run_dir"] == str(ran) and resumed["first_step"] == 3
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([ran.name, other.name])  # no new one
+    assert losses(resumed) == losses(whole)
+
+
+def test_resume_latest_with_nothing_to_continue_names_where_it_looked(tmp_path):
+    timed = {"run_dir": str(tmp_path / "runs" / "{time}"), "every": 1, "progress": False}
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: latest: there is no run to continue in .*runs/\*"):
+        train(config(tmp_path, "qwen3", logging=timed, checkpoint={"resume": "latest"}))
+    train(config(tmp_path, "qwen3", logging=timed, training={"steps": 2}))
+    with pytest.raises(ConfigError, match=r"none of the 1 run\(s\) in .*runs/\* can be continued with this config: "
+                                          r".*another config \(training.seed: 1 -> 5\)"):
+        train(config(tmp_path, "qwen3", logging=timed, training={"seed": 5}, checkpoint={"resume": "latest"}))
+
+
+def test_a_longer_run_on_resume_follows_the_schedule_rebuilt_for_it(tmp_path, capsys):
+    from hyperparallel.optim.schedules import lr_factor
+
+    train(config(tmp_path, "qwen3"), stop_after=3)
+    resumed = train(config(tmp_path, "qwen3", training={"steps": 10}, checkpoint={"resume": "latest"}))
+    assert "training.steps 6 -> 10: the cosine schedule is rebuilt for 10 steps (warmup 2); the lr at step 4 is" \
+        in capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in resumed["records"]}
+    for step in range(4, 11):  # (logged step N ran with the lr of schedule step N - 1)
+        assert lrs[step] == pytest.approx(1e-3 * lr_factor("cosine", step - 1, 2, 10, 0.1), rel=1e-12)
+
+
+def test_logged_metrics_are_means_over_the_steps_since_the_last_log(tmp_path):
+    every_step = train(config(tmp_path / "a", "qwen3"))
+    windows = train(config(tmp_path / "b", "qwen3", logging={"every": 4}))
+    per_step = {r["step"]: r for r in every_step["records"]}
+    assert [(r["step"], r["window"]) for r in windows["records"]] == [(1, 1), (4, 3), (6, 2)]
+    for record in windows["records"]:
+        steps = range(record["step"] - record["window"] + 1, record["step"] + 1)
+        assert record["loss"] == pytest.approx(sum(per_step[s]["loss"] for s in steps) / len(steps), rel=1e-12)
+        assert record["grad_norm"] == pytest.approx(sum(per_step[s]["grad_norm"] for s in steps) / len(steps),
+                                                    rel=1e-12)
+        assert record["lrs"] == [per_step[s]["lr"] for s in steps]
+        # the window's tokens over its time: the tokens of a step over the mean step time
+        assert record["tokens_per_s"] == pytest.approx(4 * 32 / record["step_time_s"], rel=1e-12)
+
+
+def test_validation_loss_is_logged_at_its_steps_and_plotted(tmp_path):
+    summary = train(config(tmp_path, "qwen3", data={"validation": 0.1}, training={"eval_every": 4, "eval_batches": 2}))
+    evaluations = [r for r in summary["records"] if "val_loss" in r]
+    assert [r["step"] for r in evaluations] == [4, 6]
+    assert evaluations[-1]["val_tokens"] == 2 * 4 * 31  # 2 global batches of 4 packed sequences, 31 targets each
+    for r in evaluations:
+        assert r["val_perplexity"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)
+    assert evaluations[-1]["val_loss"] < evaluations[0]["val_loss"] < 7  # it learns (ln 512 = 6.24 at the start)
+    again = train(config(tmp_path / "again", "qwen3", data={"validation": 0.1},
+                         training={"eval_every": 4, "eval_batches": 2}))
+    assert [r for r in again["records"] if "val_loss" in r] == evaluations  # deterministic
+    assert (tmp_path / "run" / "loss.png").is_file()
 
 
 def test_an_impossible_batch_split_is_named(tmp_path):

@@ -1,0 +1,51 @@
+"""The validation loss: the mean cross-entropy per predicted token over a fixed set of held-out
+sequences, and its perplexity.
+
+The set is the same on any layout: `training.eval_batches` global batches of the validation
+sequences in corpus order (wrapping around when there are fewer), each split over the ranks as a
+training batch is. Every rank sums its token losses and counts, and one float64 all-reduce
+makes the mean over all of them, so 1 rank and N sharded ranks agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+from hyperparallel.models import fused_loss
+from hyperparallel.train import data
+from hyperparallel.train.build import BuiltModel
+from hyperparallel.train.distributed import Runtime, sum_over_ranks
+
+
+class Evaluator:
+    def __init__(self, built: BuiltModel, sequences: torch.Tensor, *, global_batch: int, micro_batch: int,
+                 eval_batches: int, pad_id: int, packing: bool, rt: Runtime, autocast_bf16: bool):
+        self.built, self.device, self.autocast_bf16 = built, rt.device, autocast_bf16
+        self.eval_batches = eval_batches
+        self.batches = data.Batches(sequences, data.InOrder(len(sequences)), global_batch, micro_batch, rt.rank,
+                                    rt.world, pad_id, packing)
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        model, trained = self.built.model, self.built.trained
+        total = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        model.eval()
+        try:
+            for batch in range(self.eval_batches):
+                for ids, labels in self.batches.micro_batches(batch):
+                    counted = int((labels[:, 1:] != data.IGNORE).sum())  # (the loss predicts each next token)
+                    autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
+                                else nullcontext())
+                    with fused_loss(model), autocast:
+                        loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+                    total += loss.double().cpu() * counted
+                    tokens += counted
+        finally:
+            model.train()
+        total_sum, token_sum = sum_over_ranks([total.item(), float(tokens)])
+        mean = total_sum / max(token_sum, 1.0)
+        return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0)), "val_tokens": int(token_sum)}

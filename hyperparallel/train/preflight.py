@@ -1,0 +1,94 @@
+"""Everything a run can be told wrong, checked before any work and before anything is written.
+
+`check(cfg, world, run_dir)` collects every problem it finds into one ConfigError, one per line:
+the batch split over the ranks, the model's config (built as its HF config class, not as
+weights), the tokenizer against the model's vocabulary, the data files, and every directory the
+run will write (the run directory, the checkpoint root, the data cache). The command line runs it
+before launching any rank; `train.loop` runs it again on rank 0 for callers of the library.
+What can only be found by reading the data in full (a malformed parquet file, a JSON line)
+is found by `data.prepare`, which reads every input before it writes its first cache file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from hyperparallel.errors import ConfigError, HyperparallelError
+from hyperparallel.train import data
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.run_dir import checkpoint_root
+
+
+def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
+    problems = layout_problems(cfg, world) + model_problems(cfg) + data.input_problems(cfg.data)
+    problems += write_problems(cfg, run_dir)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
+    problems = []
+    if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != world:
+        problems.append(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
+                        f"run has {world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
+    try:
+        cfg.grad_accumulation(world)
+    except HyperparallelError as error:
+        problems.append(str(error))
+    return problems
+
+
+def model_problems(cfg: TrainConfig) -> list[str]:
+    """The model's HF config, built and checked by its family (the inline keys, the heads, the
+    experts); its vocabulary against the builtin tokenizer's size."""
+    from hyperparallel.models import make_config, pretrained_config
+
+    try:
+        if cfg.model.config is not None:
+            make_config(cfg.model.family, cfg.model.config)
+            given = cfg.model.config.get("vocab_size")  # (absent: it follows the tokenizer)
+        else:
+            given = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser()).vocab_size
+    except HyperparallelError as error:
+        where = "model.config" if cfg.model.config is not None else "model.path"
+        message = str(error)
+        return [message if message.startswith("model") else f"{where}: {message}"]
+    if cfg.data.tokenizer == "builtin" and given is not None and given < cfg.data.vocab_size:
+        source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
+        return [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
+                f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
+                                                   "tokenizer)" if cfg.model.config is not None else "")]
+    return []
+
+
+def write_problems(cfg: TrainConfig, run_dir: Path) -> list[str]:
+    places = [("logging.run_dir", run_dir), ("checkpoint.dir", checkpoint_root(run_dir, cfg.checkpoint.dir)),
+              ("the data cache (HYPERPARALLEL_CACHE)", data.cache_root())]
+    problems = []
+    for what, path in places:
+        problem = unwritable(path)
+        if problem and not any(problem in p for p in problems):  # (the checkpoints under an unwritable run dir)
+            problems.append(f"{what}: {problem}")
+    return problems
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be a directory this process writes in, or None. Nothing is left behind:
+    the nearest existing directory is tried with a temporary file that is gone on close."""
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        return f"{path} is an existing file, not a directory"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} cannot be created: {existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        verb = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        return f"{path} {verb} ({os.strerror(error.errno) if error.errno else error})"
+    return None
