@@ -411,7 +411,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {error.start}); a config is a YAML file") from None
+        raise ConfigError(f"{path} is not UTF-8 text (byte {error.start + 1}); a config is a YAML file") from None
     except OSError as error:
         raise ConfigError(f"config file {path} cannot be read ({error.strerror})") from None
     try:

@@ -68,8 +68,10 @@ def write_problems(cfg: TrainConfig, run_dir: Path) -> list[str]:
               ("the data cache (HYPERPARALLEL_CACHE)", data.cache_root())]
     problems = []
     for what, path in places:
+        if what == "checkpoint.dir" and cfg.checkpoint.dir is None and problems:
+            continue  # (RUN_DIR/checkpoints: the run directory's problem is the one to fix)
         problem = unwritable(path)
-        if problem and not any(problem in p for p in problems):  # (the checkpoints under an unwritable run dir)
+        if problem:
             problems.append(f"{what}: {problem}")
     return problems
 

@@ -1,0 +1,31 @@
+"""Every trainer config shipped under configs/ trains as it is: 3 steps of it, on less text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperparallel.train.config import load_config
+from hyperparallel.train.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLES = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_there_is_an_example_per_family():
+    from hyperparallel.models import family_names
+
+    assert {load_config(path).model.family for path in EXAMPLES} >= set(family_names())
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_each_example_trains_three_steps(tmp_path, monkeypatch, path):
+    monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
+    # only the length, the amount of text (the tokenizer is trained on it) and where it writes
+    cfg = load_config(path, ["training.steps=3", "data.max_corpus_bytes=200000", "training.eval_batches=1",
+                             f"logging.run_dir={tmp_path / 'run'}", "logging.progress=false"])
+    summary = train(cfg)
+    assert summary["last_loss"] < summary["first_loss"]
+    assert [r["step"] for r in summary["records"] if "val_loss" in r] == [3]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
