@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from hyperparallel import __version__
-from hyperparallel.errors import HyperparallelError
+from hyperparallel.errors import HyperparallelError, error_lines
 
+DOCS = "docs/train.md"
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
               "fusion": "fusion.py"}
 
@@ -47,11 +48,18 @@ def _train(args: argparse.Namespace) -> int:
     from hyperparallel.train.config import load_config
 
     config = load_config(args.config, args.set)  # bad input stops here, before any rank starts
-    if args.nproc != 1 or args.max_restarts:
-        from hyperparallel.train import run_dir
-        from hyperparallel.train.launch import launch
+    if args.print_config:
+        from hyperparallel.train.config import dump
 
-        resolved = run_dir.expand(config.logging.run_dir)  # once: every rank and restart gets this one
+        print(dump(config), end="")
+        return 0
+    if args.nproc != 1 or args.max_restarts:
+        from hyperparallel.train import preflight, run_dir
+        from hyperparallel.train.launch import check_nproc, launch
+
+        check_nproc(args.nproc, args.max_restarts)
+        resolved = run_dir.resolve(config)  # once: every rank and restart gets this one
+        preflight.check(config, args.nproc, resolved)  # every problem, before any rank starts
         return launch(args.config, args.set, nproc=args.nproc, max_restarts=args.max_restarts, run_dir=resolved,
                       checkpoint_root=run_dir.checkpoint_root(resolved, config.checkpoint.dir))
     if not elastic.launched_by_hyperparallel():
@@ -67,8 +75,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_here(config) -> int:
     from hyperparallel.train.loop import train
+    from hyperparallel.train.plan import memory_summary, runtime_bytes
     from hyperparallel.train.preemption import EXIT_CODES
 
+    runtime = runtime_bytes(config.training.compile)  # (before the data and the model exist)
     summary = train(config)
     if summary["stopped_by"] is not None:
         # a rank of torchrun's agent exits 0, or the agent would restart the run it was told to stop
@@ -77,7 +87,8 @@ def _train_here(config) -> int:
     if summary["last_loss"] is not None and os.environ.get("RANK", "0") == "0":  # once, not per rank
         run_dir = Path(summary["run_dir"])
         contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}\n"
+        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+              f"{memory_summary(config, int(os.environ.get('WORLD_SIZE', '1')), runtime, summary['records'])}\n"
               f"run dir {run_dir}: {contents}")
     return 0
 
@@ -90,6 +101,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from hyperparallel.train.generate import generate
+
+    result = generate(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, seed=args.seed)
+    print(result.text)
+    print(f"{len(result.token_ids)} new tokens in {result.seconds:.2f} s ({result.tokens_per_s:,.1f} tokens/s), "
+          f"stopped by {result.stop_reason.replace('_', ' ')}", file=sys.stderr)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from hyperparallel.train.plot import plot_run
 
@@ -97,23 +119,53 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from hyperparallel.errors import ConfigError
+    from hyperparallel.train.config import load_config
+    from hyperparallel.train.plan import format_plan, plan
+
+    config = load_config(args.config, args.set)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    result = plan(config, args.nproc)
+    print(json.dumps(result.to_json()) if args.json else format_plan(result))
+    return 0
+
+
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that states an option's default, where it has one worth stating."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperparallel",
         description="Low-precision (MXFP8) large-model training for PyTorch.",
+        epilog=f"The config reference, with every key and its default: {DOCS}",
     )
     parser.add_argument("--version", action="version", version=f"hyperparallel {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train = commands.add_parser("train", help="train a model from a YAML config (default: configs/default.yaml)")
-    train.add_argument("config", nargs="?", help="the YAML config (default: the embedded configs/default.yaml)")
+    train = commands.add_parser("train", help="train a model from a YAML config (default: configs/default.yaml)",
+                                formatter_class=_WithDefaults,
+                                epilog=f"Every config key, its default and what it does: {DOCS}; `hyperparallel "
+                                       f"train --print-config` prints them all, resolved. Examples: configs/*.yaml "
+                                       f"(one per model family).")
+    train.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set training.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=1,
-                       help="ranks to launch on this machine, through torchrun's elastic agent (default: 1, in this "
-                            "process)")
+                       help="ranks to launch on this machine, through torchrun's elastic agent (1: in this process)")
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="after a rank fails, start every rank again up to K times, resuming from the newest "
-                            "checkpoint (default: 0)")
+                            "checkpoint")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (the file, its defaults and the --set overrides) and exit")
     train.set_defaults(func=_train)
     export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N)")
@@ -121,9 +173,32 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the weights' dtype (default: the dtype the model was trained in)")
     export.set_defaults(func=_export)
+    generate = commands.add_parser("generate", help="continue a prompt with a trained model (checkpoint or export)")
+    generate.add_argument("source", metavar="CHECKPOINT_OR_HF_DIR",
+                          help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N, with the run's "
+                               "tokenizer.json) or a Hugging Face directory with a tokenizer.json "
+                               "(`hyperparallel export`)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                          help="stop after N new tokens, or earlier at the end-of-text token (default: 64)")
+    generate.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0: greedy; otherwise sample from softmax(logits / T) (default: 0, greedy)")
+    generate.add_argument("--top-k", type=int, default=None, metavar="K",
+                          help="sample among the K most likely tokens, with T > 0 (default: the whole vocabulary)")
+    generate.add_argument("--seed", type=int, default=0, metavar="S",
+                          help="the sampling generator's seed (default: 0)")
+    generate.set_defaults(func=_generate)
     plot = commands.add_parser("plot", help="draw RUN_DIR/loss.png from RUN_DIR/metrics.jsonl")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)
+    plan = commands.add_parser("plan", help="the memory and communication plan of a training run, per rank, "
+                                             "without allocating the model")
+    plan.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key, e.g. --set training.micro_batch=8 (repeatable)")
+    plan.add_argument("--nproc", type=int, default=1, help="the ranks the run would have (default: 1)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.set_defaults(func=_plan)
     bench = commands.add_parser("bench", help="run a benchmark and print its side-by-side table")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see its --help)")
@@ -149,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HyperparallelError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(error_lines(str(error)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before training handles it (reading the config, say)
         print("error: interrupted", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Checkpoints of (sharded) training state through torch.distributed.checkpoint: save (now or in
 the background), load into any layout, and export to Hugging Face."""
 
-from hyperparallel.checkpoint.export import export_hf
+from hyperparallel.checkpoint.export import export_hf, model_from_checkpoint
 from hyperparallel.checkpoint.io import MANIFEST, complete_checkpoints, load, read_manifest, save
 from hyperparallel.checkpoint.model_card import ModelCard
 from hyperparallel.checkpoint.pending import PendingSave, async_save
@@ -20,6 +20,7 @@ __all__ = [
     "complete_checkpoints",
     "export_hf",
     "load",
+    "model_from_checkpoint",
     "read_manifest",
     "save",
     "shard_chunks",

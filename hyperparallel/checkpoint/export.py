@@ -30,6 +30,17 @@ _EOS_TOKENS = ("<|endoftext|>", "</s>", "<|im_end|>")
 _PAD_TOKEN = "<|pad|>"
 
 
+def end_of_text_token(vocab: dict[str, int]) -> str | None:
+    """The token that ends every document in training (the trainer's choice), or None."""
+    return next((token for token in _EOS_TOKENS if token in vocab), None)
+
+
+def run_tokenizer_file(checkpoint_dir: str | os.PathLike) -> Path:
+    """Where the run's tokenizer is when the checkpoint sits in its run directory
+    (RUN_DIR/checkpoints/step_N -> RUN_DIR/tokenizer.json); it may not exist."""
+    return Path(checkpoint_dir).parent.parent / TOKENIZER_FILE
+
+
 def _dtype(value) -> torch.dtype:
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
@@ -44,32 +55,51 @@ def _check_out_dir(out: Path) -> None:
         raise ConfigError(f"export destination {out} is {what}; choose a new or empty directory")
 
 
-def _build(family_name: str, hf_config: dict, dtype: torch.dtype, directory: Path):
+def build_from_card(card: ModelCard, directory: str | os.PathLike):
+    """The card's transformers model, in the card's dtype on the CPU, its parameters and persistent
+    buffers not yet filled: `load(directory, model)` fills them (and refuses a checkpoint that
+    lacks any). `directory` (the checkpoint's) only names it in errors."""
     # imported here: `hyperparallel.checkpoint` stays usable without loading transformers
     from hyperparallel.models import get_family
 
     try:
-        family = get_family(family_name)
+        family = get_family(card.family)
     except ConfigError as error:
         raise CheckpointError(f"checkpoint {directory}: its model card names {error}") from None
-    model_type = hf_config.get("model_type")
+    model_type = card.hf_config.get("model_type")
     if model_type not in family.model_types:
         raise CheckpointError(
-            f"checkpoint {directory}: the model card says family {family_name!r} but its HF config has model_type "
+            f"checkpoint {directory}: the model card says family {card.family!r} but its HF config has model_type "
             f"{model_type!r} (expected {' or '.join(family.model_types)})"
         )
     try:
-        config = family.config_class.from_dict(dict(hf_config))
+        config = family.config_class.from_dict(dict(card.hf_config))
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"checkpoint {directory}: the HF config in its model card is invalid: {error}") from None
     config.use_cache = True  # the trainer turns the KV cache off; inference with the export wants it
     with torch.device("meta"):
-        model = family.model_class._from_config(config, dtype=dtype)
-    # Every parameter and persistent buffer is then filled by `load`, which refuses a checkpoint
-    # that lacks any; non-persistent buffers (rotary frequencies) are never saved.
+        model = family.model_class._from_config(config, dtype=card.torch_dtype)
     model.to_empty(device="cpu")
+    # Non-persistent buffers (the rotary frequencies) are in no checkpoint, and to_empty left
+    # them as uninitialized memory: the model's own init computes them, as from_pretrained does.
+    # (save_pretrained never writes them either, so an export was right without this; a model
+    # used in memory, by `hyperparallel generate`, was not.)
+    with torch.no_grad():
+        for module in model.modules():
+            if module._non_persistent_buffers_set:
+                model._init_weights(module)
     model.tie_weights()
     return model
+
+
+def model_from_checkpoint(checkpoint_dir: str | os.PathLike):
+    """The model of a `hyperparallel train` checkpoint, whole in this process (whatever layout
+    saved it), in its training dtype, on the CPU, in eval mode; and its model card."""
+    directory = Path(checkpoint_dir)
+    card = ModelCard.from_manifest(directory, read_manifest(directory))
+    model = build_from_card(card, directory)
+    load(directory, model)
+    return model.eval(), card
 
 
 def _tokenizer_config(tokenizer_file: Path) -> dict:
@@ -82,7 +112,7 @@ def _tokenizer_config(tokenizer_file: Path) -> dict:
     except Exception as error:  # tokenizers raises its own Exception type
         raise CheckpointError(f"{tokenizer_file} is not a tokenizers file: {error}") from None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    eos = next((token for token in _EOS_TOKENS if token in vocab), None)
+    eos = end_of_text_token(vocab)
     if eos is not None:
         config.update(eos_token=eos, pad_token=_PAD_TOKEN if _PAD_TOKEN in vocab else eos)
     return config
@@ -105,7 +135,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     out_dtype = card.torch_dtype if dtype is None else _dtype(dtype)
     _check_out_dir(out)
 
-    model = _build(card.family, card.hf_config, card.torch_dtype, directory)
+    model = build_from_card(card, directory)
     load(directory, model)
     model.to(out_dtype).eval()
 
@@ -116,7 +146,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         shutil.rmtree(tmp)
     try:
         model.save_pretrained(tmp)
-        tokenizer = directory.parent.parent / TOKENIZER_FILE
+        tokenizer = run_tokenizer_file(directory)
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
             (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer), indent=2) + "\n")

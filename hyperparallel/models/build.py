@@ -50,12 +50,15 @@ def build_model(
     attn_implementation: str = "sdpa",
     seed: int = 0,
     grouped_experts: bool = True,
+    materialize: bool = True,
 ) -> PreTrainedModel:
     """A family's causal LM in train mode with `config.use_cache = False`.
 
     Exactly one of `path` (a local Hugging Face checkpoint directory; `seed` is then unused) or
     `config` (a mapping of the family's HF config keys; weights initialized from `seed`).
     With `grouped_experts`, MoE experts modules are GroupedExperts (same parameter names).
+    `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
+    initialized (what `hyperparallel plan` measures).
     """
     spec = get_family(family)
     if (path is None) == (config is None):
@@ -68,14 +71,15 @@ def build_model(
     if attn_implementation not in valid_attention:
         raise ConfigError(f"attn_implementation {attn_implementation!r} is not one of {', '.join(valid_attention)}")
 
-    if config is not None:
-        hf_config = make_config(spec, config)
+    if config is not None or not materialize:
+        hf_config = make_config(spec, config) if config is not None else pretrained_config(spec, path)
         with torch.device("meta"):
             model = spec.model_class._from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
         if grouped_experts:
             swap_experts(model)
-        model.to_empty(device="cpu")
-        init_weights(model, seed)
+        if materialize:
+            model.to_empty(device="cpu")
+            init_weights(model, seed)
     else:
         model = _load_pretrained(spec, Path(path), dtype, attn_implementation)
         if grouped_experts:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import ShapeError
 from .families import all_experts_classes
@@ -66,6 +67,10 @@ def _group_alignment(device: torch.device, dtype: torch.dtype) -> int:
     return 1
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
 def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: int):
     """Lay the expert-sorted rows out in groups padded to multiples of `align`.
 
@@ -73,7 +78,8 @@ def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: 
     reads a zero row), row_slot (the slot of each sorted row) and the padded group ends. Eagerly
     the layout is as long as the padded groups need (one host sync, free on the CPU); under
     torch.compile it has the fixed length of the worst case (every group `align - 1` rows short),
-    the last group taking the slack, so the graph has static shapes and no break.
+    the last group taking the slack, so the graph has static shapes and no break. So it has on
+    tensors without values (meta, or the fake tensors `hyperparallel plan` runs a model on).
     """
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
     padded_counts = (counts + align - 1) // align * align
@@ -81,7 +87,7 @@ def _padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: 
     starts, padded_starts = offsets.long() - counts, padded_ends - padded_counts
     row_slot = torch.arange(token_of_row.shape[0], device=token_of_row.device) - starts[expert_of_row] \
         + padded_starts[expert_of_row]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _has_values(offsets):
         rows, groups = token_of_row.shape[0], offsets.shape[0]
         total = (rows + groups * (align - 1) + align - 1) // align * align
         if groups:

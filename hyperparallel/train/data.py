@@ -93,7 +93,7 @@ def input_problems(cfg: DataSection) -> list[str]:
         problems += _matches(cfg.validation, "data.validation")[1]
     if cfg.tokenizer != "builtin":
         try:
-            _read_tokenizer_file(cfg)
+            read_tokenizer_file(cfg)
         except ConfigError as error:
             problems.append(str(error))
     return problems
@@ -180,11 +180,13 @@ class Tokenizer:
 
 
 def _wrap(backend, key: str) -> Tokenizer:
+    from hyperparallel.checkpoint.export import end_of_text_token  # (one list of them, export's)
+
     vocab = backend.get_vocab()
-    eos = vocab.get(EOS, vocab.get("</s>", vocab.get("<|im_end|>")))
+    eos = end_of_text_token(vocab)
     if eos is None:
         raise ConfigError(f"data.tokenizer: the tokenizer has no end-of-text token ({EOS!r} or '</s>')")
-    return Tokenizer(backend, eos, vocab.get(PAD, eos), key)
+    return Tokenizer(backend, vocab[eos], vocab.get(PAD, vocab[eos]), key)
 
 
 def train_builtin_tokenizer(docs: list[str], vocab_size: int) -> object:
@@ -213,10 +215,10 @@ def load_tokenizer(cfg: DataSection, docs: list[str], corpus: str) -> Tokenizer:
         tokenizer = _wrap(train_builtin_tokenizer(docs, cfg.vocab_size), key)
         tokenizer.save(cached)
         return tokenizer
-    return _read_tokenizer_file(cfg)
+    return read_tokenizer_file(cfg)
 
 
-def _read_tokenizer_file(cfg: DataSection) -> Tokenizer:
+def read_tokenizer_file(cfg: DataSection) -> Tokenizer:
     from tokenizers import Tokenizer as RustTokenizer
 
     path = Path(cfg.tokenizer).expanduser()

@@ -24,7 +24,16 @@ from hyperparallel.train.plot import draw_loss
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    # the process's peak resident set: on CPU that is what the run really used
+    # the process's peak resident set: on CPU that is what the run really used. VmHWM, not
+    # ru_maxrss: a process started straight from a larger one (the launcher, pytest) reports
+    # that one's peak as its own ru_maxrss until it passes it
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -50,7 +50,7 @@ def test_train_runs_a_config_with_overrides_then_plot_redraws(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "missing.yaml"], "error: config file missing.yaml does not exist"),
-    (["train", "--set", "training.stepz=3"], "error: .*default.yaml: unknown key 'training.stepz'"),
+    (["train", "--set", "training.stepz=3"], r"error: training.stepz: unknown key; did you mean training.steps\?"),
     (["train", "--set", "optimizer.lr=fast"], "error: .*optimizer.lr: .*got 'fast'"),
     (["train", "--set", "training.global_batch=7"], r"error: training.global_batch \(7\) must be a multiple"),
     (["train", "--set", "model.config=null", "--set", "model.path=nowhere"], "error: .*nowhere"),

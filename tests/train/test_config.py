@@ -100,7 +100,7 @@ def test_a_directory_or_a_binary_file_is_named_as_such(tmp_path):
         load_config(tmp_path)
     binary = tmp_path / "c.yaml"
     binary.write_bytes(b"model: \xff\xfe\x00")
-    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(byte 7\)"):
+    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(byte 8\)"):
         load_config(binary)
 
 

@@ -55,9 +55,22 @@ def test_packing_fills_rows_and_unpacked_rows_are_padded(tmp_path):
     packed = data.prepare(files_section(tmp_path))
     assert packed.sequences.shape[1] == 16 and packed.sequences.shape[0] == packed.num_tokens // 16
     unpacked = data.prepare(files_section(tmp_path, packing=False))
-    assert unpacked.sequences.shape == (6, 16)
+    assert unpacked.sequences.shape == (5, 16) and unpacked.validation.shape == (1, 16)  # the last document held out
     short = data.build_sequences([torch.tensor([5, 6, 1]).numpy()], 8, False, pad_id=9)
     assert short.tolist() == [[5, 6, 1, 9, 9, 9, 9, 9]]
+
+
+def test_validation_holds_out_the_end_of_the_corpus_or_reads_files_of_its_own(tmp_path):
+    whole = data.prepare(files_section(tmp_path, validation=None))
+    held = data.prepare(files_section(tmp_path, validation=0.25))
+    assert whole.validation is None
+    train_tokens, held_tokens = held.sequences.flatten(), held.validation.flatten()
+    # the first 75% of the tokens train, the rest (cut into rows: the tail of each part dropped) validate
+    assert torch.equal(train_tokens, whole.sequences.flatten()[: len(train_tokens)])
+    assert held.num_tokens == round(0.75 * whole.num_tokens) and len(held.validation) == held_tokens.numel() // 16
+    own = data.prepare(files_section(tmp_path, validation=str(tmp_path / "a.txt")))
+    assert torch.equal(own.sequences, whole.sequences)
+    assert torch.equal(own.validation.flatten()[:16], whole.sequences[0])  # a.txt is the corpus's first document
 
 
 def test_the_order_is_a_function_of_position_with_a_new_shuffle_each_epoch():
