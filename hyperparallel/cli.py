@@ -87,10 +87,21 @@ def _train_here(config) -> int:
     if summary["last_loss"] is not None and os.environ.get("RANK", "0") == "0":  # once, not per rank
         run_dir = Path(summary["run_dir"])
         contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+        print(f"done: {summary['steps']} steps, {_losses(summary)}; "
               f"{memory_summary(config, int(os.environ.get('WORLD_SIZE', '1')), runtime, summary['records'])}\n"
               f"run dir {run_dir}: {contents}")
     return 0
+
+
+def _losses(summary: dict) -> str:
+    """The first step's loss, the last logged one (a mean over its window, as logged), and the
+    last validation loss."""
+    logged = [r for r in summary["records"] if "loss" in r]
+    evaluated = [r for r in summary["records"] if "val_loss" in r]
+    last = logged[-1] if logged else {"loss": summary["last_loss"], "window": 1}
+    window = f" (the mean of the last {last['window']} steps)" if last["window"] > 1 else ""
+    text = f"loss {summary['first_loss']:.4f} -> {last['loss']:.4f}{window}"
+    return text + (f", validation loss {evaluated[-1]['val_loss']:.4f}" if evaluated else "")
 
 
 def _export(args: argparse.Namespace) -> int:
