@@ -97,24 +97,22 @@ def make_config(spec: ModelFamily | str, values: Mapping) -> PretrainedConfig:
             f"the inline config of family {spec.name!r} must be a mapping of HF config keys; got {type(values).__name__}"
         )
     known = [*_known_config_keys(spec.config_class), *spec.extra_config_keys]
+    problems = []  # every key's, together (one per line)
     for key in values:
         if key in _KEYS_SET_BY_ARGUMENTS:
-            raise ConfigError(
-                f"inline config key {key!r} (family {spec.name!r}) is set by build_model's "
-                f"{_KEYS_SET_BY_ARGUMENTS[key]}= argument; remove it from the config"
-            )
-        if key not in known:
+            problems.append(f"inline config key {key!r} (family {spec.name!r}) is set by build_model's "
+                            f"{_KEYS_SET_BY_ARGUMENTS[key]}= argument; remove it from the config")
+        elif key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"unknown key {key!r} in the inline config of family {spec.name!r} "
-                f"({spec.config_class.__name__} has no such field){hint}"
-            )
+            problems.append(f"unknown key {key!r} in the inline config of family {spec.name!r} "
+                            f"({spec.config_class.__name__} has no such field){hint}")
     model_type = values.get("model_type", spec.model_types[0])
     if model_type not in spec.model_types:
-        raise ConfigError(
-            f"inline config key 'model_type' is {model_type!r} but family {spec.name!r} expects {spec.model_types[0]!r}"
-        )
+        problems.append(f"inline config key 'model_type' is {model_type!r} but family {spec.name!r} expects "
+                        f"{spec.model_types[0]!r}")
+    if problems:
+        raise ConfigError("\n".join(problems))
     fields = {k: v for k, v in values.items() if k != "model_type"}
     try:
         hf_config = spec.config_class(**fields)

@@ -46,7 +46,8 @@ def check_matches(path: Path, cfg) -> dict:
     state = checkpoint.read_manifest(path)["extra"]
     if state.get("fingerprint") != cfg.fingerprint():
         saved = state.get("config")
-        changed = ("; it differs in " + "; ".join(differences(saved, cfg.fingerprinted()))) if saved else ""
+        changed = ("; it differs in " + "; ".join(differences(saved, cfg.fingerprinted())) if saved else
+                   " (it predates checkpoints that record their config, so the keys cannot be named)")
         raise CheckpointError(
             f"checkpoint {path} was written by a run with a different model, data or optimizer config{changed}; "
             f"resume it with the config it was made with"

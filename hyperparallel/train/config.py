@@ -358,9 +358,11 @@ def _describe(problem: dict) -> str:
     return f"{where}: {message}"
 
 
-def _problems(error: ValidationError) -> list[str]:
+def _problems(error: ValidationError, skip: tuple | None = None) -> list[str]:
     seen: list[str] = []
     for problem in error.errors():
+        if skip is not None and tuple(problem["loc"][: len(skip)]) == skip:
+            continue
         line = _describe(problem)
         if line not in seen:  # (a union reports a wrong value once per member)
             seen.append(line)
@@ -395,7 +397,8 @@ def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None)
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as error:
-        problems += _problems(error)
+        unread = ("model", "config") if problems else None  # (the file's problem is named already)
+        problems += _problems(error, skip=unread)
     if problems:
         raise ConfigError("\n".join(problems))
     return config

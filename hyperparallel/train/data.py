@@ -121,7 +121,7 @@ def _documents_of(path: Path, text_field: str, key: str) -> list[str]:
         try:
             table = pq.read_table(path)
         except (pyarrow.ArrowException, OSError) as error:
-            raise ConfigError(f"{key}: {path} is not a readable parquet file ({error})") from None
+            raise ConfigError(f"{key}: {path} is not a readable parquet file ({str(error).splitlines()[0]})") from None
         if text_field not in table.column_names:
             raise ConfigError(f"{key}: {path} has no column {text_field!r} (columns: {table.column_names}; "
                               f"set data.text_field)")
@@ -254,14 +254,15 @@ def tokenize_corpus(docs: list[str], tokenizer: Tokenizer, corpus: str) -> list[
     return ids
 
 
-def build_sequences(doc_ids: list[np.ndarray], seq_len: int, packing: bool, pad_id: int) -> torch.Tensor:
+def build_sequences(doc_ids: list[np.ndarray], seq_len: int, packing: bool, pad_id: int,
+                    key: str = "data") -> torch.Tensor:
     """[N, seq_len] token ids. Packed: the documents end to end, cut into full rows (the tail
     is dropped). Unpacked: one document per row, cut to seq_len or padded with pad_id."""
     if packing:
         flat = np.concatenate(doc_ids)
         n = len(flat) // seq_len
         if n == 0:
-            raise ConfigError(f"data: the corpus ({len(flat)} tokens) is shorter than one sequence "
+            raise ConfigError(f"{key}: the corpus ({len(flat)} tokens) is shorter than one sequence "
                               f"(data.seq_len = {seq_len})")
         return torch.from_numpy(flat[: n * seq_len].astype(np.int64)).view(n, seq_len)
     rows = torch.full((len(doc_ids), seq_len), pad_id, dtype=torch.int64)
@@ -337,15 +338,20 @@ class Dataset:
     validation: torch.Tensor | None = None  # [M, seq_len] held-out sequences
 
 
+def _held_documents(count: int, fraction: float) -> int:
+    held = max(1, round(count * fraction))
+    if held >= count:
+        raise ConfigError(f"data.validation: the corpus has {count} document(s), too few to hold out {fraction} of "
+                          f"them; give validation files, more data, or null")
+    return held
+
+
 def _hold_out(ids: list[np.ndarray], cfg: DataSection) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(training, validation) token ids: the corpus's last cfg.validation of its tokens (packed:
     the document at the cut is split there) or of its documents (unpacked: rows are documents)."""
     fraction = cfg.validation
     if not cfg.packing:
-        held = max(1, round(len(ids) * fraction))
-        if held >= len(ids):
-            raise ConfigError(f"data.validation: the corpus has {len(ids)} document(s), too few to hold out "
-                              f"{fraction} of them; give validation files, more data, or null")
+        held = _held_documents(len(ids), fraction)
         return ids[:-held], ids[-held:]
     flat = np.concatenate(ids)
     cut = len(flat) - max(cfg.seq_len, round(len(flat) * fraction))
@@ -359,6 +365,8 @@ def _hold_out(ids: list[np.ndarray], cfg: DataSection) -> tuple[list[np.ndarray]
 def prepare(cfg: DataSection) -> Dataset:
     docs = load_documents(cfg)
     extra_docs = load_documents(cfg, cfg.validation, "data.validation") if isinstance(cfg.validation, list) else None
+    if isinstance(cfg.validation, float) and not cfg.packing:
+        _held_documents(len(docs), cfg.validation)  # (its problem named before anything is written)
     key = corpus_key(cfg, docs)
     tokenizer = load_tokenizer(cfg, docs, key)  # (every input is read and checked before this first write)
     ids = tokenize_corpus(docs, tokenizer, key)
@@ -368,6 +376,6 @@ def prepare(cfg: DataSection) -> Dataset:
         validation = build_sequences(held_out, cfg.seq_len, cfg.packing, tokenizer.pad_id)
     elif extra_docs is not None:
         held_out = tokenize_corpus(extra_docs, tokenizer, corpus_key(cfg, extra_docs))
-        validation = build_sequences(held_out, cfg.seq_len, cfg.packing, tokenizer.pad_id)
+        validation = build_sequences(held_out, cfg.seq_len, cfg.packing, tokenizer.pad_id, "data.validation")
     sequences = build_sequences(ids, cfg.seq_len, cfg.packing, tokenizer.pad_id)
     return Dataset(tokenizer, sequences, key, int(sum(len(i) for i in ids)), validation)

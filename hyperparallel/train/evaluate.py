@@ -25,6 +25,9 @@ class Evaluator:
                  eval_batches: int, pad_id: int, packing: bool, rt: Runtime, autocast_bf16: bool):
         self.built, self.device, self.autocast_bf16 = built, rt.device, autocast_bf16
         self.eval_batches = eval_batches
+        # the loss is the cross-entropy alone: not with an MoE auxiliary loss a config turned on
+        self.cross_entropy_only = ({"output_router_logits": False}
+                                   if getattr(built.model.config, "output_router_logits", False) else {})
         self.batches = data.Batches(sequences, data.InOrder(len(sequences)), global_batch, micro_batch, rt.rank,
                                     rt.world, pad_id, packing)
 
@@ -41,7 +44,8 @@ class Evaluator:
                     autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
                                 else nullcontext())
                     with fused_loss(model), autocast:
-                        loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+                        loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device),
+                                       **self.cross_entropy_only).loss
                     total += loss.double().cpu() * counted
                     tokens += counted
         finally:

@@ -16,6 +16,7 @@ import torch
 
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
+from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
 from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
@@ -47,7 +48,10 @@ def _decide_start(cfg: TrainConfig, world: int, restarted: bool) -> dict:
     root = run_dir.checkpoint_root(directory, cfg.checkpoint.dir)
     resume = checkpointing.resolve(cfg.checkpoint.resume, root, restarted=restarted)
     if resume is not None:
-        checkpointing.check_matches(resume, cfg)
+        step = checkpointing.check_matches(resume, cfg)["step"]
+        if step >= cfg.training.steps and not restarted:
+            raise ConfigError(f"checkpoint {resume} is at step {step} and training.steps is {cfg.training.steps}: "
+                              f"nothing is left to train; raise training.steps to go on")
     return {"run_dir": str(directory), "resume": None if resume is None else str(resume)}
 
 
@@ -155,7 +159,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 done = step + 1
                 window.add(agreed.loss, result.grad_norm, result.lr, agreed.step_time_s)
                 record = None
-                if done % cfg.logging.every == 0 or done == last or done == start + 1:
+                if done % cfg.logging.every == 0 or done == last or done == start + 1 or agreed.stop:
                     record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                                          world=rt.world, peak_tflops=peak, peak_mem_bytes=peak_memory_bytes(rt.device))
                 log.step(done, record)
@@ -166,7 +170,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                     on_step(done, record)
                 _log_saved(log, checkpointer.poll())
                 if checkpointer.due(done, last) or agreed.stop:
-                    state = {"fingerprint": cfg.fingerprint(), "config": cfg.fingerprinted(),
+                    state = {"fingerprint": cfg.fingerprint(), "config": cfg.fingerprinted(), "run_dir": str(run_dir_path),
                              "steps": cfg.training.steps, "scheduler": scheduler.state_dict(), "world_size": rt.world,
                              MODEL_CARD: built.card.to_json(), "sequences_consumed": done * cfg.training.global_batch,
                              "loss": agreed.loss}

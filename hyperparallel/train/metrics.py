@@ -2,7 +2,8 @@
 
 metrics.jsonl holds one JSON object per logged step with at least
 ``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops``,
-``mfu``, ``lrs`` and ``window``), and one per evaluation with ``step, val_loss, val_perplexity``.
+``mfu``, ``lrs`` and ``window``), and one per evaluation with ``step, val_loss, val_perplexity,
+val_tokens``.
 A logged step's figures are means over the steps since the previous log (its ``window``), as
 the Hugging Face Trainer logs them; ``lrs`` is the learning rate of each of those steps. Only
 rank 0 writes; step times are the slowest rank's.

@@ -53,8 +53,16 @@ def model_problems(cfg: TrainConfig) -> list[str]:
             given = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser()).vocab_size
     except HyperparallelError as error:
         where = "model.config" if cfg.model.config is not None else "model.path"
-        message = str(error)
-        return [message if message.startswith("model") else f"{where}: {message}"]
+        return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
+    if cfg.data.tokenizer != "builtin" and given is not None:
+        try:
+            tokens = data.read_tokenizer_file(cfg.data).vocab_size
+        except HyperparallelError:
+            return []  # (input_problems names it)
+        if given < tokens:
+            where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
+            return [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
+                    f"({tokens}); give the model's own tokenizer or a larger vocab_size"]
     if cfg.data.tokenizer == "builtin" and given is not None and given < cfg.data.vocab_size:
         source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
         return [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
@@ -80,13 +88,16 @@ def unwritable(path: Path) -> str | None:
     """Why `path` cannot be a directory this process writes in, or None. Nothing is left behind:
     the nearest existing directory is tried with a temporary file that is gone on close."""
     path = Path(path).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        return f"{path} is an existing file, not a directory"
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{path} cannot be created: {existing} is a file"
+    try:
+        if path.exists() and not path.is_dir():
+            return f"{path} is an existing file, not a directory"
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return f"{path} cannot be created: {existing} is a file"
+    except OSError as error:  # (a parent that cannot be searched)
+        return f"{path} cannot be looked at ({error.strerror})"
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass

@@ -28,15 +28,32 @@ def expand(template: str, when: float | None = None) -> Path:
     return Path(template.format(time=stamp))
 
 
-def resolve(cfg, when: float | None = None) -> Path:
+def resolve(cfg) -> Path:
     """The run directory of `cfg`: the template filled in, or with `resume: latest` and a
     `{time}` template, the run to continue (ConfigError naming where it looked if none)."""
     template = cfg.logging.run_dir
     if "{time}" not in template:
         return Path(template)
     if cfg.checkpoint.resume != "latest":
-        return expand(template, when)
+        return expand(template)
+    if cfg.checkpoint.dir is not None:  # every run's checkpoints in one place: they say whose they are
+        return run_of_newest_checkpoint(Path(cfg.checkpoint.dir), cfg)
     return newest_matching_run(template, cfg)
+
+
+def run_of_newest_checkpoint(root: Path, cfg) -> Path:
+    """The run directory recorded in the newest complete checkpoint under `root` of this config."""
+    from hyperparallel.train.checkpointing import check_matches, complete_checkpoints
+
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            state = check_matches(path, cfg)
+        except HyperparallelError:
+            continue
+        if state.get("run_dir"):
+            return Path(state["run_dir"])
+    raise ConfigError(f"checkpoint.resume: latest: no complete checkpoint in checkpoint.dir {root} was written by a "
+                      f"run of this config; set checkpoint.resume: none to start one")
 
 
 def runs_of(template: str) -> list[Path]:

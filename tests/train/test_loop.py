@@ -61,7 +61,7 @@ def test_muon_trains(tmp_path):
 
 
 def losses(summary) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in summary["records"]}
+    return {r["step"]: r["loss"] for r in summary["records"] if "loss" in r}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -169,6 +169,32 @@ def test_resume_latest_with_a_time_template_continues_the_newest_run_of_this_con
     assert resumed["run_dir"] == str(ran) and resumed["first_step"] == 3
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([ran.name, other.name])  # no new one
     assert losses(resumed) == losses(whole)
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused(tmp_path):
+    train(config(tmp_path, "qwen3", training={"steps": 2}))
+    with pytest.raises(ConfigError, match=r"step_00000002 is at step 2 and training.steps is 2: nothing is left to "
+                                          r"train; raise training.steps"):
+        train(config(tmp_path, "qwen3", training={"steps": 2}, checkpoint={"resume": "latest"}))
+
+
+def test_resume_latest_with_one_checkpoint_dir_for_every_run_continues_the_run_it_records(tmp_path):
+    timed = {"run_dir": str(tmp_path / "runs" / "{time}"), "every": 1, "progress": False}
+    shared = {"dir": str(tmp_path / "checkpoints")}
+    first = train(config(tmp_path, "qwen3", logging=timed, checkpoint=shared), stop_after=3)
+    resumed = train(config(tmp_path, "qwen3", logging=timed, checkpoint={**shared, "resume": "latest"}))
+    assert resumed["run_dir"] == first["run_dir"] and resumed["first_step"] == 3
+    with pytest.raises(ConfigError, match=r"no complete checkpoint in checkpoint.dir .* was written by a run of this "
+                                          r"config"):
+        train(config(tmp_path, "qwen3", logging=timed, training={"seed": 7}, checkpoint={**shared, "resume": "latest"}))
+
+
+def test_evaluating_changes_nothing_of_the_training(tmp_path):
+    held_out = {"validation": 0.1}
+    at_the_end = train(config(tmp_path / "a", "qwen3", data=held_out))
+    every_step = train(config(tmp_path / "b", "qwen3", data=held_out, training={"eval_every": 1}))
+    assert losses(every_step) == losses(at_the_end)  # exactly
+    assert len([r for r in every_step["records"] if "val_loss" in r]) == 6
 
 
 def test_resume_latest_with_nothing_to_continue_names_where_it_looked(tmp_path):

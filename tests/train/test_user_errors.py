@@ -70,10 +70,10 @@ def test_run_and_checkpoint_dirs_that_cannot_be_written(tmp_path, config):
 
 
 def test_a_model_config_mistake_is_found_before_the_tokenizer_is_trained(tmp_path, config):
-    errors = fails_cleanly(tmp_path, str(config), "--set", "model.config.hidden_sise=64",
-                           message=r"error: model.config: unknown key 'hidden_sise' .*did you mean 'hidden_size'")
+    fails_cleanly(tmp_path, str(config), "--set", "model.config.hidden_sise=64", "--set", "model.config.num_layerz=1",
+                  lines=2, message=r"(?s)error: model.config: unknown key 'hidden_sise' .*did you mean 'hidden_size'.*"
+                                   r"error: model.config: unknown key 'num_layerz'")
     assert not (tmp_path / "cache").exists()  # no tokenizer, no token cache
-    del errors
 
 
 def test_a_model_vocabulary_smaller_than_the_builtin_tokenizer(tmp_path):
