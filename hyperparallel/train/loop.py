@@ -64,7 +64,6 @@ def _follow_new_schedule(cfg: TrainConfig, state: dict, optimizer, scheduler) ->
     before = optimizer.param_groups[0]["lr"]
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return (f"training.steps {saved} -> {cfg.training.steps}: the {cfg.scheduler.kind} schedule is rebuilt for "
             f"{cfg.training.steps} steps (warmup {cfg.warmup_steps()}); the lr at step {state['step'] + 1} is "
             f"{optimizer.param_groups[0]['lr']:.3g} instead of {before:.3g}")
@@ -200,7 +199,8 @@ def _log_saved(log: MetricsLog, path: Path | None) -> None:
 def _validation(cfg: TrainConfig, dataset) -> str:
     if dataset.validation is None:
         return "no validation"
-    every = f"every {cfg.training.eval_every} steps and " if cfg.training.eval_every else ""
+    steps = cfg.training.eval_every
+    every = "every step and " if steps == 1 else f"every {steps} steps and " if steps else ""
     return f"{len(dataset.validation):,} held out, evaluated {every}at the end"
 
 
