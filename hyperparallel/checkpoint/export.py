@@ -110,7 +110,8 @@ def _tokenizer_config(tokenizer_file: Path) -> dict:
     try:
         vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab()
     except Exception as error:  # tokenizers raises its own Exception type
-        raise CheckpointError(f"{tokenizer_file} is not a tokenizers file: {error}") from None
+        first = str(error).splitlines()[0] if str(error) else repr(error)  # (one line: the CLI prints each)
+        raise CheckpointError(f"{tokenizer_file} is not a tokenizers file: {first}") from None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     eos = end_of_text_token(vocab)
     if eos is not None:

@@ -200,7 +200,8 @@ def pretrained_config(spec: ModelFamily | str, path: str | Path) -> PretrainedCo
     try:
         return spec.config_class.from_pretrained(path, local_files_only=True)
     except (OSError, TypeError, ValueError) as error:
-        raise ConfigError(f"{config_file} is not a valid {spec.config_class.__name__}: {error}") from error
+        first = str(error).splitlines()[0] if str(error) else repr(error)
+        raise ConfigError(f"{config_file} is not a valid {spec.config_class.__name__}: {first}") from error
 
 
 def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:

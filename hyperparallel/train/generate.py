@@ -126,7 +126,7 @@ def _load_tokenizer(file: Path):
     try:
         return Tokenizer.from_file(str(file))
     except Exception as error:  # tokenizers raises its own Exception type
-        raise ConfigError(f"{file} is not a tokenizers file: {error}") from None
+        raise ConfigError(f"{file} is not a tokenizers file: {str(error).splitlines()[0] if str(error) else error!r}") from None
 
 
 def _load_model(source: _Source):
