@@ -84,19 +84,21 @@ def _matches(patterns: list[str], key: str) -> tuple[list[Path], list[str]]:
 
 
 def input_problems(cfg: DataSection) -> list[str]:
-    """What is wrong with the data's inputs that a look finds (files that are missing or not
-    files, a tokenizer that does not parse), before anything is read in full or written."""
+    """What is wrong with the data's files that a look finds (missing, not files, unreadable),
+    before anything is read in full or written. (The tokenizer file: `tokenizer_vocab_size`.)"""
     problems = []
     if cfg.source == "files":
         problems += _matches(cfg.files, "data.files")[1]
     if isinstance(cfg.validation, list):
         problems += _matches(cfg.validation, "data.validation")[1]
-    if cfg.tokenizer != "builtin":
-        try:
-            read_tokenizer_file(cfg)
-        except ConfigError as error:
-            problems.append(str(error))
     return problems
+
+
+def tokenizer_vocab_size(cfg: DataSection) -> int:
+    """The tokenizer's vocabulary as a run will have it, without training one: data.vocab_size for
+    the builtin tokenizer (the most it trains to), the file's otherwise (read and parsed: a
+    ConfigError when it does not parse)."""
+    return cfg.vocab_size if cfg.tokenizer == "builtin" else read_tokenizer_file(cfg).vocab_size
 
 
 def _documents_of(path: Path, text_field: str, key: str) -> list[str]:

@@ -59,6 +59,8 @@ from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.data import tokenizer_vocab_size
+from hyperparallel.train.preflight import model_problems
 
 GiB = 2**30
 COMM_FORMULA = (
@@ -141,26 +143,16 @@ def runtime_bytes(compile: str = "none") -> int:
 # ------------------------------------------------------------------------------- the fake model
 
 
-def vocab_size(cfg: TrainConfig) -> int:
-    """The tokenizer's vocabulary as the trainer will have it: data.vocab_size for the builtin one
-    (the size it trains to), the tokenizer.json's otherwise."""
-    data = cfg.data
-    if data.tokenizer == "builtin":
-        return data.vocab_size
-    from hyperparallel.train.data import read_tokenizer_file
-
-    return read_tokenizer_file(data).vocab_size
-
-
 def meta_model(cfg: TrainConfig) -> nn.Module:
-    """The trainer's model on the meta device: shapes and dtypes, nothing allocated or initialized."""
-    model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size(cfg)),
-                        dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation,
-                        materialize=False)
-    if cfg.model.path is not None and model.config.vocab_size < vocab_size(cfg):
-        raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
-                          f"the tokenizer's ({vocab_size(cfg)}); give data.tokenizer the model's own")
-    return model
+    """The trainer's model on the meta device: shapes and dtypes, nothing allocated or initialized.
+    Its config and vocabulary are checked as a run's are (`preflight.model_problems`)."""
+    vocab = tokenizer_vocab_size(cfg.data)
+    problems = model_problems(cfg, vocab)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab),
+                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation,
+                       materialize=False)
 
 
 def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device) -> nn.Module:

@@ -22,8 +22,13 @@ from hyperparallel.train.run_dir import checkpoint_root
 
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
-    problems = layout_problems(cfg, world) + model_problems(cfg) + data.input_problems(cfg.data)
-    problems += write_problems(cfg, run_dir)
+    problems = layout_problems(cfg, world) + data.input_problems(cfg.data)
+    try:
+        vocab = data.tokenizer_vocab_size(cfg.data)
+    except HyperparallelError as error:
+        problems.append(str(error))
+        vocab = None
+    problems += model_problems(cfg, vocab) + write_problems(cfg, run_dir)
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -40,9 +45,9 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     return problems
 
 
-def model_problems(cfg: TrainConfig) -> list[str]:
+def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     """The model's HF config, built and checked by its family (the inline keys, the heads, the
-    experts); its vocabulary against the builtin tokenizer's size."""
+    experts); its vocabulary against the tokenizer's (`data.tokenizer_vocab_size`; None: unknown)."""
     from hyperparallel.models import make_config, pretrained_config
 
     try:
@@ -54,21 +59,16 @@ def model_problems(cfg: TrainConfig) -> list[str]:
     except HyperparallelError as error:
         where = "model.config" if cfg.model.config is not None else "model.path"
         return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
-    if cfg.data.tokenizer != "builtin" and given is not None:
-        try:
-            tokens = data.read_tokenizer_file(cfg.data).vocab_size
-        except HyperparallelError:
-            return []  # (input_problems names it)
-        if given < tokens:
-            where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
-            return [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
-                    f"({tokens}); give the model's own tokenizer or a larger vocab_size"]
-    if cfg.data.tokenizer == "builtin" and given is not None and given < cfg.data.vocab_size:
-        source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
-        return [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
-                f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
-                                                   "tokenizer)" if cfg.model.config is not None else "")]
-    return []
+    if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
+        return []
+    if cfg.data.tokenizer != "builtin":
+        where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
+        return [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
+                f"({tokenizer_vocab}); give the model's own tokenizer or a larger vocab_size"]
+    source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
+    return [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
+            f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
+                                               "tokenizer)" if cfg.model.config is not None else "")]
 
 
 def write_problems(cfg: TrainConfig, run_dir: Path) -> list[str]:

@@ -22,6 +22,7 @@ from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import plan as planning
 from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import from_mapping
+from hyperparallel.train.data import tokenizer_vocab_size
 from hyperparallel.train.distributed import Runtime
 from hyperparallel.train.step import TrainStep
 
@@ -98,7 +99,7 @@ def real_step_peak(cfg) -> int:
     """The most tensor bytes alive in one steady-state step of the real trainer (1 process, random
     tokens): the CPU allocator's own events, recorded by the profiler."""
     torch.manual_seed(0)
-    vocab = planning.vocab_size(cfg)
+    vocab = tokenizer_vocab_size(cfg.data)
     built = build_trained_model(cfg, Runtime(0, 1, CPU), vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(1), world=1, device=CPU,
