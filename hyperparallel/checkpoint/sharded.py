@@ -49,12 +49,14 @@ class Chunk:
 
 
 def chunk_of(param: nn.Parameter) -> Chunk | None:
-    """The chunk of a parameter sharded over several ranks; None for one that is whole here."""
-    placement = shard_placement(param)
-    if placement is None or len(placement.ranges) == 1 or not any(rows for _, rows in placement.ranges):
-        return None  # (no rows anywhere: every rank saves the same empty tensor, whole)
+    """The chunk of a parameter sharded over several ranks, or split among them (an expert-parallel
+    rank's experts); None for one that is whole here."""
     info = shard_info(param)
     global_shape = torch.Size(list(info.global_shape) or [1])  # a 0-d parameter is sharded as one row
+    placement = shard_placement(param)
+    split = info.length < global_shape[0]
+    if not split and (placement is None or len(placement.ranges) == 1 or not any(r for _, r in placement.ranges)):
+        return None  # (no rows anywhere: every rank saves the same empty tensor, whole)
     return Chunk(global_shape, info.offset, info.length)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from hyperparallel import versions
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
 
@@ -63,8 +64,10 @@ class _Managed:
     slot_rows: int
     placement: ShardPlacement
     accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
-    sent_version: int = -1  # the shard's _version when its rows last went into an all-gather
-    gathered_version: int = -2  # ... and when the full parameter was last filled
+    # the shard's (_version, generation) when its rows last went into an all-gather, and when the
+    # full parameter was last filled: equal means the gather brings the same values again
+    sent_version: tuple | None = None
+    gathered_version: tuple | None = ()
 
     def put(self, param: nn.Parameter) -> None:
         for owner, name in self.places:
@@ -82,10 +85,11 @@ def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
 
 class FSDPGroup:
     def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
-                 mp_policy: MixedPrecision | None = None):
+                 mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None):
         self.module, self.group = module, group
         self.mp = mp_policy or MixedPrecision()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.gradient_divide_factor = gradient_divide_factor or self.world
         self.geometry, self.align = geometry, align
         self.reshard_after_forward = reshard_after_forward
         self.gradient_sync = True
@@ -111,7 +115,11 @@ class FSDPGroup:
             local = full_2d[info.offset: info.offset + info.length].clone()
             shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
                                  requires_grad=param.requires_grad)
-            shard._hp_shard_info = info
+            # A parameter that is already a part of a larger one along dim 0 (an expert-parallel
+            # rank's experts) records its shard's place in that larger one, for checkpoints.
+            outer = getattr(param, "_hp_shard_info", None)
+            shard._hp_shard_info = info if outer is None else ShardInfo(outer.global_shape, outer.offset + info.offset,
+                                                                        info.length)
             placement = ShardPlacement(
                 self.group, tuple(shard_ranges(info.rows, self.world, self.geometry, self.align)), self.rank)
             shard._hp_shard_placement = placement
@@ -140,7 +148,7 @@ class FSDPGroup:
         for m in self.managed:
             n = m.info.length * m.row_numel
             local[start: start + n] = m.shard.detach().reshape(-1)
-            m.sent_version = m.shard._version
+            m.sent_version = (m.shard._version, versions.generation(m.shard))
             local[start + n: start + m.slot_numel] = 0  # padding: never read, but never uninitialized bytes
             start += m.slot_numel
         gathered = torch.empty(self.world * slot, dtype=ref.dtype, device=ref.device)
@@ -166,13 +174,16 @@ class FSDPGroup:
             # Gathering the same values again (for backward, or the next micro-batch) must not look
             # like an in-place change to autograd: saved tensors of an earlier forward refer to this
             # storage and are meant to see them. New values (after an optimizer step or a
-            # checkpoint load) do bump the version, so caches keyed on it (MXLinear's) start over.
+            # checkpoint load) bump its generation, so caches of copies derived from it (MXFP8
+            # weight copies) start over.
             same_values = m.sent_version == m.gathered_version
             keep_version = torch.autograd._unsafe_preserve_version_counter(full) if same_values else nullcontext()
             with torch.no_grad(), keep_version:
                 for r, (offset, length) in enumerate(m.placement.ranges):
                     n = length * m.row_numel
                     flat[offset * m.row_numel: offset * m.row_numel + n].copy_(slots[r, start: start + n])
+            if not same_values:
+                versions.bump(full)
             m.gathered_version = m.sent_version
             m.put(full)
             start += m.slot_numel
@@ -266,7 +277,7 @@ class FSDPGroup:
         work, out, _, trainable = self._reduce
         self._reduce = None
         work.wait()
-        out.div_(self.world)
+        out.div_(self.gradient_divide_factor)
         start = 0
         for m in trainable:
             n = m.info.length * m.row_numel
@@ -292,16 +303,17 @@ register_optimizer_step_pre_hook(_refuse_optimizers_built_before_sharding)
 
 
 def _check_same_group(module: nn.Module, group) -> None:
-    """Blocks and their root must shard over the same ranks."""
+    """Blocks shard over their root's ranks, or over some of them (expert parallelism shards each
+    rank's experts over the ranks that hold the same experts)."""
     size, ranks = dist.get_world_size(group), dist.get_process_group_ranks(group or dist.group.WORLD)
     for name, sub in module.named_modules():
         child = getattr(sub, _GROUP, None)
         if child is not None and sub is not module:
             child_ranks = dist.get_process_group_ranks(child.group or dist.group.WORLD)
-            if child_ranks != ranks:
+            if not set(child_ranks) <= set(ranks):
                 raise ConfigError(
                     f"fully_shard: {name} is sharded over ranks {child_ranks} but its parent over {ranks} "
-                    f"(world size {size}); shard a model and its blocks over the same process group"
+                    f"(world size {size}); shard a model's blocks over its process group or a part of it"
                 )
 
 
@@ -324,10 +336,14 @@ def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]],
 
 
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1) -> nn.Module:
+                mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1,
+                gradient_divide_factor: float | None = None) -> nn.Module:
     """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
 
-    Apply to each block first, then to the root. Returns `module` (sharded in place)."""
+    Apply to each block first, then to the root. Returns `module` (sharded in place). Gradients
+    are summed over the group and divided by `gradient_divide_factor` (default: the group's size,
+    a mean; expert parallelism divides by every data-parallel rank, since each rank's expert
+    gradients already sum the tokens of its whole expert-parallel group)."""
     if not dist.is_initialized():
         raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
     if hasattr(module, _GROUP):
@@ -335,7 +351,8 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     if dist.get_rank(process_group) < 0:
         raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the process_group it was given")
     _check_same_group(module, process_group)
-    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy)
+    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy,
+                      gradient_divide_factor)
     params = _direct_params(module)
     if not params:
         setattr(module, _GROUP, group)

@@ -2,7 +2,8 @@
 the original Parameters."""
 
 from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.lowp.convert import ConversionReport, convert
+from hyperparallel.lowp.convert import ConversionReport, convert, is_mx_experts
+from hyperparallel.lowp.grouped import MXExpertsRecipe
 from hyperparallel.lowp.linear import MXLinear
 
-__all__ = ["ConversionReport", "LowPrecisionConfig", "MXLinear", "convert"]
+__all__ = ["ConversionReport", "LowPrecisionConfig", "MXExpertsRecipe", "MXLinear", "convert", "is_mx_experts"]

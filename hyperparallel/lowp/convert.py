@@ -2,9 +2,11 @@
 
 Runs at build time, before parallel plans and sharding. Modules are chosen by kind
 (`config.modules`: nn.Linear, MoE experts) and by name (`include` / `exclude` globs, matched on
-the full module name). Experts are recognized by their layout, not their class: 3-D Parameters
-`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] and an `act_fn` (transformers' Qwen3-MoE and
-DeepSeek-V3 experts, and hyperparallel's GroupedExperts).
+the full module name). An nn.Linear becomes an MXLinear. Experts are recognized by their layout,
+not their class: 3-D Parameters `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], an `act_fn`
+and a `recipe` for their products (hyperparallel.moe.GroupedExperts); they stay the same module
+and get the MXFP8 recipe. transformers' own experts modules (no recipe) are skipped with the
+reason: swap them for GroupedExperts first (`hyperparallel.models.swap_moe_blocks`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.lowp.grouped import MXExpertsRecipe
 from hyperparallel.lowp.linear import MXLinear
 
 MX_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,6 +41,10 @@ def is_experts(module: nn.Module) -> bool:
             and down.dim() == 3 and hasattr(module, "act_fn"))
 
 
+def is_mx_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "recipe", None), MXExpertsRecipe)
+
+
 def _linear_problem(linear: nn.Linear) -> str | None:
     if linear.weight.dtype not in MX_INPUT_DTYPES:
         return f"weight dtype {linear.weight.dtype} is not one the MX kernels take (float32, bfloat16, float16)"
@@ -45,12 +52,12 @@ def _linear_problem(linear: nn.Linear) -> str | None:
 
 
 def _experts_problem(experts: nn.Module) -> str | None:
-    from hyperparallel.lowp.experts import unsupported_reason
-
-    problem = unsupported_reason(experts)
-    if problem is None and experts.gate_up_proj.dtype not in MX_INPUT_DTYPES:
-        problem = f"weight dtype {experts.gate_up_proj.dtype} is not one the MX kernels take"
-    return problem
+    if not hasattr(experts, "recipe"):
+        return (f"{type(experts).__name__} has no recipe for its products; swap it for "
+                f"hyperparallel.moe.GroupedExperts first (hyperparallel.models.swap_moe_blocks)")
+    if experts.gate_up_proj.dtype not in MX_INPUT_DTYPES:
+        return f"weight dtype {experts.gate_up_proj.dtype} is not one the MX kernels take"
+    return None
 
 
 def _selected(name: str, config: LowPrecisionConfig) -> bool:
@@ -62,17 +69,18 @@ def convert(model: nn.Module, config: LowPrecisionConfig) -> ConversionReport:
     report = ConversionReport()
     if not config.enabled:
         return report
-    from hyperparallel.lowp.experts import MXGroupedExperts  # noqa: PLC0415 (keeps the linear path light)
-
     for name, module in list(model.named_modules()):
         if not name or not _selected(name, config):
             continue
         if "linear" in config.modules and type(module) is nn.Linear:
             problem = _linear_problem(module)
             replacement = None if problem else MXLinear.from_linear(module, config)
-        elif "experts" in config.modules and is_experts(module) and not isinstance(module, MXGroupedExperts):
+        elif "experts" in config.modules and is_experts(module) and not is_mx_experts(module):
             problem = _experts_problem(module)
-            replacement = None if problem else MXGroupedExperts.from_experts(module, config)
+            if problem is None:
+                module.recipe = MXExpertsRecipe(config)  # the same module: nothing else changes
+                report.replaced.append(name)
+                continue
         else:
             continue
         if problem:

@@ -7,10 +7,9 @@
 Every operand is blocked along the dimension its product sums over, as the MX formats need.
 X's row and column copies come from one `quantize_dual` pass, as do dY's. Forward keeps for
 backward only X's column-wise copy (when the weight needs a gradient) and W's column-wise copy.
-W's two copies are made once per weight version and reused across micro-batches and recompute.
-A version is the weight's `_version` counter (bumped by in-place updates) together with a count
-of optimizer steps taken in this process: fused optimizers (torch's fused AdamW) write weights
-without bumping `_version`.
+W's two copies are made once per weight version (`hyperparallel.versions.key`: its `_version`
+and its generation, which optimizer steps and FSDP gathers of new values bump) and reused across
+micro-batches and recompute.
 Outputs and input grads come back in the input's dtype, the weight grad in the weight's; the
 bias is added in fp32.
 """
@@ -19,21 +18,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hyperparallel import mx
+from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.mx.tensor import MXTensor
-
-_optimizer_steps = 0
-
-
-def _count_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_step)
 
 
 def _mx(data: torch.Tensor, scale: torch.Tensor, axis: int, mode: str) -> MXTensor:
@@ -109,7 +97,8 @@ class MXLinear(nn.Module):
         if torch.compiler.is_compiling():  # a traced graph quantizes anew; no Python-side cache
             row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
             return row.data, row.scale, col.data, col.scale
-        key = (_optimizer_steps, w._version, w.data_ptr(), w.dtype)
+        versions.watch_optimizers()
+        key = versions.key(w)
         if self._weight_copies is None or self._weight_copies[0] != key:
             row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
             self._weight_copies = (key, row.data, row.scale, col.data, col.scale)

@@ -1,7 +1,7 @@
 """Build a Hugging Face causal LM for training: from an inline config or a local checkpoint.
 
-An inline config is built on the meta device (no memory, no init), its MoE experts are swapped
-for GroupedExperts, and only then is it materialized on the CPU and initialized from a seed with
+An inline config is built on the meta device (no memory, no init), its MoE blocks are swapped
+for hyperparallel.moe's (router, GroupedExperts, shared experts), and only then is it materialized on the CPU and initialized from a seed with
 the family's own `_init_weights`. A checkpoint directory is loaded with `from_pretrained`, from
 local files only and from safetensors only (nothing is unpickled).
 """
@@ -23,11 +23,11 @@ from transformers import initialization as hf_init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hyperparallel.lowp import MXLinear
-from hyperparallel.lowp.experts import MXGroupedExperts
+from hyperparallel.moe import GroupedExperts, TopKRouter
 
 from ..errors import CheckpointError, ConfigError
 from .families import ModelFamily, family_for_model_type, get_family
-from .grouped_experts import GroupedExperts, swap_experts
+from .moe_blocks import swap_moe_blocks
 
 # Spellings older config.json files use; the config classes turn them into `rope_parameters`.
 _LEGACY_CONFIG_KEYS = frozenset({"rope_theta", "rope_scaling"})
@@ -56,7 +56,8 @@ def build_model(
 
     Exactly one of `path` (a local Hugging Face checkpoint directory; `seed` is then unused) or
     `config` (a mapping of the family's HF config keys; weights initialized from `seed`).
-    With `grouped_experts`, MoE experts modules are GroupedExperts (same parameter names).
+    With `grouped_experts`, MoE blocks are hyperparallel.moe.MoEBlocks: our router and
+    GroupedExperts (same parameter names); without, transformers' own modules.
     `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
     initialized (what `hyperparallel plan` measures).
     """
@@ -76,14 +77,14 @@ def build_model(
         with torch.device("meta"):
             model = spec.model_class._from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
         if grouped_experts:
-            swap_experts(model)
+            swap_moe_blocks(model)
         if materialize:
             model.to_empty(device="cpu")
             init_weights(model, seed)
     else:
         model = _load_pretrained(spec, Path(path), dtype, attn_implementation)
         if grouped_experts:
-            swap_experts(model)
+            swap_moe_blocks(model)
     model.config.use_cache = False  # training never reads a KV cache; building one costs memory
     return model.train()
 
@@ -158,7 +159,7 @@ def _init_post_order(module: nn.Module, owner: PreTrainedModel, is_custom_code: 
     # sub-model with its own _init_weights), which knows nothing of GroupedExperts.
     for child in module.children():
         _init_post_order(child, child if isinstance(child, PreTrainedModel) else owner, is_custom_code)
-    if isinstance(module, (GroupedExperts, MXGroupedExperts)):
+    if isinstance(module, (GroupedExperts, TopKRouter)):  # transformers' draws for the modules they replace
         module.reset_parameters(std=owner.config.initializer_range)
         module._is_hf_initialized = True
     elif isinstance(module, MXLinear):  # transformers' init for nn.Linear, which MXLinear replaced

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperparallel.lowp import MXLinear
-from hyperparallel.lowp.experts import MXGroupedExperts
+from hyperparallel.lowp import MXLinear, is_mx_experts
 
 from ..errors import ConfigError
 
@@ -34,7 +33,7 @@ def compile_layers(model: nn.Module, backend: str) -> int:
             # Inductor's CPU code generator has no float8_e8m0fnu (the MX scales' dtype; it fails
             # with a KeyError): MXFP8 modules run between its graphs, as they are
             for module in layer.modules():
-                if isinstance(module, (MXLinear, MXGroupedExperts)):
+                if isinstance(module, MXLinear) or is_mx_experts(module):
                     module.forward = torch.compiler.disable(module.forward, recursive=True)
         layer.forward = torch.compile(layer.forward, backend=backend)
     return len(layers)

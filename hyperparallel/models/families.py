@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Experts,
     DeepseekV3ForCausalLM,
+    DeepseekV3MoE,
     DeepseekV3TopkRouter,
 )
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
@@ -24,8 +26,11 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeExperts,
     Qwen3MoeForCausalLM,
+    Qwen3MoeSparseMoeBlock,
     Qwen3MoeTopKRouter,
 )
+
+from hyperparallel.moe import TopKRouter
 
 from ..errors import ConfigError
 
@@ -38,6 +43,8 @@ class ModelFamily:
     model_class: type[PreTrainedModel]
     experts_classes: tuple[type[nn.Module], ...] = ()  # hold 3-D gate_up_proj [E,2I,H] / down_proj [E,H,I]
     router_classes: tuple[type[nn.Module], ...] = ()  # `.weight` [E,H]; pick top-k experts per token
+    moe_block_classes: tuple[type[nn.Module], ...] = ()  # `gate`, `experts` (+ `shared_experts`): become MoEBlocks
+    default_load_balance: str = "none"  # moe.load_balance when a config does not say
     check: Callable[[PretrainedConfig], None] | None = None  # raises ConfigError for shapes HF accepts but cannot run
     # Keys the modeling code reads with getattr although the config class declares no such field.
     extra_config_keys: tuple[str, ...] = ()
@@ -95,6 +102,8 @@ FAMILIES: dict[str, ModelFamily] = {
         model_class=Qwen3MoeForCausalLM,
         experts_classes=(Qwen3MoeExperts,),
         router_classes=(Qwen3MoeTopKRouter,),
+        moe_block_classes=(Qwen3MoeSparseMoeBlock,),
+        default_load_balance="aux_loss",
         check=_check_qwen3_moe,
         # Qwen3-MoE checkpoints set head_dim (128 in Qwen3-30B-A3B, not hidden / heads = 64).
         extra_config_keys=("head_dim",),
@@ -107,6 +116,8 @@ FAMILIES: dict[str, ModelFamily] = {
         model_class=DeepseekV3ForCausalLM,
         experts_classes=(DeepseekV3Experts,),
         router_classes=(DeepseekV3TopkRouter,),
+        moe_block_classes=(DeepseekV3MoE,),
+        default_load_balance="bias",
         check=_check_deepseek_v3,
     ),
 }
@@ -138,3 +149,27 @@ def all_experts_classes() -> tuple[type[nn.Module], ...]:
 
 def all_router_classes() -> tuple[type[nn.Module], ...]:
     return tuple(cls for family in FAMILIES.values() for cls in family.router_classes)
+
+
+def all_moe_block_classes() -> tuple[type[nn.Module], ...]:
+    return tuple(cls for family in FAMILIES.values() for cls in family.moe_block_classes)
+
+
+def router_from_hf(router: nn.Module) -> TopKRouter:
+    """Our TopKRouter holding a transformers router's weight (and correction bias) objects."""
+    if isinstance(router, TopKRouter):
+        return router
+    if isinstance(router, Qwen3MoeTopKRouter):
+        options = {"score": "softmax", "norm_topk_prob": router.norm_topk_prob}
+    elif isinstance(router, DeepseekV3TopkRouter):
+        options = {"score": "sigmoid", "norm_topk_prob": router.norm_topk_prob, "num_groups": router.num_group,
+                   "top_groups": router.topk_group, "routed_scaling_factor": router.routed_scaling_factor,
+                   "correction_bias": True, "float32_logits": True}
+    else:
+        raise NotImplementedError(f"no TopKRouter for {type(router).__name__}")
+    with torch.device("meta"):
+        ours = TopKRouter(router.hidden_dim, router.num_experts, router.top_k, **options)
+    ours.weight = router.weight
+    if options.get("correction_bias"):
+        ours.e_score_correction_bias = router.e_score_correction_bias
+    return ours

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grouped_experts import compute_dtype
+from hyperparallel.moe import compute_dtype
 
 IGNORE_INDEX = -100
 # Rows of logits computed at once: the logits of one chunk (rows x vocab float32) stay near the

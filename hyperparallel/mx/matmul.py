@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from hyperparallel.errors import ShapeError
 from hyperparallel.mx.format import BLOCK_SIZE, SCALE_BIAS, SCALE_NAN, element_format
-from hyperparallel.mx.groups import check_offsets
+from hyperparallel.mx.grouped_products import grouped_rows_mm, grouped_weight_grad_mm
+from hyperparallel.mx.groups import check_offsets, grouped_scale_index
 from hyperparallel.mx.tensor import MXTensor
 
 # Magnitudes of the smallest nonzero and largest element of each format, as powers of two.
@@ -32,7 +33,11 @@ def _blocks_below_are_zero(mx: MXTensor, byte: int) -> bool:
     if not bool(small.any()):
         return True
     if mx.group_offsets is not None:
-        return False  # grouped scale rows do not map to data blocks by shape alone: stay exact
+        # Grouped: scale rows that no block uses hold byte 0 and scale nothing; look at the data
+        # rows each used scale row scales (on the untransposed [M, K], blocked along M).
+        data, small = (mx.data, small) if mx.axis == 0 else (mx.data.t(), small.t())
+        scale_row = grouped_scale_index(mx.group_offsets, data.shape[0]).to(small.device)
+        return not bool((data.view(torch.uint8)[small[scale_row]] & 0x7F).any())
     data = mx.data.view(torch.uint8).movedim(mx.axis, -1)
     blocks = F.pad(data, (0, -data.shape[-1] % BLOCK_SIZE)).reshape(*data.shape[:-1], -1, BLOCK_SIZE)
     return not bool((blocks[small.movedim(mx.axis, -1)] & 0x7F).any())
@@ -109,7 +114,8 @@ def mx_grouped_mm(
 
     Forward / input grad: a [M, K] (axis 1) x b [E, K, N] (axis 1) -> [M, N]; the rows of group g
     use b[g]. Weight grad: a [K, M] x b [M, N], both blocked along the grouped M (a from
-    ``quantize_grouped(x).t()``, b from ``quantize_grouped(dy)``) -> [E, K, N].
+    ``quantize_grouped(x).t()``, b from ``quantize_grouped(dy)``) -> [E, K, N]. Either form is
+    one grouped product over all groups (see [Note: one grouped product]).
     """
     if not isinstance(b, MXTensor) or not isinstance(a, MXTensor):
         raise ShapeError("mx_grouped_mm takes two MXTensors")
@@ -124,12 +130,7 @@ def mx_grouped_mm(
         if len(offsets) != E:
             raise ShapeError(f"mx_grouped_mm: {len(offsets)} offsets for {E} experts in b")
         av, bv = _operand(a, out_dtype, backend), _operand(b, out_dtype, backend)
-        out = torch.empty(M, N, dtype=out_dtype, device=a.device)
-        start = 0
-        for g, end in enumerate(offsets.tolist()):
-            out[start:end] = _matmul(av[start:end], bv[g], out_dtype)
-            start = end
-        return out
+        return grouped_rows_mm(av, bv, offsets).to(out_dtype)
     _require(a, "a", 2, 1)
     _require(b, "b", 2, 0)
     K, M = a.shape
@@ -141,10 +142,4 @@ def mx_grouped_mm(
         if mx.group_offsets is None or not torch.equal(mx.group_offsets.cpu().long(), offsets.cpu().long()):
             raise ShapeError(f"mx_grouped_mm: {name} must be quantized with quantize_grouped and these offsets")
     av, bv = _operand(a, out_dtype, backend), _operand(b, out_dtype, backend)
-    out = torch.zeros(len(offsets), K, N, dtype=out_dtype, device=a.device)
-    start = 0
-    for g, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[g] = _matmul(av[:, start:end], bv[start:end], out_dtype)
-        start = end
-    return out
+    return grouped_weight_grad_mm(av, bv, offsets).to(out_dtype)

@@ -1,17 +1,28 @@
 """FSDP for a Hugging Face causal LM: every decoder layer is one sharded group, the root (embeddings,
-final norm, output head) another, as DESIGN.md's training step expects."""
+final norm, output head) another, as DESIGN.md's training step expects. With expert parallelism,
+each layer's experts are a group of their own, sharded over the ranks that hold the same experts."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from hyperparallel.fsdp import fully_shard
+from hyperparallel.parallel.expert_parallel import ExpertLayout, expert_modules
 from hyperparallel.parallel.recompute import decoder_layers
 
 
-def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group=None) -> nn.Module:
-    """Shard each decoder layer, then the root, over `process_group` (default: every rank)."""
-    options = {"geometry": geometry, "align": align, "process_group": process_group}
+def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group=None,
+                experts: ExpertLayout | None = None) -> nn.Module:
+    """Shard each decoder layer, then the root, over `process_group` (default: every rank).
+
+    `experts`: the layout `apply_expert_parallel` split the experts with. Each rank's expert
+    gradients then already sum the tokens of its whole EP group, so they are reduced over the
+    ranks holding the same experts and divided by every rank (a mean over the world's tokens)."""
+    options = {"geometry": geometry, "align": align}
     for layer in decoder_layers(model):
-        fully_shard(layer, **options)
-    return fully_shard(model, **options)
+        if experts is not None:
+            for module in expert_modules(layer):
+                fully_shard(module, process_group=experts.shard_group, gradient_divide_factor=experts.world,
+                            **options)
+        fully_shard(layer, process_group=process_group, **options)
+    return fully_shard(model, process_group=process_group, **options)

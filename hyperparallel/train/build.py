@@ -15,8 +15,9 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, install_fused_loss
+from hyperparallel.moe import LoadBalancer, routers
 from hyperparallel.optim import build_optimizer, build_scheduler
-from hyperparallel.parallel import apply_recompute, shard_model
+from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.distributed import Runtime
@@ -59,6 +60,8 @@ class BuiltModel:
     n_params: int
     conversion_summary: str | None  # what low_precision converted, when on
     sharded: bool
+    balancer: LoadBalancer | None = None  # the MoE layers' load balancing (None: no MoE layers)
+    ep: int = 1
 
 
 def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
@@ -73,19 +76,35 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
     conversion = convert(model, cfg.low_precision)
+    n_params = sum(p.numel() for p in model.parameters())  # (all experts: before EP keeps a rank's own)
+    balancer = build_balancer(cfg, model)
+    layout = None
+    if cfg.parallel.ep > 1:
+        layout = expert_layout(cfg.parallel.ep, rt.device.type)
+        apply_expert_parallel(model, layout)
     if cfg.training.fused_loss:
         install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
-    n_params = sum(p.numel() for p in model.parameters())
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # before sharding: whole shapes
     trained = model
     if sharded:
-        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align)
+        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, experts=layout)
     elif rt.world > 1:  # ranks beyond the parallel plans replicate the model
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
-    return BuiltModel(model, trained, card, n_params, summary, sharded)
+    return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep)
+
+
+def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:
+    """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank."""
+    if not routers(model):
+        return None
+    coef = cfg.moe.aux_loss_coef
+    if coef is None:
+        coef = getattr(model.config, "router_aux_loss_coef", None) or 0.0
+    return LoadBalancer(model, cfg.moe.rule(cfg.model.family), aux_loss_coef=coef,
+                        bias_update_rate=cfg.moe.bias_update_rate)
 
 
 def build_optimization(cfg: TrainConfig, model: nn.Module):

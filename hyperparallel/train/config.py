@@ -24,8 +24,9 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.models import family_for_model_type, family_names
+from hyperparallel.models import family_for_model_type, family_names, get_family
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
+from hyperparallel.moe import LOAD_BALANCE
 from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
 from hyperparallel.parallel import RECOMPUTE_MODES
 
@@ -148,6 +149,8 @@ class ParallelSection(Section):
     shard_geometry: choice(GEOMETRIES) = "chunk"  # how rows that do not divide are dealt out
     align: int = Field(1, ge=1)  # shard boundaries on multiples of this many rows (32: whole MXFP8 blocks)
     tp: int = Field(1, ge=1)
+    # expert parallelism: every MoE layer's experts split over groups of this many ranks, borrowed
+    # from the dp_shard ranks (dp_shard must be a multiple of it)
     ep: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
     recompute: choice(RECOMPUTE_MODES) = "off"
@@ -160,11 +163,23 @@ class ParallelSection(Section):
 
     @model_validator(mode="after")
     def _only_wired_values(self):
-        for key, issue in (("tp", "tensor parallelism"), ("ep", "expert parallelism"), ("cp", "context parallelism")):
+        for key, issue in (("tp", "tensor parallelism"), ("cp", "context parallelism")):
             if getattr(self, key) != 1:
                 raise ValueError(f"parallel.{key} = {getattr(self, key)} is not supported yet ({issue} is not wired "
                                  f"into the trainer); use 1. Extra ranks from --nproc replicate the model instead")
         return self
+
+
+class MoESection(Section):
+    """How MoE layers balance their experts' load (hyperparallel.moe.balance)."""
+
+    # aux_loss | bias | none; null: the family's rule (qwen3_moe: aux_loss, deepseek_v3: bias)
+    load_balance: choice(LOAD_BALANCE) | None = None
+    aux_loss_coef: float | None = Field(None, ge=0)  # null: the model config's router_aux_loss_coef
+    bias_update_rate: float = Field(0.001, ge=0)  # DeepSeek-V3's bias update speed
+
+    def rule(self, family: str) -> str:
+        return self.load_balance or get_family(family).default_load_balance
 
 
 class OptimizerSection(Section):
@@ -233,6 +248,7 @@ class TrainConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
+    moe: MoESection = Field(default_factory=MoESection)
     low_precision: LowPrecisionConfig = Field(default_factory=LowPrecisionConfig)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)

@@ -156,7 +156,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 first_loss = agreed.loss if first_loss is None else first_loss
                 last_loss = agreed.loss
                 done = step + 1
-                window.add(agreed.loss, result.grad_norm, result.lr, agreed.step_time_s)
+                window.add(agreed.loss, result.grad_norm, result.lr, agreed.step_time_s, result.moe)
                 record = None
                 if done % cfg.logging.every == 0 or done == last or done == start + 1 or agreed.stop:
                     record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
@@ -207,9 +207,16 @@ def _validation(cfg: TrainConfig, dataset) -> str:
 def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulation: int, peak: str) -> None:
     """The run's first lines: what trains, on what, how."""
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
+    if built.ep > 1:
+        layout += f", experts split over {built.ep} ranks (ep)"
     log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
               f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
     if built.conversion_summary:
         log.print(built.conversion_summary)
+    if built.balancer is not None:
+        b = built.balancer
+        how = {"aux_loss": f"auxiliary loss x {b.aux_loss_coef:g}", "bias": f"correction bias, rate {b.bias_update_rate:g}",
+               "none": "none"}[b.mode]
+        log.print(f"MoE: {len(b.routers)} layers, load balancing {how}")

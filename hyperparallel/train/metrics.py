@@ -2,8 +2,10 @@
 
 metrics.jsonl holds one JSON object per logged step with at least
 ``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops``,
-``mfu``, ``lrs`` and ``window``), and one per evaluation with ``step, val_loss, val_perplexity,
-val_tokens``.
+``mfu``, ``lrs`` and ``window``; for MoE models ``moe_imbalance``, the most tokens an expert got
+over the mean per expert, the largest over the MoE layers, ``moe_imbalance_per_layer``, and with
+the auxiliary loss on ``aux_loss``, its mean over the layers before the coefficient), and one per
+evaluation with ``step, val_loss, val_perplexity, val_tokens``.
 A logged step's figures are means over the steps since the previous log (its ``window``), as
 the Hugging Face Trainer logs them; ``lrs`` is the learning rate of each of those steps. Only
 rank 0 writes; step times are the slowest rank's.
@@ -74,13 +76,27 @@ class LogWindow:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.lrs: list[float] = []
+        self.moe: list[dict] = []
         self.seconds = 0.0
 
-    def add(self, loss: float, grad_norm: float, lr: float, step_time_s: float) -> None:
+    def add(self, loss: float, grad_norm: float, lr: float, step_time_s: float, moe: dict | None = None) -> None:
         self.losses.append(loss)
         self.grad_norms.append(grad_norm)
         self.lrs.append(lr)
         self.seconds += step_time_s
+        if moe:
+            self.moe.append(moe)
+
+    def _moe_means(self) -> dict:
+        means = {}
+        for key in ("moe_imbalance", "aux_loss"):
+            values = [m[key] for m in self.moe if key in m]
+            if values:
+                means[key] = sum(values) / len(values)
+        layers = [m["moe_imbalance_per_layer"] for m in self.moe if "moe_imbalance_per_layer" in m]
+        if layers:
+            means["moe_imbalance_per_layer"] = [round(sum(v) / len(v), 4) for v in zip(*layers, strict=True)]
+        return means
 
     def take(self, step: int, *, tokens_per_step: int, flops_per_step: float, world: int, peak_tflops: float,
              peak_mem_bytes: int) -> dict:
@@ -92,6 +108,7 @@ class LogWindow:
             "step": step, "loss": sum(self.losses) / n, "lr": self.lrs[-1], "grad_norm": sum(self.grad_norms) / n,
             "tokens_per_s": tokens_per_step * n / self.seconds, "step_time_s": step_time, "tflops": tflops,
             "mfu": tflops / peak_tflops, "peak_mem_bytes": peak_mem_bytes, "window": n, "lrs": list(self.lrs),
+            **self._moe_means(),
         }
         self.__init__()
         return record
@@ -154,6 +171,8 @@ class MetricsLog:
             for key, value in record.items():
                 if key not in ("step", "window") and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
+            for layer, value in enumerate(record.get("moe_imbalance_per_layer", ())):
+                self.writer.add_scalar(f"moe_imbalance/layer_{layer}", value, step)
 
     def step(self, step: int, record: dict | None) -> None:
         """Advance the bar to `step`; `record` (a logged step) goes to every sink."""
@@ -164,6 +183,8 @@ class MetricsLog:
             summary = (f"loss {record['loss']:.4f}  lr {record['lr']:.1e}  gnorm {record['grad_norm']:.2f}  "
                        f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms  "
                        f"mfu {record['mfu'] * 100:.0f}%  {record['peak_mem_bytes'] / 2**30:.2f} GiB")
+            if "moe_imbalance" in record:
+                summary += f"  moe imbalance {record['moe_imbalance']:.2f}"
             if self.bar is not None:
                 self.bar.update(self.task, description=summary)
             self.print(f"step {step:>6}  {summary}")

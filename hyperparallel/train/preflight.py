@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from hyperparallel.errors import ConfigError, HyperparallelError
+from hyperparallel.models import get_family
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.run_dir import checkpoint_root
@@ -38,11 +39,30 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != world:
         problems.append(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
                         f"run has {world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
+    ep, dp_shard = cfg.parallel.ep, cfg.parallel.dp_shard
+    if ep > 1 and (dp_shard == 1 or dp_shard % ep):
+        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must "
+                        f"be a multiple of ep (dp_shard = ranks = ep x the ranks that share each expert's shards); "
+                        f"e.g. dp_shard: {max(world, ep) // ep * ep} with --nproc {max(world, ep) // ep * ep}")
+    family = get_family(cfg.model.family)
+    if ep > 1 and not family.moe_block_classes:
+        problems.append(f"parallel.ep = {ep} splits the experts of MoE layers, and family {cfg.model.family!r} has none")
+    if cfg.moe.rule(cfg.model.family) == "bias" and family.default_load_balance != "bias":
+        problems.append(f"moe.load_balance: bias moves a router's correction bias, and family {cfg.model.family!r} has "
+                        f"none; use aux_loss or none")
     try:
         cfg.grad_accumulation(world)
     except HyperparallelError as error:
         problems.append(str(error))
     return problems
+
+
+def _expert_problems(cfg: TrainConfig, hf_config) -> list[str]:
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
+    if cfg.parallel.ep > 1 and experts is not None and experts < cfg.parallel.ep:
+        return [f"parallel.ep = {cfg.parallel.ep} needs at least one expert per rank, and the model has {experts} "
+                f"experts per MoE layer; use ep <= {experts}"]
+    return []
 
 
 def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
@@ -52,21 +72,23 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
 
     try:
         if cfg.model.config is not None:
-            make_config(cfg.model.family, cfg.model.config)
+            hf_config = make_config(cfg.model.family, cfg.model.config)
             given = cfg.model.config.get("vocab_size")  # (absent: it follows the tokenizer)
         else:
-            given = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser()).vocab_size
+            hf_config = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser())
+            given = hf_config.vocab_size
     except HyperparallelError as error:
         where = "model.config" if cfg.model.config is not None else "model.path"
         return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
+    experts = _expert_problems(cfg, hf_config)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
-        return []
+        return experts
     if cfg.data.tokenizer != "builtin":
         where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
-        return [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
+        return experts + [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
                 f"({tokenizer_vocab}); give the model's own tokenizer or a larger vocab_size"]
     source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
-    return [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
+    return experts + [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
             f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
                                                "tokenizer)" if cfg.model.config is not None else "")]
 

@@ -1,12 +1,13 @@
 """One optimizer step: forward and backward over the step's micro-batches (gradient sync on the
-last only), clipping, the optimizer and the schedule."""
+last only; the MoE auxiliary loss added to each), clipping, the optimizer, the MoE load-balance
+update and the schedule."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,9 +18,10 @@ from hyperparallel.train.build import BuiltModel
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # this rank's mean over its micro-batches
+    loss: float  # this rank's mean over its micro-batches (the language-model loss alone)
     grad_norm: float
     lr: float  # the learning rate the step used
+    moe: dict = field(default_factory=dict)  # the load balancing's figures (aux_loss, moe_imbalance)
 
 
 class TrainStep:
@@ -42,14 +44,17 @@ class TrainStep:
         return nullcontext()
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        model, trained = self.built.model, self.built.trained
+        model, trained, balancer = self.built.model, self.built.trained, self.built.balancer
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, (ids, labels) in enumerate(micro_batches):
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):
                 with autocast:
                     loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
-                (loss / self.accumulation).backward()
+                aux = balancer.aux_loss() if balancer is not None else None
+                ((loss if aux is None else loss + aux) / self.accumulation).backward()
+            if balancer is not None:
+                balancer.after_backward()
             loss_sum += loss.detach().double().cpu()
         if self.built.sharded:
             grad_norm = fsdp.clip_grad_norm_(model, self.max_norm).item()
@@ -57,8 +62,9 @@ class TrainStep:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).item()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        moe = balancer.after_step() if balancer is not None else {}  # after the step, as DeepSeek-V3 updates its bias
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(loss_sum.item() / self.accumulation, grad_norm, lr)
+        return StepResult(loss_sum.item() / self.accumulation, grad_norm, lr, moe)

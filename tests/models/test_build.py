@@ -11,7 +11,8 @@ import yaml
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.models import GroupedExperts, build_model, get_family, init_weights
+from hyperparallel.models import build_model, get_family, init_weights
+from hyperparallel.moe import GroupedExperts, MoEBlock, TopKRouter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 FAMILIES = [("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny"), ("kimi_k2", "kimi_k2_tiny")]
@@ -44,8 +45,9 @@ def test_builds_and_trains_one_step(family, name):
     # random init: the loss sits near log(vocab)
     assert abs(loss.item() - torch.log(torch.tensor(model.config.vocab_size)).item()) < 0.5
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    assert len(experts) == {"qwen3": 0, "qwen3_moe": 2, "kimi_k2": 2}[family]
+    moe_layers = {"qwen3": 0, "qwen3_moe": 2, "kimi_k2": 2}[family]
+    for kind in (MoEBlock, GroupedExperts, TopKRouter):  # transformers' MoE blocks swapped for ours
+        assert sum(isinstance(m, kind) for m in model.modules()) == moe_layers, kind.__name__
 
 
 @pytest.mark.parametrize(("family", "name"), FAMILIES)
@@ -85,11 +87,13 @@ def test_rotary_buffers_are_computed_not_left_empty():
 
 
 @pytest.mark.parametrize(("family", "name"), MOE_FAMILIES)
-def test_grouped_experts_match_hf_experts(family, name):
+def test_moe_blocks_match_hf_moe_blocks(family, name):
+    """Our MoE blocks (router, GroupedExperts, shared experts) against transformers' own, eager."""
     config = tiny(name)
     grouped = build_model(family, config=config, seed=3)
     hf = build_model(family, config=config, seed=3, grouped_experts=False)
     hf.set_experts_implementation("eager")  # transformers' reference loop over experts
+    assert not any(isinstance(m, (MoEBlock, TopKRouter, GroupedExperts)) for m in hf.modules())
 
     ref_state = hf.state_dict()
     assert all(torch.equal(v, ref_state[k]) for k, v in grouped.state_dict().items())  # same seed, same weights

@@ -72,6 +72,6 @@ def test_unknown_mode_and_a_model_without_layers_are_refused():
 
 
 def test_selective_policy_keeps_the_grouped_experts_matmul():
-    import hyperparallel.models  # noqa: F401  (registers hyperparallel::grouped_mm)
+    import hyperparallel.moe  # noqa: F401  (registers hyperparallel::grouped_mm)
 
     assert _policy(None, torch.ops.hyperparallel.grouped_mm.default) == CheckpointPolicy.MUST_SAVE

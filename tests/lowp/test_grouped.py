@@ -1,5 +1,9 @@
-"""MXGroupedExperts: the same Parameters as the module it replaces, MX products that are exact,
-and numerics and saved memory measured against the high-precision GroupedExperts.
+"""MXExpertsRecipe: GroupedExperts with MXFP8 products (what lowp.convert sets on experts), the
+same module and Parameters, MX products that are exact, weight copies made once per weight
+version, and numerics and saved memory measured against the high-precision recipe.
+
+On the CPU the products run on groups padded with zero rows to multiples of 32 (the recipe's
+group alignment): zero rows change no block, so none of the results below depend on it.
 
 Exactness, stated precisely:
 - with the reference backend the module equals, bit for bit (torch.equal), a per-expert loop that
@@ -20,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from hyperparallel import mx
-from hyperparallel.errors import ShapeError
-from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.lowp.experts import MXGroupedExperts, _MXGroupedLinear, _Recipe
-from hyperparallel.models import GroupedExperts
+import hyperparallel.lowp.grouped as lowp_grouped
+from hyperparallel import mx, versions
+from hyperparallel.lowp import LowPrecisionConfig, MXExpertsRecipe, convert
+from hyperparallel.lowp.grouped import _MXGroupedLinear, _quantize_weight, _Recipe
+from hyperparallel.moe import GroupedExperts
 
 E, H, INTER, TOP_K = 8, 64, 96, 2
 
@@ -62,8 +66,24 @@ def run(module, x, top_k_index, weights):
     return out.detach(), x.grad, *grads
 
 
-def mx_of(experts, backend=None, **config):
-    return MXGroupedExperts.from_experts(experts, LowPrecisionConfig(**config), backend=backend)
+def mx_of(experts, backend=None, save_weight_copy=True, **config) -> GroupedExperts:
+    """A second GroupedExperts on `experts`' Parameter objects, with the MXFP8 recipe (so that
+    `experts` itself keeps computing in high precision)."""
+    module = GroupedExperts.from_hf(experts)
+    module.recipe = MXExpertsRecipe(LowPrecisionConfig(**config), backend=backend, save_weight_copy=save_weight_copy)
+    return module
+
+
+def mx_linear(x, w, offsets, recipe: _Recipe, grad_enabled=True):
+    """One MX projection, with W's two MX copies made as the recipe makes them."""
+    return _MXGroupedLinear.apply(x, w, _quantize_weight(w.detach(), recipe, along_n=True), offsets, recipe,
+                                  grad_enabled)
+
+
+def padded_rows(top_k_index: torch.Tensor, align: int = 32) -> int:
+    """How many rows the products run on: each expert's (token, slot) pairs padded to `align`."""
+    counts = torch.bincount(top_k_index.reshape(-1), minlength=E)
+    return int(((counts + align - 1) // align * align).sum())
 
 
 # -- the spec, by hand: one expert at a time, each operand quantized by the reference backend --
@@ -120,28 +140,42 @@ class _Reference(nn.Module):
         return reference_experts(self.inner, x, top_k_index, weights)
 
 
-# -- parameters --
+# -- the module and its parameters --
 
 
-def test_from_grouped_experts_adopts_the_same_parameters():
+def test_convert_sets_the_recipe_on_the_same_module_and_parameters():
     experts = make_experts()
-    converted = mx_of(experts)
-    assert converted.gate_up_proj is experts.gate_up_proj
-    assert converted.down_proj is experts.down_proj
-    assert converted.act_fn is experts.act_fn
-    assert [n for n, _ in converted.named_parameters()] == [n for n, _ in experts.named_parameters()]
-    assert converted.state_dict().keys() == experts.state_dict().keys()
-    assert (converted.num_experts, converted.hidden_dim, converted.intermediate_dim) == (E, H, INTER)
+    model = nn.ModuleDict({"experts": experts})
+    params, keys = dict(model.named_parameters()), list(model.state_dict())
+    report = convert(model, LowPrecisionConfig(enabled=True))
+    assert report.replaced == ["experts"] and not report.skipped
+    assert model.experts is experts and isinstance(experts.recipe, MXExpertsRecipe)
+    assert all(p is params[n] for n, p in model.named_parameters()) and list(model.state_dict()) == keys
+    assert (experts.num_experts, experts.hidden_dim, experts.intermediate_dim) == (E, H, INTER)
+    assert "mxfp8" in repr(experts)
+    assert convert(model, LowPrecisionConfig(enabled=True)).replaced == []  # already MXFP8: left alone
+    # what convert sets computes what the recipe built by hand computes
+    batch = make_batch()
+    for got, want in zip(run(experts, *batch), run(mx_of(experts), *batch), strict=True):
+        assert torch.equal(got, want)
 
 
-def test_from_transformers_experts_adopts_the_same_parameters_and_matches_grouped_experts():
-    config = Qwen3MoeConfig(
-        hidden_size=H,
-        moe_intermediate_size=INTER,
-        num_experts=E,
-        num_experts_per_tok=TOP_K,
-        experts_implementation="eager",
-    )
+def test_convert_skips_transformers_experts_and_names_swap_moe_blocks():
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=TOP_K)
+    hf = Qwen3MoeExperts(config)
+    params = dict(hf.named_parameters())
+    model = nn.ModuleDict({"experts": hf})
+    report = convert(model, LowPrecisionConfig(enabled=True))
+    assert report.replaced == [] and [name for name, _ in report.skipped] == ["experts"]
+    assert "swap_moe_blocks" in report.skipped[0][1] and "GroupedExperts" in report.skipped[0][1]
+    assert "skipped experts:" in report.summary()
+    assert model.experts is hf and not hasattr(hf, "recipe")
+    assert all(p is params[n] for n, p in hf.named_parameters())
+
+
+def test_the_recipe_on_transformers_parameters_matches_transformers_experts():
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=TOP_K,
+                            experts_implementation="eager")
     hf = Qwen3MoeExperts(config)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -150,32 +184,23 @@ def test_from_transformers_experts_adopts_the_same_parameters_and_matches_groupe
     converted = mx_of(hf)
     assert converted.gate_up_proj is hf.gate_up_proj and converted.down_proj is hf.down_proj
     assert converted.act_fn is hf.act_fn
-    assert dict(converted.named_parameters()).keys() == dict(hf.named_parameters()).keys()
-    # the same computation whether the Parameters came from transformers or from GroupedExperts
-    via_grouped = mx_of(GroupedExperts.from_hf(hf))
     batch = make_batch()
-    for got, want in zip(run(converted, *batch), run(via_grouped, *batch), strict=True):
-        assert torch.equal(got, want)
     with torch.no_grad():
         assert sqnr(hf(*batch), converted(*batch)) > 20
 
 
-def test_from_experts_works_on_the_meta_device():
+def test_convert_works_on_the_meta_device():
     with torch.device("meta"):
         experts = GroupedExperts(E, H, INTER, nn.SiLU())
-    converted = mx_of(experts)
-    assert converted.gate_up_proj is experts.gate_up_proj and converted.gate_up_proj.is_meta
+    convert(nn.ModuleDict({"experts": experts}), LowPrecisionConfig(enabled=True))
+    assert isinstance(experts.recipe, MXExpertsRecipe) and experts.gate_up_proj.is_meta
 
 
-def test_from_experts_rejects_a_layout_it_cannot_run():
-    experts = make_experts()
-    experts.down_proj = nn.Parameter(torch.zeros(E, H, INTER + 32))
-    with pytest.raises(ShapeError, match="down_proj"):
-        mx_of(experts)
-    experts = make_experts()
-    experts.has_bias = True
-    with pytest.raises(ShapeError, match="has_bias"):
-        mx_of(experts)
+def test_convert_skips_experts_in_a_dtype_the_kernels_cannot_take():
+    experts = make_experts(torch.float64)
+    report = convert(nn.ModuleDict({"experts": experts}), LowPrecisionConfig(enabled=True))
+    assert [name for name, _ in report.skipped] == ["experts"] and "torch.float64" in report.skipped[0][1]
+    assert not isinstance(experts.recipe, MXExpertsRecipe)
 
 
 # -- exactness --
@@ -195,7 +220,7 @@ def test_each_product_is_the_reference_product_to_float32_accumulation(n, k):
     w = (torch.randn(len(sizes), n, k, generator=g) * 0.05).requires_grad_()
     dy = torch.randn(sum(sizes), n, generator=g)
     recipe = _Recipe("rceil", "mxfp8", "columnwise", True, "cpu")
-    y = _MXGroupedLinear.apply(x, w, offsets, recipe, True)
+    y = mx_linear(x, w, offsets, recipe)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     assert y.dtype == dx.dtype == dw.dtype == torch.float32
 
@@ -252,7 +277,7 @@ def test_single_product_sqnr_against_bf16():
     x = torch.randn(sum(sizes), H, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(len(sizes), 2 * INTER, H, generator=g) * 0.05).bfloat16().requires_grad_()
     dy = torch.randn(sum(sizes), 2 * INTER, generator=g).bfloat16()
-    y = _MXGroupedLinear.apply(x, w, offsets, _Recipe("rceil", "mxfp8", "columnwise", True, None), True)
+    y = mx_linear(x, w, offsets, _Recipe("rceil", "mxfp8", "columnwise", True, None))
     got = (y, *torch.autograd.grad(y, (x, w), dy))
     y_ref = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
     want = (y_ref, *torch.autograd.grad(y_ref, (x, w), dy))
@@ -314,8 +339,8 @@ def saved_bytes(module, x, top_k_index, weights) -> tuple[int, int]:
 
 
 def input_copy_bytes(rows: int, width: int = H) -> int:
-    """An input kept as its FP8 grouped column-wise copy: a byte an element, plus rows // 32 + E
-    rows of scale bytes."""
+    """An input of `rows` (padded) rows kept as its FP8 grouped column-wise copy: a byte an
+    element, plus rows // 32 + E rows of scale bytes."""
     return rows * width + (rows // 32 + E) * width
 
 
@@ -324,20 +349,25 @@ def test_saved_bytes_against_bf16_grouped_experts():
     x, top_k_index, weights = make_batch(tokens=200, dtype=torch.bfloat16)
     hp_act, hp_weights = saved_bytes(experts, x, top_k_index, weights)
     mx_act, mx_weights = saved_bytes(mx_of(experts), x, top_k_index, weights)
-    no_copy = MXGroupedExperts.from_experts(experts, LowPrecisionConfig(), save_weight_copy=False)
+    no_copy = mx_of(experts, save_weight_copy=False)
     no_copy_act, no_copy_weights = saved_bytes(no_copy, x, top_k_index, weights)
     weight_bytes = 2 * (E * 2 * INTER * H + E * H * INTER)
     print(
-        f"saved activation bytes: GroupedExperts {hp_act}, MXGroupedExperts {mx_act}, ratio {mx_act / hp_act:.3f}; "
+        f"saved activation bytes: high precision {hp_act}, MXFP8 {mx_act}, ratio {mx_act / hp_act:.3f}; "
         f"MX weight copies {mx_weights} ({mx_weights / weight_bytes:.3f} of the bf16 weights)"
     )
     # MX keeps gate_up's input as its FP8 column-wise copy and gate_up's output in bf16 (the gated
-    # activation and the down projection's input are rebuilt from it), then only small things:
-    # routing weights, indices, offsets (no index_add source)
-    rows = top_k_index.numel()
+    # activation and the down projection's input are rebuilt from it), both over the padded rows,
+    # then only small things: per (token, slot) pair its routing weight and two int64 indices (its
+    # token, its padded slot), per padded slot the token it reads, the offsets. Nothing of size
+    # [pairs, H]: summing the weighted rows into their tokens needs only their tokens in backward
+    # (index_add would keep its whole source).
+    pairs, rows = top_k_index.numel(), padded_rows(top_k_index)
     big = input_copy_bytes(rows) + rows * 2 * INTER * 2
-    assert big <= mx_act <= big + rows * (weights.element_size() + 8) + 1024
-    assert mx_act < 0.5 * hp_act
+    small = pairs * (weights.element_size() + 2 * 8) + rows * 8 + 1024
+    assert big <= mx_act <= big + small, f"{mx_act - big - small} bytes more than the activations above"
+    # the high-precision recipe keeps the bf16 input and gate, up and act(gate): measured 0.516
+    assert mx_act < 0.55 * hp_act
     # dgrad's copies of both weights blocked along N (FP8 data, a scale byte per 32), and only with
     # save_weight_copy; GroupedExperts keeps its Parameters, which cost nothing extra
     assert hp_weights == 0 and no_copy_weights == 0 and no_copy_act == mx_act
@@ -354,7 +384,7 @@ def test_frozen_weights_get_no_grad_and_keep_no_input_copy():
     frozen_bytes = saved_bytes(mx_of(experts), *batch)
     assert frozen[2] is None and frozen[3] is None
     assert torch.equal(frozen[0], trainable[0]) and torch.equal(frozen[1], trainable[1])
-    assert trainable_bytes[0] - frozen_bytes[0] == input_copy_bytes(batch[1].numel())
+    assert trainable_bytes[0] - frozen_bytes[0] == input_copy_bytes(padded_rows(batch[1]))
     assert frozen_bytes[1] == trainable_bytes[1]  # dgrad still needs the weights along N
 
 
@@ -375,7 +405,7 @@ def test_save_input_original_and_requantized_weights_give_identical_results():
     default = run(mx_of(experts), *batch)
     for module in (
         mx_of(experts, save_input="original"),
-        MXGroupedExperts.from_experts(experts, LowPrecisionConfig(), save_weight_copy=False),
+        mx_of(experts, save_weight_copy=False),
     ):
         for got, want in zip(run(module, *batch), default, strict=True):
             assert torch.equal(got, want)
@@ -405,7 +435,7 @@ def test_high_precision_wgrad_fallback_for_unaligned_sizes():
     w = torch.randn(len(sizes), 32, 40, generator=g).requires_grad_()
     recipe = _Recipe("rceil", "high_precision", "columnwise", True, None)
     dy = torch.randn(sum(sizes), 32, generator=g)
-    (dw,) = torch.autograd.grad(_MXGroupedLinear.apply(x.half(), w, offsets, recipe, True), (w,), dy.half())
+    (dw,) = torch.autograd.grad(mx_linear(x.half(), w, offsets, recipe), (w,), dy.half())
     starts = [0, *offsets.tolist()[:-1]]
     want = torch.stack([dy[s:e].T @ x[s:e].detach() for s, e in zip(starts, offsets.tolist(), strict=True)])
     assert dw.dtype == torch.float32
@@ -424,3 +454,67 @@ def test_activation_recompute_gives_identical_results():
 
     for got, w in zip(run(Checkpointed(module), *batch), want, strict=True):
         assert torch.equal(got, w)
+
+
+# -- weight copies: made once per weight version --
+
+
+@pytest.fixture
+def quantize_calls(monkeypatch):
+    """The weights (by identity) that the recipe makes MX copies of, call by call."""
+    calls = []
+
+    def counted(weight, r, along_n):
+        calls.append(weight.untyped_storage().data_ptr())
+        return _quantize_weight(weight, r, along_n)
+
+    monkeypatch.setattr(lowp_grouped, "_quantize_weight", counted)
+    return calls
+
+
+def test_weight_copies_are_made_once_per_weight_version(quantize_calls):
+    experts = make_experts(torch.bfloat16)
+    module = mx_of(experts)
+    gate_up, down = (p.untyped_storage().data_ptr() for p in (experts.gate_up_proj, experts.down_proj))
+    batch = make_batch(dtype=torch.bfloat16)
+
+    def new_copies(step) -> list:
+        """The weights that `step` made new copies of; what it computes equals a module with no
+        cache at all (a fresh recipe), so reused copies are never stale."""
+        before = len(quantize_calls)
+        got = step()
+        made = quantize_calls[before:]
+        for g, w in zip(got, run(mx_of(experts), *batch), strict=True):
+            assert torch.equal(g, w)
+        del quantize_calls[before:]  # the fresh module's own calls
+        return sorted(made)
+
+    assert new_copies(lambda: run(module, *batch)) == sorted([gate_up, down])  # the first micro-batch
+    assert new_copies(lambda: run(module, *batch)) == []  # the second: the same copies
+
+    class Checkpointed(_Reference):
+        def forward(self, *args):
+            return checkpoint(self.inner, *args, use_reentrant=False)
+
+    assert new_copies(lambda: run(Checkpointed(module), *batch)) == []  # recompute in backward: the same copies
+
+    with torch.no_grad():
+        experts.gate_up_proj.add_(1)  # an in-place update bumps _version
+    assert new_copies(lambda: run(module, *batch)) == [gate_up]
+    versions.bump(experts.down_proj)  # a write that bypasses _version, announced
+    assert new_copies(lambda: run(module, *batch)) == [down]
+
+    run(module, *batch)  # gradients for the optimizer
+    optimizer = torch.optim.AdamW(experts.parameters(), lr=0.1, fused=True)
+    version = experts.gate_up_proj._version
+    optimizer.step()
+    assert experts.gate_up_proj._version == version  # fused AdamW writes without bumping _version ...
+    assert new_copies(lambda: run(module, *batch)) == sorted([gate_up, down])  # ... and still gets new copies
+
+
+def test_without_save_weight_copy_every_forward_quantizes_anew(quantize_calls):
+    module = mx_of(make_experts(torch.bfloat16), save_weight_copy=False)
+    batch = make_batch(dtype=torch.bfloat16)
+    run(module, *batch)
+    run(module, *batch)
+    assert len(quantize_calls) == 4  # both weights, both micro-batches (backward re-quantizes W itself)

@@ -1,4 +1,5 @@
-"""GroupedExperts computes what transformers' eager experts loop computes, gradients included.
+"""GroupedExperts computes what transformers' eager experts loop computes, gradients included;
+swap_moe_blocks puts it (inside a MoEBlock) in place of transformers' sparse MoE blocks.
 
 Tolerances: float32 results agree with the loop to rtol 1e-5 / atol 1e-5 on values of order 1 (the
 matmuls sum in another order); bfloat16 results to rtol 2e-2 plus an atol of two bf16 ulps of the
@@ -16,8 +17,16 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Exper
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from hyperparallel.errors import ShapeError
-from hyperparallel.models import GroupedExperts, get_family, grouped_mm, make_config, swap_experts
-from hyperparallel.models import grouped_experts as ge
+from hyperparallel.models import get_family, make_config, swap_moe_blocks
+from hyperparallel.moe import (
+    GroupedExperts,
+    HighPrecision,
+    MoEBlock,
+    grouped_mm,
+    native_grouped_mm_supported,
+    padded_slots,
+)
+from hyperparallel.moe import grouped_matmul as grouped_mm_module
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -40,7 +49,7 @@ def reference_grouped_mm(a, b, offsets):
 def path(request, monkeypatch):
     """Run a test once through torch._grouped_mm and once through the padded-bmm fallback."""
     if request.param == "padded_bmm":
-        monkeypatch.setattr(ge, "native_grouped_mm_supported", lambda a, b: False)
+        monkeypatch.setattr(grouped_mm_module, "native_grouped_mm_supported", lambda a, b: False)
     return request.param
 
 
@@ -79,18 +88,18 @@ def test_native_backward_takes_an_expanded_gradient():
 
 def test_native_rule():
     f32, bf16 = torch.float32, torch.bfloat16
-    assert ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 96))
-    assert ge.native_grouped_mm_supported(torch.empty(3, 8, dtype=bf16), torch.empty(2, 8, 16, dtype=bf16))
+    assert native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 96))
+    assert native_grouped_mm_supported(torch.empty(3, 8, dtype=bf16), torch.empty(2, 8, 16, dtype=bf16))
     # strides must be multiples of 16 bytes: 4 float32 or 8 bfloat16 elements
-    assert not ge.native_grouped_mm_supported(torch.empty(3, 62), torch.empty(2, 62, 96))
-    assert not ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 90))
-    assert not ge.native_grouped_mm_supported(torch.empty(3, 60, dtype=bf16), torch.empty(2, 60, 96, dtype=bf16))
-    assert not ge.native_grouped_mm_supported(
+    assert not native_grouped_mm_supported(torch.empty(3, 62), torch.empty(2, 62, 96))
+    assert not native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 90))
+    assert not native_grouped_mm_supported(torch.empty(3, 60, dtype=bf16), torch.empty(2, 60, 96, dtype=bf16))
+    assert not native_grouped_mm_supported(
         torch.empty(3, 64, dtype=torch.float64), torch.empty(2, 64, 96, dtype=torch.float64)
     )
-    assert not ge.native_grouped_mm_supported(torch.empty(3, 64, dtype=f32), torch.empty(2, 64, 96, dtype=bf16))
-    assert ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 96, 64).transpose(-2, -1))
-    assert not ge.native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 192)[:, :, ::2])
+    assert not native_grouped_mm_supported(torch.empty(3, 64, dtype=f32), torch.empty(2, 64, 96, dtype=bf16))
+    assert native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 96, 64).transpose(-2, -1))
+    assert not native_grouped_mm_supported(torch.empty(3, 64), torch.empty(2, 64, 192)[:, :, ::2])
 
 
 def test_unaligned_shapes_fall_back_and_stay_correct():
@@ -148,7 +157,7 @@ def test_matches_hf_experts_fp32(path, family, config_name, num_tokens):
     index, weights = routing(num_tokens, experts.num_experts, top_k, idle=3, weight_dtype=torch.float32)
 
     if path == "native":  # the tiny shapes are aligned, so the native kernel really runs
-        assert ge.native_grouped_mm_supported(hidden, experts.down_proj.transpose(-2, -1))
+        assert native_grouped_mm_supported(hidden, experts.down_proj.transpose(-2, -1))
     want = run(experts, hidden, index, weights)
     got = run(GroupedExperts.from_hf(experts), hidden, index, weights)  # the same Parameter objects
     torch.testing.assert_close(got[0], want[0], **FP32)
@@ -186,19 +195,36 @@ def test_matches_hf_experts_bf16(path, family, config_name):
         assert_close_bf16(g, w)
 
 
-def test_swap_keeps_parameter_objects_and_names():
+@pytest.mark.parametrize(("family", "config_name", "moe_layers"),
+                         [("qwen3_moe", "qwen3_moe_tiny.yaml", 2), ("kimi_k2", "kimi_k2_tiny.yaml", 2)])
+def test_swap_moe_blocks_keeps_parameter_and_buffer_objects_and_names(family, config_name, moe_layers):
     from hyperparallel.models import build_model
 
-    config = yaml.safe_load((CONFIGS / "qwen3_moe_tiny.yaml").read_text())
-    model = build_model("qwen3_moe", config=config, grouped_experts=False)
+    config = yaml.safe_load((CONFIGS / config_name).read_text())
+    model = build_model(family, config=config, grouped_experts=False)
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())  # DeepSeek's routers hold e_score_correction_bias
     keys = list(model.state_dict())
 
-    assert swap_experts(model) == config["num_hidden_layers"]
-    assert swap_experts(model) == 0  # nothing left to swap
+    assert swap_moe_blocks(model) == moe_layers  # kimi_k2_tiny's first layer is dense
+    assert swap_moe_blocks(model) == 0  # nothing left to swap
     assert list(model.state_dict()) == keys
     assert all(p is params[name] for name, p in model.named_parameters())
-    assert all(isinstance(layer.mlp.experts, GroupedExperts) for layer in model.model.layers)
+    assert all(b is buffers[name] for name, b in model.named_buffers())
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    assert len(blocks) == moe_layers and all(isinstance(b.experts, GroupedExperts) for b in blocks)
+
+
+def test_from_hf_rejects_a_layout_it_cannot_run():
+    experts, _ = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    E, H, inter = experts.down_proj.shape
+    experts.down_proj = torch.nn.Parameter(torch.zeros(E, H, inter + 32))
+    with pytest.raises(ShapeError, match="down_proj"):
+        GroupedExperts.from_hf(experts)
+    experts, _ = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    experts.has_bias = True
+    with pytest.raises(ShapeError, match="has_bias"):
+        GroupedExperts.from_hf(experts)
 
 
 def test_padded_slots_lay_groups_out_on_aligned_starts():
@@ -206,7 +232,7 @@ def test_padded_slots_lay_groups_out_on_aligned_starts():
     token_of_row = torch.tensor([5, 0, 2, 1, 4, 3])
     expert_of_row = torch.tensor([0, 0, 0, 2, 2, 2])
     offsets = torch.tensor([3, 3, 6], dtype=torch.int32)
-    token_of_slot, row_slot, ends = ge._padded_slots(token_of_row, expert_of_row, offsets, num_tokens=6, align=4)
+    token_of_slot, row_slot, ends = padded_slots(token_of_row, expert_of_row, offsets, num_tokens=6, align=4)
     assert ends.tolist() == [4, 4, 8] and ends.dtype == torch.int32
     assert row_slot.tolist() == [0, 1, 2, 4, 5, 6]
     assert token_of_slot.tolist() == [5, 0, 2, 6, 1, 4, 3, 6]  # 6 = the zero row
@@ -221,7 +247,7 @@ def test_under_bf16_autocast_experts_run_in_bf16_like_hf_eager_experts(family, c
     hidden = torch.randn(45, config.hidden_size, requires_grad=True)
     index, weights = routing(45, experts.num_experts, config.num_experts_per_tok, idle=2, weight_dtype=torch.float32)
     grouped = GroupedExperts.from_hf(experts)
-    assert ge._group_alignment(hidden.device, torch.bfloat16) > 1  # the padded layout is what runs
+    assert HighPrecision().group_alignment(hidden.device, torch.bfloat16) > 1  # the padded layout is what runs
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = run(experts, hidden, index, weights)
         got = run(grouped, hidden, index, weights)
@@ -254,7 +280,7 @@ def test_padded_layout_has_a_fixed_length_under_compile():
     token_of_row = torch.tensor([5, 0, 2, 1, 4, 3])
     expert_of_row = torch.tensor([0, 0, 0, 2, 2, 2])
     offsets = torch.tensor([3, 3, 6], dtype=torch.int32)
-    slots = torch.compile(ge._padded_slots, backend="aot_eager", fullgraph=True)
+    slots = torch.compile(padded_slots, backend="aot_eager", fullgraph=True)
     token_of_slot, row_slot, ends = slots(token_of_row, expert_of_row, offsets, num_tokens=6, align=4)
     assert ends.tolist() == [4, 4, 16]  # 6 rows + 3 groups x 3 short, rounded up to 4
     assert row_slot.tolist() == [0, 1, 2, 4, 5, 6]
@@ -270,3 +296,94 @@ def test_padded_layout_has_a_fixed_length_under_compile():
         got = run(compiled, hidden, index, weights)
     for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
         assert_close_bf16(g.float(), w.float())
+
+
+# -- run_sorted: the products alone, on rows already ordered by expert --
+
+
+class RecordingRecipe:
+    """A recipe that runs another's products and records the group ends they ran on."""
+
+    def __init__(self, inner):
+        self.inner, self.offsets = inner, []
+
+    def group_alignment(self, device, dtype):
+        return self.inner.group_alignment(device, dtype)
+
+    def compute_dtype(self, hidden_states):
+        return self.inner.compute_dtype(hidden_states)
+
+    def products(self, experts, rows, offsets):
+        self.offsets.append(offsets.tolist())
+        return self.inner.products(experts, rows, offsets)
+
+    def describe(self):
+        return "recording " + self.inner.describe()
+
+
+SORTED_COUNTS = [3, 0, 40, 1, 0, 33, 2, 0, 5, 0, 0, 7, 1, 0, 9, 4]  # 16 experts: empty and off the 32-row grid
+
+
+def sorted_rows(config):
+    """Rows ordered by expert, their offsets, and the same rows as a top-1 routing with weight 1."""
+    counts = torch.tensor(SORTED_COUNTS)
+    assert len(counts) == config.num_experts
+    torch.manual_seed(7)
+    rows = torch.randn(int(counts.sum()), config.hidden_size, requires_grad=True)
+    index = torch.repeat_interleave(torch.arange(len(counts)), counts).unsqueeze(1)  # already sorted
+    return rows, counts.cumsum(0).to(torch.int32), index, torch.ones(index.shape)
+
+
+def run_sorted_and_grads(grouped, rows, offsets):
+    out = grouped.run_sorted(rows, offsets)
+    grad = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    return out, torch.autograd.grad(out, (rows, grouped.gate_up_proj, grouped.down_proj), grad)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32_unpadded", "bf16_autocast_padded"])
+def test_run_sorted_equals_forward_on_sorted_rows(autocast):
+    """run_sorted(rows, offsets) is forward's per-row products: forward of the same rows routed
+    top-1 to their own expert with weight 1 gives the same bits, gradients included; under bf16
+    autocast on the CPU both run on groups padded to 32 rows, in fp32 on the groups as they are."""
+    experts, config = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    grouped = GroupedExperts.from_hf(experts)
+    grouped.recipe = RecordingRecipe(HighPrecision())
+    rows, offsets, index, ones = sorted_rows(config)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        got = run_sorted_and_grads(grouped, rows, offsets)
+        via_forward = grouped(rows, index, ones)
+        grad = torch.linspace(-1, 1, via_forward.numel()).view_as(via_forward)
+        want = (via_forward, torch.autograd.grad(via_forward, (rows, grouped.gate_up_proj, grouped.down_proj), grad))
+
+    assert got[0].dtype == rows.dtype  # in the rows' dtype, whatever the products ran in
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1], want[1], strict=True):
+        assert torch.equal(g, w)
+    run_sorted_groups, forward_groups = grouped.recipe.offsets
+    assert run_sorted_groups == forward_groups
+    if autocast:
+        padded = torch.tensor(SORTED_COUNTS).add(31).div(32, rounding_mode="floor").mul(32).cumsum(0).tolist()
+        assert run_sorted_groups == padded
+    else:
+        assert run_sorted_groups == offsets.tolist()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32_unpadded", "bf16_autocast_padded"])
+def test_run_sorted_matches_hf_experts_on_sorted_rows(autocast):
+    """Against transformers' eager loop, the same top-1 routing with weight 1."""
+    experts, config = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    grouped = GroupedExperts.from_hf(experts)
+    rows, offsets, index, ones = sorted_rows(config)
+    params = (rows, grouped.gate_up_proj, grouped.down_proj)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        got = run_sorted_and_grads(grouped, rows, offsets)
+        hf_out = experts(rows, index, ones)
+        grad = torch.linspace(-1, 1, hf_out.numel(), dtype=hf_out.dtype).view_as(hf_out)
+        want = (hf_out, torch.autograd.grad(hf_out, params, grad))
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+        if autocast:
+            assert_close_bf16(g.float(), w.float())
+        else:
+            torch.testing.assert_close(g, w, **FP32)

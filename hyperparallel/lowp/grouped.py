@@ -1,0 +1,214 @@
+"""MXExpertsRecipe: the grouped products of MoE experts in MXFP8, forward and backward.
+
+`hyperparallel.moe.GroupedExperts` runs its two projections (gate_up_proj [E, 2I, H], down_proj
+[E, H, I]) through its recipe; `lowp.convert` sets this one. Each projection (weight W [E, N, K])
+is one autograd Function with three MX products, every operand blocked along the dimension its
+product sums over:
+
+    forward  y    = x @ W_g^T      x row-wise (along K)           x  W along K
+    dgrad    dx   = dy @ W_g       dy row-wise (along N)          x  W along N
+    wgrad    dW_g = dy_g^T @ x_g   dy and x along the tokens of each expert (quantize_grouped)
+
+Groups are the experts' runs of sorted rows, of any size, zero included (zero rows padding a
+group to an aligned size change no block: blocks restart at each group). The activation stays in
+high precision; the down projection keeps only gate_up for backward and rebuilds the activation
+there. Outputs and input grads come back in the input's dtype, weight grads in the weight's.
+
+Weight copies: W's two MX copies (along K for forward, along N for dgrad) are made once per
+weight version (`hyperparallel.versions.key`) and reused across micro-batches, backward and
+recompute, as MXLinear's are. With save_weight_copy=False nothing is kept: forward quantizes W
+along K, and backward quantizes it along N again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from hyperparallel import mx, versions
+from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.mx.grouped_products import grouped_weight_grad_mm
+from hyperparallel.mx.tensor import MXTensor
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    scale_mode: str
+    wgrad: str  # "mxfp8" | "high_precision"
+    save_input: str  # "columnwise" | "original"
+    save_weight_copy: bool  # keep W along N from forward (else re-quantize W in backward)
+    backend: str | None
+
+
+def _quantize_weight(weight: torch.Tensor, r: _Recipe, along_n: bool) -> tuple[MXTensor, MXTensor | None]:
+    """W [E, N, K] blocked along K (for forward) and, if asked, along N (for dgrad)."""
+    E, N, K = weight.shape
+    if along_n and N % mx.BLOCK_SIZE == 0:
+        # Blocks along N then never straddle two experts, so blocks along dim 0 of W seen as
+        # [E*N, K] are exactly its blocks along N: one pass over W yields both copies.
+        row, col = mx.quantize_dual(weight.reshape(E * N, K), scale_mode=r.scale_mode, backend=r.backend)
+        along_k = MXTensor(row.data.view(E, N, K), row.scale.view(E, N, -1), 2, r.scale_mode)
+        return along_k, MXTensor(col.data.view(E, N, K), col.scale.view(E, N // mx.BLOCK_SIZE, K), 1, r.scale_mode)
+    along_k = mx.quantize(weight, 2, scale_mode=r.scale_mode, backend=r.backend)
+    return along_k, mx.quantize(weight, 1, scale_mode=r.scale_mode, backend=r.backend) if along_n else None
+
+
+def _project(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool, saved: list,
+             keep_input: bool = True):
+    """The forward product of one projection; what its backward needs goes onto `saved` and ctx.
+
+    `copies`: W's (along K, along N or None) MX copies. With keep_input=False the caller keeps
+    what the input can be rebuilt from instead."""
+    need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+    need_wgrad = grad_enabled and ctx.needs_input_grad[1]
+    along_k, along_n = copies
+    w_kn = replace(along_k, data=along_k.data.transpose(1, 2), scale=along_k.scale.transpose(1, 2), axis=1)
+    x_rows = mx.quantize(x, 1, scale_mode=r.scale_mode, backend=r.backend)
+    y = mx.mx_grouped_mm(x_rows, w_kn, offsets, x.dtype, backend=r.backend)
+    ctx.dgrad_from = ctx.wgrad_from = None  # what backward finds in `saved`, in this order
+    if need_dgrad:
+        ctx.dgrad_from = "mx" if along_n is not None else "weight"
+        saved += [along_n.data, along_n.scale] if along_n is not None else [weight]
+    if need_wgrad:
+        columnwise = r.wgrad == "mxfp8" and r.save_input == "columnwise" and keep_input
+        ctx.wgrad_from = "mx" if columnwise else ("input" if keep_input else "rebuilt")
+        if columnwise:
+            x_cols = mx.quantize_grouped(x, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            saved += [x_cols.data, x_cols.scale]
+        elif keep_input:
+            saved.append(x)
+    ctx.recipe, ctx.x_dtype, ctx.w_dtype = r, x.dtype, weight.dtype
+    return y
+
+
+def _project_backward(ctx, dy, offsets, saved: list, x=None):
+    """dx, dW of one projection from what `_project` saved (`x`: the rebuilt input, if asked)."""
+    r = ctx.recipe
+    dy = dy.contiguous()  # .sum() hands in an expanded gradient
+    dx = dw = None
+    if ctx.dgrad_from is not None:
+        if ctx.dgrad_from == "mx":
+            w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
+        else:
+            w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
+        dy_rows = mx.quantize(dy, 1, scale_mode=r.scale_mode, backend=r.backend)
+        dx = mx.mx_grouped_mm(dy_rows, w_n, offsets, ctx.x_dtype, backend=r.backend)
+    if ctx.wgrad_from is not None:
+        x_in = x if ctx.wgrad_from == "rebuilt" else (saved[0] if ctx.wgrad_from == "input" else None)
+        if r.wgrad == "mxfp8":
+            if ctx.wgrad_from == "mx":
+                x_cols = MXTensor(saved[0], saved[1], 0, r.scale_mode, group_offsets=offsets)
+            else:
+                x_cols = mx.quantize_grouped(x_in, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
+            dw = mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
+        else:
+            dw = grouped_weight_grad_mm(dy.t(), x_in, offsets).to(ctx.w_dtype)  # [E, N, K]
+    return dx, dw
+
+
+class _MXGroupedLinear(torch.autograd.Function):
+    """x [M, K] (rows sorted by expert, `offsets` their cumulative ends) x W [E, N, K] -> [M, N]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool):
+        # Function.forward always runs without grad; `grad_enabled` says whether a graph is built,
+        # so that inference makes no copies for backward.
+        saved = [offsets]
+        y = _project(ctx, x, weight, copies, offsets, r, grad_enabled, saved)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        offsets, *saved = ctx.saved_tensors  # unpacked once: checkpointing allows no more
+        dx, dw = _project_backward(ctx, dy, offsets, saved)
+        return dx, dw, None, None, None, None
+
+
+def _gated(gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+class _MXGatedDown(torch.autograd.Function):
+    """act_fn(gate) * up, then the down projection, keeping only gate_up for backward.
+
+    Left to autograd, the activation would keep gate, act_fn(gate) and up (three [M, I] tensors
+    in high precision) and the down projection its input's MX copy; all of it is rebuilt from
+    gate_up ([M, 2I]) in backward by element-wise work, in the same order, to the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, copies, offsets, act_fn, r: _Recipe, grad_enabled: bool):
+        act = _gated(gate_up, act_fn)
+        saved = [offsets]
+        y = _project(ctx, act, weight, copies, offsets, r, grad_enabled, saved, keep_input=False)
+        ctx.act_fn = act_fn
+        ctx.save_for_backward(*saved, gate_up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        offsets, *saved, gate_up = ctx.saved_tensors  # unpacked once: checkpointing allows no more
+        with torch.enable_grad():
+            gu = gate_up.detach().requires_grad_(ctx.needs_input_grad[0])
+            act = _gated(gu, ctx.act_fn)
+        d_act, dw = _project_backward(ctx, dy, offsets, saved, x=act.detach())
+        d_gate_up = torch.autograd.grad(act, gu, d_act)[0] if ctx.needs_input_grad[0] else None
+        return d_gate_up, dw, None, None, None, None, None
+
+
+class MXExpertsRecipe:
+    """The recipe `GroupedExperts` runs its products with under MXFP8 (set by lowp.convert).
+
+    `save_weight_copy=False` keeps no MX copy of the weights (see the module docstring): one more
+    pass per weight in backward, less memory held across the step. `backend` forces an MX
+    backend (see hyperparallel.mx.backends); None picks the device's default.
+    """
+
+    def __init__(self, config: LowPrecisionConfig, *, save_weight_copy: bool = True, backend: str | None = None):
+        self.config = config
+        self.save_weight_copy = save_weight_copy
+        self.backend = backend
+        self._copies: dict[str, tuple[tuple, MXTensor, MXTensor | None]] = {}  # projection -> (key, along K, along N)
+
+    def _recipe(self) -> _Recipe:
+        c = self.config
+        return _Recipe(c.scale_mode, c.wgrad, c.save_input, self.save_weight_copy, self.backend)
+
+    def group_alignment(self, device: torch.device, dtype: torch.dtype) -> int:
+        # The emulated products run on dequantized operands in bf16 where that is exact, through
+        # the same oneDNN kernels per shape as high-precision bf16 ones: the same padding pays.
+        return 32 if device.type == "cpu" else 1
+
+    def compute_dtype(self, hidden_states: torch.Tensor) -> torch.dtype:
+        return hidden_states.dtype  # MX operands are quantized from the rows as they come
+
+    def weight_copies(self, name: str, weight: torch.Tensor, need_along_n: bool) -> tuple[MXTensor, MXTensor | None]:
+        r = self._recipe()
+        if not self.save_weight_copy:
+            return _quantize_weight(weight.detach(), r, along_n=False)
+        if torch.compiler.is_compiling():  # a traced graph quantizes anew; no Python-side cache
+            return _quantize_weight(weight.detach(), r, along_n=need_along_n)
+        versions.watch_optimizers()
+        key = (versions.key(weight), r.scale_mode, r.backend)
+        cached = self._copies.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, *_quantize_weight(weight.detach(), r, along_n=True))
+            self._copies[name] = cached
+        return cached[1], cached[2]
+
+    def products(self, experts: nn.Module, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        r = self._recipe()
+        grad_enabled = torch.is_grad_enabled()
+        gate_up_w, down_w = experts.gate_up_proj, experts.down_proj
+        gate_up = _MXGroupedLinear.apply(rows, gate_up_w, self.weight_copies("gate_up_proj", gate_up_w, grad_enabled),
+                                         offsets, r, grad_enabled)
+        return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
+                                  experts.act_fn, r, grad_enabled)
+
+    def describe(self) -> str:
+        c = self.config
+        return f"mxfp8 {c.scale_mode}, wgrad={c.wgrad}, save_input={c.save_input}"

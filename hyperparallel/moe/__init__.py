@@ -1,0 +1,26 @@
+"""Mixture of experts: the router and load balancing, the token permutation, GroupedExperts (one
+module; MXFP8 is a recipe of it), the MoE block, and expert parallelism."""
+
+from hyperparallel.moe.balance import LoadBalancer, routers
+from hyperparallel.moe.block import MoEBlock
+from hyperparallel.moe.experts import GroupedExperts, HighPrecision, unsupported_reason
+from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm, native_grouped_mm_supported
+from hyperparallel.moe.permutation import padded_slots, sort_by_expert
+from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter, switch_aux_loss
+
+__all__ = [
+    "LOAD_BALANCE",
+    "GroupedExperts",
+    "HighPrecision",
+    "LoadBalancer",
+    "MoEBlock",
+    "TopKRouter",
+    "compute_dtype",
+    "grouped_mm",
+    "native_grouped_mm_supported",
+    "padded_slots",
+    "routers",
+    "sort_by_expert",
+    "switch_aux_loss",
+    "unsupported_reason",
+]

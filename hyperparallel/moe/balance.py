@@ -1,0 +1,94 @@
+"""Load balancing across experts, per training step, for every TopKRouter of a model.
+
+Three rules (`mode`):
+- ``aux_loss``: each MoE layer's Switch auxiliary loss (see `router.switch_aux_loss`), averaged
+  over the layers and times `aux_loss_coef`, is added to the training loss (Qwen3-MoE's rule;
+  transformers' load_balancing_loss_func gives the same value for one layer).
+- ``bias``: aux-loss-free balancing (DeepSeek-V3): after each optimizer step, every router's
+  correction bias moves by `bias_update_rate` towards balance, b_e += rate * sign(mean load -
+  load_e), from the loads of the step summed over every rank that saw different tokens. The
+  bias only changes which experts are chosen, never the weights of the chosen ones.
+- ``none``: nothing is changed; the loads are still measured.
+
+Whatever the rule, each step reports per MoE layer its imbalance: the most tokens any expert got
+over the mean per expert (1.0 is perfect balance; E when one expert takes everything).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter
+
+
+def routers(model: nn.Module) -> list[TopKRouter]:
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+class LoadBalancer:
+    def __init__(self, model: nn.Module, mode: str, *, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 process_group=None):
+        if mode not in LOAD_BALANCE:
+            raise ConfigError(f"moe.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {mode!r}")
+        self.routers = routers(model)
+        without_bias = [name for name, m in model.named_modules()
+                        if isinstance(m, TopKRouter) and m.e_score_correction_bias is None]
+        if mode == "bias" and without_bias:
+            raise ConfigError(f"moe.load_balance: bias needs routers with a correction bias, and {without_bias[0]} "
+                              f"has none (its family balances with aux_loss)")
+        self.mode, self.aux_loss_coef, self.bias_update_rate = mode, aux_loss_coef, bias_update_rate
+        self.process_group = process_group
+        for router in self.routers:
+            router.load_balance = mode
+        self._step_counts: list[torch.Tensor] | None = None  # per layer [E]: this rank's, this step's
+        self._aux_sum, self._aux_micro_batches = 0.0, 0
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """coef * the mean over layers of the last forward's auxiliary losses (None when off)."""
+        if self.mode != "aux_loss":
+            return None
+        losses = [r.last_aux_loss for r in self.routers if r.last_aux_loss is not None]
+        if not losses:
+            return None
+        mean = torch.stack(losses).mean()
+        self._aux_sum += float(mean.detach())
+        self._aux_micro_batches += 1
+        return self.aux_loss_coef * mean
+
+    def after_backward(self) -> None:
+        """Fold the last micro-batch's loads into the step's."""
+        counts = [r.last_counts for r in self.routers]
+        if self.routers and all(c is not None for c in counts):
+            if self._step_counts is None:
+                self._step_counts = counts
+            else:
+                self._step_counts = [total + c for total, c in zip(self._step_counts, counts, strict=True)]
+        for r in self.routers:
+            r.clear_record()
+
+    @torch.no_grad()
+    def after_step(self) -> dict[str, float | list[float]]:
+        """The step's global loads: update the biases (mode bias); return the step's figures."""
+        figures: dict[str, float | list[float]] = {}
+        if self._aux_micro_batches:
+            figures["aux_loss"] = self._aux_sum / self._aux_micro_batches
+        self._aux_sum, self._aux_micro_batches = 0.0, 0
+        per_layer, self._step_counts = self._step_counts, None
+        if per_layer is None:
+            return figures
+        counts = torch.cat(per_layer)  # one all-reduce for every layer
+        if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            dist.all_reduce(counts, group=self.process_group)
+        imbalance = []
+        for router, load in zip(self.routers, counts.double().split([c.numel() for c in per_layer]), strict=True):
+            mean = load.mean()
+            imbalance.append(float(load.max() / mean) if mean > 0 else 1.0)
+            if self.mode == "bias":
+                bias = router.e_score_correction_bias
+                bias.add_(self.bias_update_rate * torch.sign(mean - load).to(bias.dtype))
+        figures["moe_imbalance"] = max(imbalance)
+        figures["moe_imbalance_per_layer"] = [round(v, 4) for v in imbalance]
+        return figures

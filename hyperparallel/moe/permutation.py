@@ -1,0 +1,77 @@
+"""Token permutation: the (token, slot) pairs of a top-k routing ordered by expert, and the
+layout of those rows in groups padded to a multiple of some rows.
+
+Counts per expert may be anything, zero included. Nothing here syncs with the host except the
+eager padded layout's length (free on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order the flattened (token, slot) pairs by expert.
+
+    Returns `order` (positions into top_k_index.reshape(-1), stable, so within one expert tokens
+    keep their order) and `offsets` (int32 cumulative group ends, one per expert).
+    """
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add_ rather than bincount: no host sync, and out-of-range ids raise instead of growing bins
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def has_values(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+def padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: int):
+    """Lay the expert-sorted rows out in groups padded to multiples of `align`.
+
+    Returns token_of_slot (the token each padded slot reads, `num_tokens` for a pad slot, which
+    reads a zero row), row_slot (the slot of each sorted row) and the padded group ends. Eagerly
+    the layout is as long as the padded groups need (one host sync, free on the CPU); under
+    torch.compile it has the fixed length of the worst case (every group `align - 1` rows short),
+    the last group taking the slack, so the graph has static shapes and no break. So it has on
+    tensors without values (meta, or the fake tensors `hyperparallel plan` runs a model on).
+    """
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+    padded_counts = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded_counts, 0)
+    starts, padded_starts = offsets.long() - counts, padded_ends - padded_counts
+    row_slot = torch.arange(token_of_row.shape[0], device=token_of_row.device) - starts[expert_of_row] \
+        + padded_starts[expert_of_row]
+    if torch.compiler.is_compiling() or not has_values(offsets):
+        rows, groups = token_of_row.shape[0], offsets.shape[0]
+        total = (rows + groups * (align - 1) + align - 1) // align * align
+        if groups:
+            padded_ends = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), total)])
+    else:
+        total = int(padded_ends[-1]) if padded_ends.numel() else 0
+    token_of_slot = torch.full((total,), num_tokens, dtype=token_of_row.dtype, device=token_of_row.device)
+    token_of_slot[row_slot] = token_of_row
+    return token_of_slot, row_slot, padded_ends.to(torch.int32)
+
+
+class _AddRowsToTokens(torch.autograd.Function):
+    """Sum rows into their tokens; unlike index_add, backward keeps only the index (index_add's
+    keeps the rows too: [pairs, H] held across the step for nothing)."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, num_tokens: int):
+        ctx.save_for_backward(token_of_row)
+        return rows.new_zeros(num_tokens, rows.shape[-1]).index_add_(0, token_of_row, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None
+
+
+def add_rows_to_tokens(rows: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[pairs, H] rows summed into [num_tokens, H], row i into token token_of_row[i]."""
+    return _AddRowsToTokens.apply(rows, token_of_row, num_tokens)

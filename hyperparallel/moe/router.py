@@ -1,0 +1,149 @@
+"""TopKRouter: which experts each token goes to, and with what weights; and what load balancing
+needs to know about that choice.
+
+Two scorings cover the families:
+- ``softmax`` (Qwen3-MoE): probabilities over all experts, the top k of them, renormalized to sum
+  to one when `norm_topk_prob`;
+- ``sigmoid`` (DeepSeek-V3, Kimi K2): independent sigmoid scores; a correction bias (aux-loss-free
+  balancing) is added for the choice only; the experts are split into `num_groups` groups scored
+  by the sum of their two best, only the `top_groups` best groups are eligible; the weights are
+  the unbiased scores of the chosen experts, renormalized when `norm_topk_prob`, then times
+  `routed_scaling_factor`.
+Each follows the corresponding transformers router op for op (the same torch calls in the same
+order), so indices, weights and gradients are those of transformers' own.
+
+During training a router also records, for the step's load balancing (`hyperparallel.moe.balance`),
+how many (token, slot) pairs chose each expert, and, when `load_balance == "aux_loss"`, its
+layer's auxiliary loss: E * sum_e f_e * P_e, f_e the fraction of top-k choices that went to e and
+P_e the mean probability of e (the Switch Transformer loss, per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperparallel.errors import ConfigError
+
+SCORES = ("softmax", "sigmoid")
+LOAD_BALANCE = ("aux_loss", "bias", "none")
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, hidden_dim: int, num_experts: int, top_k: int, *, score: str = "softmax",
+                 norm_topk_prob: bool = True, num_groups: int = 1, top_groups: int = 1,
+                 routed_scaling_factor: float = 1.0, correction_bias: bool = False, float32_logits: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if score not in SCORES:
+            raise ConfigError(f"router score {score!r} is not one of {', '.join(SCORES)}")
+        if not 0 < top_k <= num_experts:
+            raise ConfigError(f"router top_k ({top_k}) must be in 1..num_experts ({num_experts})")
+        if num_groups < 1 or num_experts % num_groups or not 0 < top_groups <= num_groups:
+            raise ConfigError(f"router groups: {num_experts} experts in {num_groups} groups, {top_groups} of them "
+                              f"eligible; the groups must divide the experts and 1 <= top_groups <= groups")
+        self.hidden_dim, self.num_experts, self.top_k = hidden_dim, num_experts, top_k
+        self.score, self.norm_topk_prob = score, norm_topk_prob
+        self.num_groups, self.top_groups = num_groups, top_groups
+        self.routed_scaling_factor = routed_scaling_factor
+        self.float32_logits = float32_logits
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_dim, device=device, dtype=dtype))
+        if correction_bias:
+            self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.load_balance = "none"
+        self.clear_record()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)  # transformers' draws, in its order
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+    # ------------------------------------------------------------------------------ routing
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states [..., H] -> (logits [T, E], weights [T, k], indices [T, k])."""
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        if self.float32_logits:
+            logits = F.linear(x.type(torch.float32), self.weight.type(torch.float32))
+        else:
+            logits = F.linear(x, self.weight)
+        if self.score == "softmax":
+            probs = F.softmax(logits, dtype=torch.float, dim=-1)
+            weights, indices = self._softmax_top_k(probs)
+            weights = weights.to(logits.dtype)
+        else:
+            probs = logits.sigmoid()
+            weights, indices = self._sigmoid_top_k(probs)
+        if self.training and torch.is_grad_enabled():
+            _record(self, probs, indices)
+        return logits, weights, indices
+
+    def _softmax_top_k(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        choice = probs if self.e_score_correction_bias is None else probs + self.e_score_correction_bias
+        choice = self._eligible(choice)
+        if choice is probs:
+            weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            indices = torch.topk(choice, self.top_k, dim=-1)[1]
+            weights = probs.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else weights, indices
+
+    def _sigmoid_top_k(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = self._eligible(choice)
+        indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
+
+    def _eligible(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with every expert outside the `top_groups` best groups at -inf."""
+        if self.num_groups == 1:
+            return choice
+        per_group = self.num_experts // self.num_groups
+        group_scores = choice.view(-1, self.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.top_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_groups, per_group).reshape(-1, self.num_experts)
+        return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+    # --------------------------------------------------------------------------- recording
+
+    def clear_record(self) -> None:
+        self.last_counts: torch.Tensor | None = None  # [E] int64: (token, slot) pairs per expert
+        self.last_aux_loss: torch.Tensor | None = None  # this layer's auxiliary loss (with grad)
+
+    def extra_repr(self) -> str:
+        groups = f", groups {self.top_groups} of {self.num_groups}" if self.num_groups > 1 else ""
+        bias = ", correction bias" if self.e_score_correction_bias is not None else ""
+        return (f"{self.hidden_dim} -> {self.num_experts} experts, top {self.top_k}, {self.score}{groups}{bias}, "
+                f"load_balance={self.load_balance}")
+
+
+def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """E * sum_e f_e * P_e over these tokens: f_e the share of top-k choices (summing to k, as
+    transformers' load_balancing_loss_func counts them), P_e the mean of the probabilities."""
+    tokens = probs.shape[0]
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
+    counts.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=torch.float32, device=probs.device))
+    return num_experts * torch.sum(counts / tokens * probs.float().sum(dim=0) / tokens)
+
+
+@torch.compiler.disable
+def _record(router: TopKRouter, probs: torch.Tensor, indices: torch.Tensor) -> None:
+    # Kept out of compiled graphs: it stores tensors on the module. A recomputed forward (activation
+    # recompute) stores the same values again, so nothing is counted twice.
+    counts = torch.zeros(router.num_experts, dtype=torch.int64, device=indices.device)
+    router.last_counts = counts.scatter_add_(0, indices.reshape(-1).detach(), torch.ones_like(indices.reshape(-1)))
+    if router.load_balance == "aux_loss" and probs.shape[0]:
+        if router.score == "sigmoid":  # the aux loss needs a distribution over experts per token
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        router.last_aux_loss = switch_aux_loss(probs, indices, router.num_experts)

@@ -1,0 +1,74 @@
+"""Expert parallelism (EP) for a model of hyperparallel.moe.MoEBlocks.
+
+The EP ranks are borrowed from the data-parallel ones, as torchtitan borrows them: the world's
+ranks form a (expert_shard x ep) mesh; each group of `ep` consecutive ranks splits every MoE
+layer's experts among its members (any count: 10 experts on 4 ranks are 3, 3, 2, 2), and the
+ranks at the same place in every group hold the same experts, which FSDP then shards among
+them (`shard_model`). Non-expert parameters are sharded over every rank as without EP.
+
+Each rank keeps the same Parameter objects with only its experts' rows (`.data` replaced), and
+records where they sit in the whole (`_hp_shard_info`: the global shape and the first expert),
+so a checkpoint holds every expert once with its global shape and loads into any other ep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp.geometry import ShardInfo
+from hyperparallel.moe import MoEBlock
+from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    ep: int
+    ep_group: object  # the ranks that split the experts among them (this rank's)
+    shard_group: object  # the ranks that hold the same experts as this rank
+    world: int
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group)
+
+
+def expert_layout(ep: int, device_type: str) -> ExpertLayout:
+    """The groups of an `ep`-way expert parallelism over every rank (a collective: every rank calls it)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep < 1 or world % ep:
+        raise ConfigError(f"parallel.ep ({ep}) must divide the number of ranks ({world})")
+    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
+    return ExpertLayout(ep, mesh.get_group("ep"), mesh.get_group("expert_shard"), world)
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+@torch.no_grad()
+def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> int:
+    """Keep only this rank's experts in every MoEBlock and route tokens through the EP group;
+    returns how many blocks. Call before fully_shard and before building the optimizer."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        experts = block.experts
+        total = experts.num_experts
+        offset, count = expert_ranges(total, layout.ep)[layout.ep_rank]
+        for param in (experts.gate_up_proj, experts.down_proj):
+            global_shape = param.shape
+            param.data = param.data[offset:offset + count].clone()
+            param._hp_shard_info = ShardInfo(global_shape, offset, count)
+        experts.num_experts = count
+        block.dispatcher = ExpertParallel(layout.ep_group, total)
+    return len(blocks)
+
+
+def expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The experts modules under `module` that expert parallelism split."""
+    return [block.experts for block in moe_blocks(module) if block.dispatcher is not None]

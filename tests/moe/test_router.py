@@ -1,0 +1,314 @@
+"""TopKRouter computes what transformers' own routers compute (Qwen3MoeTopKRouter, softmax;
+DeepseekV3TopkRouter, sigmoid with groups, correction bias and routed scaling, also Kimi K2's
+shape), records what load balancing needs, and LoadBalancer updates the correction bias from
+the loads of every rank.
+
+Our router runs transformers' torch calls in the same order, so everything compared here was
+measured bit-equal (logits, weights, indices, and the gradients w.r.t. input and router weight):
+the checks are torch.equal. The aux loss is the same formula with its divisions grouped
+differently: measured within 1 float32 ulp of transformers' load_balancing_loss_func (4.8e-7 on
+4.19, over five seeds), checked to 2e-6 relative; its gradient w.r.t. the router weight within
+1.7e-8 of transformers' (largest element 0.03 to 0.05), checked to 1e-5 of the largest element.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from torch.utils.checkpoint import checkpoint
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.models import build_model, make_config
+from hyperparallel.models.families import router_from_hf
+from hyperparallel.moe import LoadBalancer, TopKRouter, switch_aux_loss
+from tests.dist.ranks import leave
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+AUX_LOSS = {"rtol": 2e-6, "atol": 0.0}
+
+
+def tiny(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+# (family, tiny config, overrides): DeepSeek-V3 (8 groups, 4 eligible), Kimi K2's tiny shape
+# (4 groups, 2 eligible) and Kimi K2's own grouping (one group: every expert eligible)
+CASES = {
+    "qwen3_moe": ("qwen3_moe", "qwen3_moe_tiny", {}),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3_tiny", {}),
+    "kimi_k2": ("kimi_k2", "kimi_k2_tiny", {}),
+    "kimi_k2_one_group": ("kimi_k2", "kimi_k2_tiny", {"n_group": 1, "topk_group": 1}),
+}
+
+
+def hf_router(case: str, *, norm_topk_prob: bool = True, seed: int = 0, bias: bool = False):
+    """transformers' router of a tiny config, with random weights (and a random correction bias)."""
+    family, name, overrides = CASES[case]
+    config = make_config(family, tiny(name) | overrides | {"norm_topk_prob": norm_topk_prob})
+    router = (Qwen3MoeTopKRouter if family == "qwen3_moe" else DeepseekV3TopkRouter)(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) * 0.2)
+        if bias:
+            router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=g) * 0.05)
+    return router
+
+
+def tokens(router, n: int = 57, seed: int = 1, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, n, router.hidden_dim, generator=g).to(dtype)  # [batch, seq, hidden]: reshaped to [T, H]
+
+
+def assert_same_routing(ours: TopKRouter, hf, x: torch.Tensor) -> None:
+    got, want = ours(x), hf(x)
+    for name, g, w in zip(("logits", "weights", "indices"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name}: max abs diff {(g.double() - w.double()).abs().max().item()}"
+
+
+def test_router_from_hf_shares_the_weight_and_bias_objects():
+    hf = hf_router("deepseek_v3", bias=True)
+    ours = router_from_hf(hf)
+    assert ours.weight is hf.weight and ours.e_score_correction_bias is hf.e_score_correction_bias
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in hf.named_buffers()]
+    qwen = hf_router("qwen3_moe")
+    assert router_from_hf(qwen).weight is qwen.weight and router_from_hf(qwen).e_score_correction_bias is None
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_routing_equals_transformers_on_random_tokens(case, norm_topk_prob):
+    hf = hf_router(case, norm_topk_prob=norm_topk_prob, bias=case != "qwen3_moe")
+    assert_same_routing(router_from_hf(hf), hf, tokens(hf))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_routing_equals_transformers_on_tied_scores(case):
+    """Ties broken as transformers breaks them: experts with identical router rows (their scores
+    tie for every token), and an all-zero input (every expert ties)."""
+    hf = hf_router(case)
+    with torch.no_grad():
+        half = hf.num_experts // 2
+        hf.weight[half:] = hf.weight[:half]
+    ours = router_from_hf(hf)
+    x = tokens(hf)
+    assert_same_routing(ours, hf, x)
+    assert_same_routing(ours, hf, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "kimi_k2"])
+def test_correction_bias_changes_the_choice_as_in_transformers(case):
+    hf = hf_router(case, bias=True)
+    ours = router_from_hf(hf)
+    x = tokens(hf)
+    assert_same_routing(ours, hf, x)
+    without_bias = copy.deepcopy(hf)
+    without_bias.e_score_correction_bias.zero_()
+    assert not torch.equal(hf(x)[2], without_bias(x)[2])  # the bias matters for these inputs
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_tokens(case):
+    """Qwen3-MoE in a bf16 model: bf16 router weight and logits, bf16 routing weights.
+    DeepSeek: the router stays float32 and takes bf16 tokens, float32 logits."""
+    hf = hf_router(case, bias=case == "deepseek_v3")
+    if case == "qwen3_moe":
+        hf.to(torch.bfloat16)
+    ours = router_from_hf(hf)
+    x = tokens(hf, dtype=torch.bfloat16)
+    assert_same_routing(ours, hf, x)
+    want_dtype = torch.bfloat16 if case == "qwen3_moe" else torch.float32
+    assert ours(x)[0].dtype == ours(x)[1].dtype == want_dtype
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_equal_transformers(case, norm_topk_prob):
+    """Gradients of a random function of the routing weights and logits, w.r.t. the tokens and
+    the router weight; our router on a deep copy, so that nothing is shared."""
+    hf = hf_router(case, norm_topk_prob=norm_topk_prob, bias=case != "qwen3_moe")
+    ours = router_from_hf(copy.deepcopy(hf))
+    assert ours.weight is not hf.weight
+    x = tokens(hf)
+    g = torch.Generator().manual_seed(2)
+
+    def grads(router):
+        inp = x.clone().requires_grad_()
+        logits, weights, _ = router(inp)
+        loss = (weights * torch.randn(weights.shape, generator=g.manual_seed(3))).sum() + \
+            (logits * torch.randn(logits.shape, generator=g.manual_seed(4))).sum() * 0.1
+        return torch.autograd.grad(loss, (inp, router.weight))
+
+    for name, got, want in zip(("input", "weight"), grads(ours), grads(hf), strict=True):
+        assert torch.equal(got, want), f"{name}: max abs diff {(got - want).abs().max().item()}"
+
+
+# -- what a training forward records --
+
+
+def test_switch_aux_loss_equals_transformers_load_balancing_loss():
+    hf = hf_router("qwen3_moe")
+    logits, _, indices = hf(tokens(hf))
+    want = load_balancing_loss_func((logits,), hf.num_experts, hf.top_k)
+    got = switch_aux_loss(torch.softmax(logits, dim=-1), indices, hf.num_experts)
+    torch.testing.assert_close(got, want, **AUX_LOSS)
+
+
+def test_recorded_aux_loss_and_its_gradient_equal_transformers():
+    hf = hf_router("qwen3_moe")
+    ours = router_from_hf(copy.deepcopy(hf)).train()
+    ours.load_balance = "aux_loss"
+    x = tokens(hf)
+    logits, _, _ = hf(x)
+    want = load_balancing_loss_func((logits,), hf.num_experts, hf.top_k)
+    ours(x)
+    torch.testing.assert_close(ours.last_aux_loss, want, **AUX_LOSS)
+    got_grad, = torch.autograd.grad(ours.last_aux_loss, ours.weight)
+    want_grad, = torch.autograd.grad(want, hf.weight)
+    scale = want_grad.abs().max().item()
+    torch.testing.assert_close(got_grad, want_grad, rtol=0.0, atol=1e-5 * scale)
+
+
+def test_counts_are_recorded_in_training_only():
+    hf = hf_router("deepseek_v3", bias=True)
+    ours = router_from_hf(hf)
+    x = tokens(hf)
+    ours.eval()(x)
+    assert ours.last_counts is None
+    with torch.no_grad():
+        ours.train()(x)
+    assert ours.last_counts is None  # no graph, no training step
+    _, _, indices = ours(x)
+    assert torch.equal(ours.last_counts, torch.bincount(indices.reshape(-1), minlength=hf.num_experts))
+    assert ours.last_aux_loss is None  # load_balance is "none"
+
+
+def test_recompute_records_the_same_counts_not_twice():
+    hf = hf_router("qwen3_moe")
+    x = tokens(hf).requires_grad_()
+    records = []
+    for recompute in (False, True):
+        ours = router_from_hf(copy.deepcopy(hf)).train()
+        ours.load_balance = "aux_loss"
+        _, weights, indices = checkpoint(ours, x, use_reentrant=False) if recompute else ours(x)
+        aux = ours.last_aux_loss.detach().clone()
+        (weights.sum() + ours.last_aux_loss).backward()  # under recompute, the router runs again here
+        records.append((ours.last_counts, aux, ours.last_aux_loss.detach()))
+    (plain_counts, plain_aux, _), (counts, aux_before, aux_after) = records
+    assert int(plain_counts.sum()) == x.shape[0] * x.shape[1] * hf.top_k
+    assert torch.equal(counts, plain_counts)
+    assert torch.equal(aux_before, plain_aux) and torch.equal(aux_after, plain_aux)
+
+
+# -- LoadBalancer --
+
+
+def test_bias_mode_needs_routers_with_a_correction_bias():
+    model = build_model("qwen3_moe", config=tiny("qwen3_moe_tiny"))
+    with pytest.raises(ConfigError, match=r"bias needs routers with a correction bias.*model\.layers\.0\.mlp\.gate"):
+        LoadBalancer(model, "bias", bias_update_rate=0.001)
+    with pytest.raises(ConfigError, match="one of aux_loss, bias, none"):
+        LoadBalancer(model, "biased")
+
+
+def test_aux_loss_mode_averages_the_layers_and_reports_the_step():
+    model = torch.nn.ModuleList([router_from_hf(hf_router("qwen3_moe", seed=s)) for s in (0, 1)])
+    balancer = LoadBalancer(model, "aux_loss", aux_loss_coef=0.01)
+    x = tokens(model[0]).reshape(-1, model[0].hidden_dim)
+    want = []
+    for router in model:
+        logits, _, _ = router(x)
+        want.append(load_balancing_loss_func((logits,), router.num_experts, router.top_k))
+    loss = balancer.aux_loss()
+    torch.testing.assert_close(loss, 0.01 * torch.stack(want).mean(), **AUX_LOSS)
+    loss.backward()
+    balancer.after_backward()
+    figures = balancer.after_step()
+    assert figures["aux_loss"] == pytest.approx(float(torch.stack(want).mean().detach()), rel=2e-6)
+
+
+STEPS, MICRO_BATCHES, WORLD, RATE = 3, 2, 2, 0.01
+LAYERS = ("deepseek_v3", "deepseek_v3")  # the routers of two MoE layers (different weights)
+
+
+def router_model() -> torch.nn.ModuleList:
+    """The routers of a DeepSeek-V3-style model, nothing else: layer i routes the tokens seen
+    through its own fixed map; their loss is a random function of the routing weights."""
+    return torch.nn.ModuleList([router_from_hf(hf_router(case, seed=10 + i)) for i, case in enumerate(LAYERS)])
+
+
+def layer_inputs(x: torch.Tensor) -> list[torch.Tensor]:
+    return [x, torch.tanh(x * 2)]
+
+
+def micro_batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    return torch.randn(19 + 7 * rank, 64, generator=g)  # different tokens, and a different count, per rank
+
+
+def balance_worker(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = router_model().train()
+    balancer = LoadBalancer(model, "bias", bias_update_rate=RATE)
+    results = []
+    for step in range(STEPS):
+        for micro in range(MICRO_BATCHES):
+            x = micro_batch(step, micro, rank).requires_grad_()
+            loss = sum((router(h)[1] * h[:, :1]).sum() for router, h in zip(model, layer_inputs(x), strict=True))
+            loss.backward()
+            balancer.after_backward()
+        figures = balancer.after_step()
+        results.append({"bias": [r.e_score_correction_bias.clone() for r in model], "figures": figures})
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave()
+
+
+def reference_balance() -> list[dict]:
+    """By hand, in one process: route the tokens of every rank and micro-batch with transformers'
+    routers, sum the loads, move each bias by RATE * sign(mean - load); the next step routes
+    with the moved bias."""
+    hf = [hf_router(case, seed=10 + i) for i, case in enumerate(LAYERS)]
+    steps = []
+    for step in range(STEPS):
+        x = torch.cat([micro_batch(step, m, r) for m in range(MICRO_BATCHES) for r in range(WORLD)])
+        loads = []
+        for router, h in zip(hf, layer_inputs(x), strict=True):
+            load = torch.bincount(router(h)[2].reshape(-1), minlength=router.num_experts).double()
+            loads.append(load)
+        imbalance = [float(load.max() / load.mean()) for load in loads]
+        for router, load in zip(hf, loads, strict=True):
+            router.e_score_correction_bias += RATE * torch.sign(load.mean() - load).float()
+        steps.append({"bias": [r.e_score_correction_bias.clone() for r in hf], "loads": loads,
+                      "imbalance": imbalance})
+    return steps
+
+
+def test_bias_balancing_over_two_ranks_equals_one_process_on_all_tokens(tmp_path):
+    mp.spawn(balance_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD)
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    want = reference_balance()
+    for step, expected in enumerate(want):
+        for rank, results in enumerate(per_rank):
+            got = results[step]
+            for layer, (b, w) in enumerate(zip(got["bias"], expected["bias"], strict=True)):
+                assert torch.equal(b, w), f"step {step}, rank {rank}, layer {layer}: {(b - w).abs().max()}"
+            assert got["figures"]["moe_imbalance"] == pytest.approx(max(expected["imbalance"]), rel=1e-12)
+            assert got["figures"]["moe_imbalance_per_layer"] == [round(v, 4) for v in expected["imbalance"]]
+    # the test has teeth: the loads move from step to step (the bias changes the routing), and
+    # one rank's tokens alone would have moved the bias elsewhere
+    assert not torch.equal(want[0]["loads"][0], want[1]["loads"][0])
+    alone = hf_router(LAYERS[0], seed=10)
+    x0 = torch.cat([micro_batch(0, m, 0) for m in range(MICRO_BATCHES)])
+    load = torch.bincount(alone(x0)[2].reshape(-1), minlength=alone.num_experts).double()
+    assert not torch.equal(RATE * torch.sign(load.mean() - load).float(), want[0]["bias"][0])
