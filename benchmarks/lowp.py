@@ -26,7 +26,7 @@ from torch import nn
 
 from hyperparallel.lowp import LowPrecisionConfig, convert
 from hyperparallel.lowp.memory import saved_activation_bytes
-from hyperparallel.models import GroupedExperts
+from hyperparallel.moe import GroupedExperts
 
 
 def timed(fn_forward, repeat: int) -> tuple[float, float]:

@@ -14,6 +14,8 @@ layer), and with `--ours-compile none,dvm` also with those `training.compile` se
 Trainer runs as a user gets it: its default fused AdamW and transformers' default experts
 implementation ("grouped_mm" since transformers 5); it is also timed with its own
 `torch_compile=True`, and with "eager" experts (the per-expert loop of earlier versions).
+With the MoE auxiliary loss on in the config (Qwen3-MoE's default), the Trainer's model computes
+transformers' own (`output_router_logits`), so both do that work.
 
 Each contender trains in a process of its own, all started together, and they take turns one
 optimizer step at a time (the others wait, idle, on a pipe): every contender sees the same
@@ -80,6 +82,11 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:
         model.set_experts_implementation(experts)
+    if cfg.moe.rule(cfg.model.family) == "aux_loss":
+        # ours adds the MoE auxiliary loss (moe.load_balance); the Trainer then does its own too
+        model.config.output_router_logits = True
+        if cfg.moe.aux_loss_coef is not None:
+            model.router_aux_loss_coef = cfg.moe.aux_loss_coef
     losses, started = [], [0.0]
 
     class Clock(TrainerCallback):

@@ -43,23 +43,25 @@ class LoadBalancer:
         self.process_group = process_group
         for router in self.routers:
             router.load_balance = mode
+            router.recording = True
+            router.clear_record()
         self._step_counts: list[torch.Tensor] | None = None  # per layer [E]: this rank's, this step's
-        self._aux_sum, self._aux_micro_batches = 0.0, 0
+        self._aux_values: list[torch.Tensor] = []  # this step's, per micro-batch (read at its end)
 
     def aux_loss(self) -> torch.Tensor | None:
         """coef * the mean over layers of the last forward's auxiliary losses (None when off)."""
         if self.mode != "aux_loss":
             return None
-        losses = [r.last_aux_loss for r in self.routers if r.last_aux_loss is not None]
+        losses = [loss for loss in (r.aux_loss() for r in self.routers) if loss is not None]
         if not losses:
             return None
         mean = torch.stack(losses).mean()
-        self._aux_sum += float(mean.detach())
-        self._aux_micro_batches += 1
+        self._aux_values.append(mean.detach())
         return self.aux_loss_coef * mean
 
     def after_backward(self) -> None:
-        """Fold the last micro-batch's loads into the step's."""
+        """Fold the last micro-batch's loads into the step's (and clear the routers' records:
+        call it after every micro-batch's backward)."""
         counts = [r.last_counts for r in self.routers]
         if self.routers and all(c is not None for c in counts):
             if self._step_counts is None:
@@ -73,9 +75,9 @@ class LoadBalancer:
     def after_step(self) -> dict[str, float | list[float]]:
         """The step's global loads: update the biases (mode bias); return the step's figures."""
         figures: dict[str, float | list[float]] = {}
-        if self._aux_micro_batches:
-            figures["aux_loss"] = self._aux_sum / self._aux_micro_batches
-        self._aux_sum, self._aux_micro_batches = 0.0, 0
+        if self._aux_values:
+            figures["aux_loss"] = float(torch.stack(self._aux_values).mean())
+        self._aux_values = []
         per_layer, self._step_counts = self._step_counts, None
         if per_layer is None:
             return figures

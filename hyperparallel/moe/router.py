@@ -12,10 +12,18 @@ Two scorings cover the families:
 Each follows the corresponding transformers router op for op (the same torch calls in the same
 order), so indices, weights and gradients are those of transformers' own.
 
-During training a router also records, for the step's load balancing (`hyperparallel.moe.balance`),
-how many (token, slot) pairs chose each expert, and, when `load_balance == "aux_loss"`, its
-layer's auxiliary loss: E * sum_e f_e * P_e, f_e the fraction of top-k choices that went to e and
-P_e the mean probability of e (the Switch Transformer loss, per layer).
+When a `hyperparallel.moe.LoadBalancer` watches it (`recording`), a router in training also
+records, once per micro-batch, how many (token, slot) pairs chose each expert and, when
+`load_balance == "aux_loss"`, the probabilities its layer's auxiliary loss is made of
+(`aux_loss()`: E * sum_e f_e * P_e, f_e the fraction of top-k choices that went to e and P_e the
+mean probability of e, the Switch Transformer loss, per layer).
+
+[Note: recording under recompute] With activation recompute, backward runs the layer's forward
+again. Its record is the first forward's, kept until the balancer clears it after backward: the
+recomputed forward records nothing, since its probabilities would hold the recomputed layer's
+graph (attention's activations among it) alive until backward ends, and the loads are the same.
+The auxiliary loss is made outside the layer (by the balancer, before backward) from the first
+forward's probabilities, so nothing inside a checkpointed region differs between the passes.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class TopKRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.load_balance = "none"
+        self.recording = False  # set by a LoadBalancer
         self.clear_record()
 
     @torch.no_grad()
@@ -78,7 +87,7 @@ class TopKRouter(nn.Module):
         else:
             probs = logits.sigmoid()
             weights, indices = self._sigmoid_top_k(probs)
-        if self.training and torch.is_grad_enabled():
+        if self.recording and self.training and torch.is_grad_enabled():
             _record(self, probs, indices)
         return logits, weights, indices
 
@@ -119,7 +128,17 @@ class TopKRouter(nn.Module):
 
     def clear_record(self) -> None:
         self.last_counts: torch.Tensor | None = None  # [E] int64: (token, slot) pairs per expert
-        self.last_aux_loss: torch.Tensor | None = None  # this layer's auxiliary loss (with grad)
+        self.last_probs: torch.Tensor | None = None  # [T, E] with grad (aux_loss only)
+        self.last_indices: torch.Tensor | None = None
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """This layer's auxiliary loss over the recorded forward (None: nothing recorded)."""
+        probs = self.last_probs
+        if probs is None or probs.shape[0] == 0:
+            return None
+        if self.score == "sigmoid":  # the aux loss needs a distribution over experts per token
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return switch_aux_loss(probs, self.last_indices, self.num_experts)
 
     def extra_repr(self) -> str:
         groups = f", groups {self.top_groups} of {self.num_groups}" if self.num_groups > 1 else ""
@@ -139,11 +158,12 @@ def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int
 
 @torch.compiler.disable
 def _record(router: TopKRouter, probs: torch.Tensor, indices: torch.Tensor) -> None:
-    # Kept out of compiled graphs: it stores tensors on the module. A recomputed forward (activation
-    # recompute) stores the same values again, so nothing is counted twice.
-    counts = torch.zeros(router.num_experts, dtype=torch.int64, device=indices.device)
-    router.last_counts = counts.scatter_add_(0, indices.reshape(-1).detach(), torch.ones_like(indices.reshape(-1)))
-    if router.load_balance == "aux_loss" and probs.shape[0]:
-        if router.score == "sigmoid":  # the aux loss needs a distribution over experts per token
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        router.last_aux_loss = switch_aux_loss(probs, indices, router.num_experts)
+    # Kept out of compiled graphs: it stores tensors on the module. Once per micro-batch: see
+    # [Note: recording under recompute].
+    if router.last_counts is not None:
+        return
+    flat = indices.reshape(-1).detach()
+    router.last_counts = torch.zeros(router.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    if router.load_balance == "aux_loss":
+        router.last_probs, router.last_indices = probs, indices.detach()

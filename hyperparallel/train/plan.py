@@ -57,7 +57,7 @@ from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.recompute import decoder_layers
-from hyperparallel.train.build import inline_model_config
+from hyperparallel.train.build import build_balancer, inline_model_config
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.data import tokenizer_vocab_size
 from hyperparallel.train.preflight import model_problems
@@ -268,14 +268,20 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device) -> 
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(lambda p, j=j: recorder.mark("grad", j)))
     bf16 = cfg.training.mixed_precision == "bf16"
+    balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
     try:
         with mode, recorder, _masks_as_on_real_tensors():
             ids = torch.zeros(cfg.training.micro_batch, cfg.data.seq_len, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                     loss = model(input_ids=ids, labels=ids).loss
+                aux = balancer.aux_loss() if balancer is not None else None
+                if aux is not None:
+                    loss = loss + aux
                 recorder.mark("backward")
                 loss.backward()
+            if balancer is not None:
+                balancer.after_backward()
             recorder.mark("end")
             grad_serial = {recorder.serial_of(p.grad): j for j, p in enumerate(params) if p.grad is not None}
             del loss, ids

@@ -41,9 +41,10 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
                         f"run has {world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
     ep, dp_shard = cfg.parallel.ep, cfg.parallel.dp_shard
     if ep > 1 and (dp_shard == 1 or dp_shard % ep):
-        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must "
-                        f"be a multiple of ep (dp_shard = ranks = ep x the ranks that share each expert's shards); "
-                        f"e.g. dp_shard: {max(world, ep) // ep * ep} with --nproc {max(world, ep) // ep * ep}")
+        choices = [n for n in range(2, world + 1) if world % n == 0]
+        fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
+        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must be "
+                        f"a multiple of ep (the ranks sharing each expert's shards x ep); with {world} rank(s): {fix}")
     family = get_family(cfg.model.family)
     if ep > 1 and not family.moe_block_classes:
         problems.append(f"parallel.ep = {ep} splits the experts of MoE layers, and family {cfg.model.family!r} has none")

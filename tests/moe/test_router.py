@@ -167,22 +167,25 @@ def test_switch_aux_loss_equals_transformers_load_balancing_loss():
 def test_recorded_aux_loss_and_its_gradient_equal_transformers():
     hf = hf_router("qwen3_moe")
     ours = router_from_hf(copy.deepcopy(hf)).train()
-    ours.load_balance = "aux_loss"
+    ours.load_balance, ours.recording = "aux_loss", True
     x = tokens(hf)
     logits, _, _ = hf(x)
     want = load_balancing_loss_func((logits,), hf.num_experts, hf.top_k)
     ours(x)
-    torch.testing.assert_close(ours.last_aux_loss, want, **AUX_LOSS)
-    got_grad, = torch.autograd.grad(ours.last_aux_loss, ours.weight)
+    torch.testing.assert_close(ours.aux_loss(), want, **AUX_LOSS)
+    got_grad, = torch.autograd.grad(ours.aux_loss(), ours.weight)
     want_grad, = torch.autograd.grad(want, hf.weight)
     scale = want_grad.abs().max().item()
     torch.testing.assert_close(got_grad, want_grad, rtol=0.0, atol=1e-5 * scale)
 
 
-def test_counts_are_recorded_in_training_only():
+def test_counts_are_recorded_in_training_only_when_a_balancer_watches():
     hf = hf_router("deepseek_v3", bias=True)
     ours = router_from_hf(hf)
     x = tokens(hf)
+    ours.train()(x)
+    assert ours.last_counts is None  # nothing asked for them
+    ours.recording = True
     ours.eval()(x)
     assert ours.last_counts is None
     with torch.no_grad():
@@ -190,7 +193,7 @@ def test_counts_are_recorded_in_training_only():
     assert ours.last_counts is None  # no graph, no training step
     _, _, indices = ours(x)
     assert torch.equal(ours.last_counts, torch.bincount(indices.reshape(-1), minlength=hf.num_experts))
-    assert ours.last_aux_loss is None  # load_balance is "none"
+    assert ours.last_probs is None and ours.aux_loss() is None  # load_balance is "none"
 
 
 def test_recompute_records_the_same_counts_not_twice():
@@ -199,15 +202,18 @@ def test_recompute_records_the_same_counts_not_twice():
     records = []
     for recompute in (False, True):
         ours = router_from_hf(copy.deepcopy(hf)).train()
-        ours.load_balance = "aux_loss"
+        ours.load_balance, ours.recording = "aux_loss", True
         _, weights, indices = checkpoint(ours, x, use_reentrant=False) if recompute else ours(x)
-        aux = ours.last_aux_loss.detach().clone()
-        (weights.sum() + ours.last_aux_loss).backward()  # under recompute, the router runs again here
-        records.append((ours.last_counts, aux, ours.last_aux_loss.detach()))
-    (plain_counts, plain_aux, _), (counts, aux_before, aux_after) = records
+        first_probs, aux = ours.last_probs, ours.aux_loss()
+        (weights.sum() + aux).backward()  # under recompute, the router runs again here
+        # the record is still the first forward's: the recomputed one kept nothing
+        assert ours.last_probs is first_probs
+        records.append((ours.last_counts, aux.detach(), x.grad.clone()))
+        x.grad = None
+    (plain_counts, plain_aux, plain_grad), (counts, aux, grad) = records
     assert int(plain_counts.sum()) == x.shape[0] * x.shape[1] * hf.top_k
-    assert torch.equal(counts, plain_counts)
-    assert torch.equal(aux_before, plain_aux) and torch.equal(aux_after, plain_aux)
+    assert torch.equal(counts, plain_counts) and torch.equal(aux, plain_aux)
+    torch.testing.assert_close(grad, plain_grad, rtol=0, atol=0)
 
 
 # -- LoadBalancer --

@@ -131,3 +131,24 @@ def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(tmp_p
     assert a["val_tokens"] == b["val_tokens"] == 2 * 4 * 31
     # measured equal: the same micro-batches through the same weights; only the float64 sum's order differs
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-12)
+
+
+def test_expert_parallelism_in_the_trainer_matches_one_rank(tmp_path):
+    """parallel.ep: 2 on 2 ranks (each holds 8 of the 16 experts; tokens travel by all-to-all)
+    against one rank holding them all (2 micro-batches accumulated), AdamW, fp32: the same
+    losses and the same expert loads (summed over the ranks), to the summation order."""
+    one = run("train", str(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")), "--set", "training.steps=3",
+              tmp_path=tmp_path)
+    assert one.returncode == 0, one.stderr
+    ep = run("train", str(tiny_config(tmp_path, tmp_path / "ep", family="qwen3_moe")), "--set", "training.steps=3",
+             "--set", "parallel.dp_shard=2", "--set", "parallel.ep=2", "--nproc", "2", tmp_path=tmp_path)
+    assert ep.returncode == 0, ep.stderr[-3000:]
+    assert "experts split over 2 ranks (ep)" in ep.stdout and "load balancing auxiliary loss x 0.001" in ep.stdout
+    assert losses(tmp_path / "ep") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+    def imbalance(run_dir):
+        return [json.loads(line)["moe_imbalance"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if "moe_imbalance" in line]
+
+    assert len(imbalance(tmp_path / "ep")) == 3
+    assert imbalance(tmp_path / "ep") == pytest.approx(imbalance(tmp_path / "one"), rel=1e-6)

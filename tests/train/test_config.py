@@ -81,6 +81,10 @@ BAD = [
     (MINIMAL + "data: {seq_len: 2}\n", r"data.seq_len"),
     (MINIMAL + "logging: {run_dir: 'runs/{name}'}\n", r"only placeholder allowed is \{time\}"),
     (MINIMAL + "checkpoint: {keep_last: 0}\n", r"checkpoint.keep_last"),
+    (MINIMAL + "moe: {load_balance: auxloss}\n", r"moe.load_balance: .*got 'auxloss'"),
+    (MINIMAL + "moe: {aux_loss_coef: -1}\n", r"moe.aux_loss_coef: .*greater than or equal to 0"),
+    (MINIMAL + "moe: {bias_rate: 0.1}\n", r"moe.bias_rate: unknown key; did you mean moe.bias_update_rate\?"),
+    (MINIMAL + "parallel: {ep: 0}\n", r"parallel.ep: .*greater than or equal to 1"),
 ]
 
 
@@ -187,6 +191,10 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
     assert choices(config.ParallelSection, "recompute") == set(RECOMPUTE_MODES)
     assert choices(config.OptimizerSection, "name") == set(OPTIMIZER_NAMES)
     assert choices(config.SchedulerSection, "kind") == set(SCHEDULE_KINDS)
+    from hyperparallel.moe import LOAD_BALANCE
+
+    rule = config.MoESection.model_fields["load_balance"].annotation  # Literal[...] | None (the family's)
+    assert {v for arg in get_args(rule) for v in get_args(arg)} == set(LOAD_BALANCE)
 
 
 def test_the_fingerprint_ignores_how_a_run_is_laid_out_computed_and_waited_for(tmp_path):

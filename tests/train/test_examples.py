@@ -29,3 +29,7 @@ def test_each_example_trains_three_steps(tmp_path, monkeypatch, path):
     assert summary["last_loss"] < summary["first_loss"]
     assert [r["step"] for r in summary["records"] if "val_loss" in r] == [3]
     assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
+    logged = [r for r in summary["records"] if "loss" in r]
+    if cfg.model.family != "qwen3":  # MoE families: the loads measured, the family's balancing on
+        assert all(1.0 <= r["moe_imbalance"] for r in logged)
+        assert all(("aux_loss" in r) == (cfg.moe.rule(cfg.model.family) == "aux_loss") for r in logged)

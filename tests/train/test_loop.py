@@ -280,10 +280,16 @@ def test_mxfp8_training_ends_within_3_percent_of_bf16(tmp_path):
 
 def test_mxfp8_layers_compile_with_each_backend(tmp_path):
     """MXFP8 modules inside compiled layers: dvm traces them; Inductor (no float8_e8m0fnu on the
-    CPU) leaves them between its graphs. Both train to the losses of no compilation."""
-    low = {"enabled": True}
-    plain = train(config(tmp_path / "none", training={"steps": 4}, low_precision=low))
+    CPU) leaves them between its graphs. Both train to the losses of no compilation.
+
+    The MoE auxiliary loss is off here: its gradient reaches the routers through probabilities
+    that a compiled graph rounds otherwise, and one token's top-k near-tie then flips to another
+    expert (measured: 3e-5 of one step's loss with Inductor, 1e-7 on the others), which is the
+    routing's discreteness, not the compilation of the MXFP8 modules this test is about."""
+    low, moe = {"enabled": True}, {"load_balance": "none"}
+    plain = train(config(tmp_path / "none", training={"steps": 4}, low_precision=low, moe=moe))
     for backend in ("inductor", "dvm"):
-        again = train(config(tmp_path / backend, training={"steps": 4, "compile": backend}, low_precision=low))
+        again = train(config(tmp_path / backend, training={"steps": 4, "compile": backend}, low_precision=low,
+                             moe=moe))
         for step, loss in losses(plain).items():
             assert losses(again)[step] == pytest.approx(loss, rel=1e-5), (backend, step)  # measured <= 8e-8

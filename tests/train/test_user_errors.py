@@ -103,3 +103,41 @@ def test_under_two_ranks_a_mistake_is_reported_once(tmp_path, config, case):
                            r"(?s)data.seq_len.*training.stepz.*optimizer.lr", 3),
     }[case]
     fails_cleanly(tmp_path, str(config), *args, "--nproc", "2", message=message, lines=lines)
+
+
+def _config(family: str, **sections):
+    import yaml
+
+    from hyperparallel.train.config import from_mapping
+
+    model = {"family": family, "config": yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text())}
+    return from_mapping({"model": model, "training": {"global_batch": 64, "micro_batch": 1}, **sections})
+
+
+@pytest.mark.parametrize("family, sections, world, message", [
+    ("qwen3_moe", {"parallel": {"ep": 2}}, 2,
+     r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1: dp_shard must be a multiple of ep .*"
+     r"with 2 rank\(s\): dp_shard: 2 and ep one of \[2\]"),
+    ("qwen3_moe", {"parallel": {"ep": 3, "dp_shard": 8}}, 8, r"parallel.dp_shard = 8: .* ep one of \[2, 4, 8\]"),
+    ("qwen3", {"parallel": {"ep": 2, "dp_shard": 2}}, 2, r"parallel.ep = 2 splits the experts .* family 'qwen3' has none"),
+    ("qwen3_moe", {"moe": {"load_balance": "bias"}}, 1,
+     r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
+])
+def test_expert_layout_mistakes_are_named(family, sections, world, message):
+    from hyperparallel.train.preflight import layout_problems
+
+    problems = layout_problems(_config(family, **sections), world)
+    assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_more_expert_ranks_than_experts_is_named():
+    from hyperparallel.train.preflight import model_problems
+
+    cfg = _config("qwen3_moe", parallel={"ep": 32, "dp_shard": 32})  # the tiny model has 16 experts
+    assert model_problems(cfg, None) == ["parallel.ep = 32 needs at least one expert per rank, and the model has 16 "
+                                         "experts per MoE layer; use ep <= 16"]
+
+
+def test_expert_parallelism_of_a_dense_family_without_sharding(tmp_path, config):
+    fails_cleanly(tmp_path, str(config), "--set", "parallel.ep=2", "--nproc", "2", lines=2,
+                  message=r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1(.|\n)*family 'qwen3' has none")
