@@ -25,3 +25,19 @@ def pytest_sessionstart(session):
         stale = [p.name for p in (ROOT / "csrc").glob(sources) if p.stat().st_mtime > built]
         if stale:
             raise pytest.UsageError(f"{module} is older than csrc/{stale[0]}: run `make setup` to rebuild it")
+
+
+# The multi-rank MoE cases of three test files run in one spawn per world size
+# (tests/dist/test_expert_parallel.py's worker): starting gloo ranks costs more than the cases.
+@pytest.fixture(scope="session")
+def ep_spawn_2(tmp_path_factory) -> list[dict]:
+    from tests.dist.test_expert_parallel import spawn
+
+    return spawn(2, tmp_path_factory.mktemp("moe2"))
+
+
+@pytest.fixture(scope="session")
+def ep_spawn_4(tmp_path_factory) -> list[dict]:
+    from tests.dist.test_expert_parallel import spawn
+
+    return spawn(4, tmp_path_factory.mktemp("moe4"))

@@ -61,7 +61,8 @@ CASES = {
 LAYOUTS = {2: [("qwen3_moe", 2), ("deepseek_v3_bias", 2), ("six_experts", 2), ("one_expert", 2), ("mxfp8", 2),
                ("recompute_full", 2), ("muon", 2)],
            4: [("qwen3_moe", 4), ("qwen3_moe", 2), ("six_experts", 4), ("one_expert", 4), ("mxfp8", 4),
-               ("deepseek_v3_bias", 4), ("muon", 4)]}
+               ("deepseek_v3_bias", 4)]}
+RUNS = [(world, case, ep) for world, layouts in LAYOUTS.items() for case, ep in layouts]
 
 
 def global_batch(step: int, vocab: int) -> torch.Tensor:
@@ -182,19 +183,27 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
 
 
 def worker(rank: int, world: int, out_dir: str) -> None:
+    """Every multi-rank MoE case of one world size, so the ranks start once: this file's, the
+    dispatcher's alone (tests/dist/test_moe_dispatch.py, 4 ranks) and the bias balancing's
+    (tests/moe/test_router.py, 2 ranks). `tests/conftest.py` spawns it."""
+    from tests.dist import test_moe_dispatch
+    from tests.moe import test_router
+
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = {(case, ep): run_case(rank, world, case, ep) for case, ep in LAYOUTS[world]}
     results["checkpoint"] = run_checkpoint(rank, world, out_dir)
+    if world == test_moe_dispatch.WORLD:
+        results["dispatch"] = test_moe_dispatch.run_all(rank)
+    if world == test_router.WORLD:
+        results["balance"] = test_router.run_balance(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
-def spawned(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    world, out_dir = request.param, tmp_path_factory.mktemp(f"ep{request.param}")
+def spawn(world: int, out_dir: Path) -> list[dict]:
     mp.spawn(worker, args=(world, str(out_dir)), nprocs=world)
-    return world, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -220,21 +229,21 @@ def assert_grads_match(per_rank: list[dict], want: dict[str, torch.Tensor], labe
         assert sum(grads[name][0].length for grads in per_rank) == rows.shape[0], f"{label} {name}: held once"
 
 
-@pytest.mark.parametrize("index", range(7))
-def test_expert_parallel_matches_one_process(spawned, references, index):
-    world, per_rank = spawned
-    case, ep = LAYOUTS[world][index]
+@pytest.mark.parametrize("world, case, ep", RUNS, ids=[f"{case}-ep{ep}-{world}ranks" for world, case, ep in RUNS])
+def test_expert_parallel_matches_one_process(request, references, world, case, ep):
+    per_rank = request.getfixturevalue(f"ep_spawn_{world}")  # (tests/conftest.py: one spawn per world size)
     want = reference_of(references, case)
     got = [results[(case, ep)] for results in per_rank]
     label = f"{case}, ep={ep} on {world} ranks"
-    print(label, "largest loss difference", max(abs(a - b) / abs(b) for a, b in zip(got[0]["losses"], want["losses"])))
+    print(label, "largest loss difference", max(abs(a - b) / abs(b) for a, b in zip(got[0]["losses"], want["losses"],
+                                                                                     strict=True)))
     torch.testing.assert_close(got[0]["losses"], want["losses"], **TOL, msg=lambda m: f"{label}: {m}")
     assert_grads_match([g["grads"] for g in got], want["grads"], label)
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(spawned):
-    world, per_rank = spawned
-    result = per_rank[0]["checkpoint"]
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(request, world):
+    result = request.getfixturevalue(f"ep_spawn_{world}")[0]["checkpoint"]
     assert sorted(result["resumed"]) == ([1, 4] if world == 4 else [1])
     for ep, losses in result["resumed"].items():
         torch.testing.assert_close(losses, result["uninterrupted"][1:], **TOL, msg=lambda m, ep=ep: f"ep={ep}: {m}")

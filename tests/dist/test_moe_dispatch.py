@@ -125,10 +125,9 @@ def wrong_local_experts_message() -> str:
     return ""
 
 
-def worker(rank, out_dir):
-    # a file rendezvous: no TCP port that another test could be holding
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+def run_all(rank: int) -> dict:
+    """Every case on this rank of the 4-rank spawn (tests/dist/test_expert_parallel.py's, shared
+    to start the ranks once), its all-to-alls counted."""
     counter = {"n": 0}
     all_to_all_single = dist.all_to_all_single
 
@@ -137,22 +136,22 @@ def worker(rank, out_dir):
         return all_to_all_single(*args, **kwargs)
 
     dist.all_to_all_single = counted_all_to_all_single
-    # every rank creates every group, in one order (new_group is collective over the world)
-    process_groups = {tuple(range(WORLD)): dist.group.WORLD}
-    for groups in LAYOUTS.values():
-        process_groups.update({tuple(g): dist.new_group(g) for g in groups if len(g) < WORLD})
-    results = {(layout, name): run_case(make_case(name, layout), rank, process_groups, counter)
-               for layout in LAYOUTS for name in CASES}
+    try:
+        # every rank creates every group, in one order (new_group is collective over the world)
+        process_groups = {tuple(range(WORLD)): dist.group.WORLD}
+        for groups in LAYOUTS.values():
+            process_groups.update({tuple(g): dist.new_group(g) for g in groups if len(g) < WORLD})
+        results = {(layout, name): run_case(make_case(name, layout), rank, process_groups, counter)
+                   for layout in LAYOUTS for name in CASES}
+    finally:
+        dist.all_to_all_single = all_to_all_single
     results["wrong_local_experts"] = wrong_local_experts_message()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return results
 
 
 @pytest.fixture(scope="module")
-def dispatched(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("moe_dispatch")
-    mp.spawn(worker, args=(str(out_dir),), nprocs=WORLD)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def dispatched(ep_spawn_4) -> list[dict]:
+    return [results["dispatch"] for results in ep_spawn_4]
 
 
 def one_process(case: Case, members: list[int]) -> dict:

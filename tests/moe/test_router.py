@@ -14,13 +14,10 @@ differently: measured within 1 float32 ulp of transformers' load_balancing_loss_
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from torch.utils.checkpoint import checkpoint
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -30,7 +27,6 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.models import build_model, make_config
 from hyperparallel.models.families import router_from_hf
 from hyperparallel.moe import LoadBalancer, TopKRouter, switch_aux_loss
-from tests.dist.ranks import leave
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 AUX_LOSS = {"rtol": 2e-6, "atol": 0.0}
@@ -262,9 +258,9 @@ def micro_batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(19 + 7 * rank, 64, generator=g)  # different tokens, and a different count, per rank
 
 
-def balance_worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def run_balance(rank: int) -> list[dict]:
+    """This rank's part of the 2-rank balancing case (run in tests/dist/test_expert_parallel.py's
+    2-rank spawn, to start the ranks once)."""
     model = router_model().train()
     balancer = LoadBalancer(model, "bias", bias_update_rate=RATE)
     results = []
@@ -276,8 +272,7 @@ def balance_worker(rank: int, world: int, out_dir: str) -> None:
             balancer.after_backward()
         figures = balancer.after_step()
         results.append({"bias": [r.e_score_correction_bias.clone() for r in model], "figures": figures})
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return results
 
 
 def reference_balance() -> list[dict]:
@@ -300,9 +295,9 @@ def reference_balance() -> list[dict]:
     return steps
 
 
-def test_bias_balancing_over_two_ranks_equals_one_process_on_all_tokens(tmp_path):
-    mp.spawn(balance_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD)
-    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+def test_bias_balancing_over_two_ranks_equals_one_process_on_all_tokens(ep_spawn_2):
+    per_rank = [results["balance"] for results in ep_spawn_2]
+    assert len(per_rank) == WORLD
     want = reference_balance()
     for step, expected in enumerate(want):
         for rank, results in enumerate(per_rank):

@@ -81,21 +81,30 @@ def test_two_ranks_replicate_and_match_one_rank(tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
+def imbalance(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["moe_imbalance"] for r in records if "loss" in r]
+
+
 def test_two_sharded_ranks_match_one_rank(tmp_path):
-    """parallel.dp_shard: 2, an MoE model, Muon, uneven shards (balanced, align 32), decoder layers
+    """parallel.dp_shard: 2 with expert parallelism (ep: 2, each rank holds 8 of the 16 experts),
+    an MoE model with its auxiliary loss, Muon, uneven shards (balanced, align 32), decoder layers
     compiled (dvm: FSDP's hooks stay outside the graphs), then resumed."""
     options = ["--set", "optimizer.name=muon", "--set", "training.steps=4", "--set", "checkpoint.every=2"]
     config = tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")
     one = run("train", str(config), *options, tmp_path=tmp_path)
     assert one.returncode == 0, one.stderr
     sharding = ["--set", "parallel.dp_shard=2", "--set", "parallel.shard_geometry=balanced", "--set", "parallel.align=32",
-                "--set", "training.compile=dvm"]
+                "--set", "training.compile=dvm", "--set", "parallel.ep=2"]
     config = tiny_config(tmp_path, tmp_path / "two", family="qwen3_moe")
     # (evaluating after every step, under FSDP, changes nothing of the training)
     two = run("train", str(config), *options, *sharding, "--set", "training.eval_every=1", "--nproc", "2",
               tmp_path=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 rank(s) sharded (balanced, align 32)" in two.stdout and two.stdout.count("  validation loss ") == 4
+    assert "2 rank(s) sharded (balanced, align 32), experts split over 2 ranks (ep)" in two.stdout
+    assert two.stdout.count("  validation loss ") == 4
+    # the expert loads, summed over the ranks, are one rank's: the same routing
+    assert imbalance(tmp_path / "two") == pytest.approx(imbalance(tmp_path / "one"), rel=1e-6)
     # the ranks average their gradients in another order than one process accumulates them, and
     # Muon's bf16 Newton-Schulz turns that last bit into ~1e-4 of the loss within 4 steps
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
@@ -132,23 +141,3 @@ def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(tmp_p
     # measured equal: the same micro-batches through the same weights; only the float64 sum's order differs
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-12)
 
-
-def test_expert_parallelism_in_the_trainer_matches_one_rank(tmp_path):
-    """parallel.ep: 2 on 2 ranks (each holds 8 of the 16 experts; tokens travel by all-to-all)
-    against one rank holding them all (2 micro-batches accumulated), AdamW, fp32: the same
-    losses and the same expert loads (summed over the ranks), to the summation order."""
-    one = run("train", str(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")), "--set", "training.steps=3",
-              tmp_path=tmp_path)
-    assert one.returncode == 0, one.stderr
-    ep = run("train", str(tiny_config(tmp_path, tmp_path / "ep", family="qwen3_moe")), "--set", "training.steps=3",
-             "--set", "parallel.dp_shard=2", "--set", "parallel.ep=2", "--nproc", "2", tmp_path=tmp_path)
-    assert ep.returncode == 0, ep.stderr[-3000:]
-    assert "experts split over 2 ranks (ep)" in ep.stdout and "load balancing auxiliary loss x 0.001" in ep.stdout
-    assert losses(tmp_path / "ep") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-
-    def imbalance(run_dir):
-        return [json.loads(line)["moe_imbalance"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                if "moe_imbalance" in line]
-
-    assert len(imbalance(tmp_path / "ep")) == 3
-    assert imbalance(tmp_path / "ep") == pytest.approx(imbalance(tmp_path / "one"), rel=1e-6)
