@@ -156,10 +156,10 @@ def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int
     return num_experts * torch.sum(counts / tokens * probs.float().sum(dim=0) / tokens)
 
 
-@torch.compiler.disable
 def _record(router: TopKRouter, probs: torch.Tensor, indices: torch.Tensor) -> None:
-    # Kept out of compiled graphs: it stores tensors on the module. Once per micro-batch: see
-    # [Note: recording under recompute].
+    # Once per micro-batch: see [Note: recording under recompute]. Under torch.compile this is
+    # traced with the layer (the stores are side effects dynamo applies after the graph, the
+    # probabilities one more output of it): no graph break.
     if router.last_counts is not None:
         return
     flat = indices.reshape(-1).detach()

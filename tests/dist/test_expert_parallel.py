@@ -23,6 +23,9 @@ import torch.multiprocessing as mp
 import yaml
 
 from hyperparallel import checkpoint
+from hyperparallel.checkpoint import ModelCard
+from hyperparallel.checkpoint.export import export_hf
+from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.fsdp import shard_info
 from hyperparallel.lowp import LowPrecisionConfig, convert
 from hyperparallel.models import build_model
@@ -171,7 +174,8 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
     model, balancer = parallel_model("qwen3_moe", 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     first = train_steps(model, balancer, optimizer, rank, world, range(1))
-    checkpoint.save(path, model, optimizer)
+    card = ModelCard.of("qwen3_moe", "float32", model.config)  # what `hyperparallel export` reads
+    checkpoint.save(path, model, optimizer, extra={MODEL_CARD: card.to_json()})
     uninterrupted = first + train_steps(model, balancer, optimizer, rank, world, range(1, STEPS))
     resumed = {}
     for ep in (4, 1) if world == 4 else (1,):
@@ -247,3 +251,30 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(request, world):
     assert sorted(result["resumed"]) == ([1, 4] if world == 4 else [1])
     for ep, losses in result["resumed"].items():
         torch.testing.assert_close(losses, result["uninterrupted"][1:], **TOL, msg=lambda m, ep=ep: f"ep={ep}: {m}")
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_in_one_process_and_exports_to_hugging_face(ep_spawn_4, tmp_path):
+    """Every expert once, with its global shape: one process loads it whole and trains on to
+    the uninterrupted losses, and the export is transformers' own model with the same loss."""
+    from transformers import Qwen3MoeForCausalLM
+
+    result = ep_spawn_4[0]["checkpoint"]
+    model = build("qwen3_moe", ours=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpoint.load(result["path"], model, optimizer)
+    with torch.no_grad():
+        ids = global_batch(1, model.config.vocab_size)
+        loaded_loss = model(input_ids=ids, labels=ids).loss.item()
+    losses = []
+    for step in range(1, STEPS):
+        ids = global_batch(step, model.config.vocab_size)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(losses, result["uninterrupted"][1:], **TOL)
+    exported = Qwen3MoeForCausalLM.from_pretrained(export_hf(result["path"], tmp_path / "hf")).eval()
+    with torch.no_grad():
+        ids = global_batch(1, model.config.vocab_size)
+        assert exported(input_ids=ids, labels=ids).loss.item() == pytest.approx(loaded_loss, rel=1e-6)
