@@ -5,7 +5,7 @@ for MXFP8 experts, one process running our MXFP8 experts. Each layout trains STE
 losses (the mean over ranks of each rank's mean) and every gradient of the first step are compared,
 gradient shards by their recorded global offsets (`shard_info`), which also shows that every
 expert is held exactly once over the ranks. fp32 throughout; the products sum in another order
-than the eager loop, which measured below 2e-6 relative: the tolerance is 1e-5.
+than the eager loop: the losses measured 0.8-1.5e-7 relative apart, the tolerance is 1e-5.
 
 One spawn per world size runs every case; the checkpoint case saves at ep=2 and resumes at ep=4
 and ep=1 on the same ranks.
@@ -239,8 +239,6 @@ def test_expert_parallel_matches_one_process(request, references, world, case, e
     want = reference_of(references, case)
     got = [results[(case, ep)] for results in per_rank]
     label = f"{case}, ep={ep} on {world} ranks"
-    print(label, "largest loss difference", max(abs(a - b) / abs(b) for a, b in zip(got[0]["losses"], want["losses"],
-                                                                                     strict=True)))
     torch.testing.assert_close(got[0]["losses"], want["losses"], **TOL, msg=lambda m: f"{label}: {m}")
     assert_grads_match([g["grads"] for g in got], want["grads"], label)
 
