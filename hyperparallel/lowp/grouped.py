@@ -23,6 +23,7 @@ along K, and backward quantizes it along N again.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -85,28 +86,38 @@ def _project(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool, sa
 
 def _project_backward(ctx, dy, offsets, saved: list, x=None):
     """dx, dW of one projection from what `_project` saved (`x`: the rebuilt input, if asked)."""
-    r = ctx.recipe
     dy = dy.contiguous()  # .sum() hands in an expanded gradient
-    dx = dw = None
-    if ctx.dgrad_from is not None:
-        if ctx.dgrad_from == "mx":
-            w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
+    dx, saved = _project_dgrad(ctx, dy, offsets, saved)
+    return dx, _project_wgrad(ctx, dy, offsets, saved, x)
+
+
+def _project_dgrad(ctx, dy, offsets, saved: list):
+    """dx of one projection (None if not needed), and what of `saved` the weight gradient uses."""
+    r = ctx.recipe
+    if ctx.dgrad_from is None:
+        return None, saved
+    if ctx.dgrad_from == "mx":
+        w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
+    else:
+        w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
+    dy_rows = mx.quantize(dy, 1, scale_mode=r.scale_mode, backend=r.backend)
+    return mx.mx_grouped_mm(dy_rows, w_n, offsets, ctx.x_dtype, backend=r.backend), saved
+
+
+def _project_wgrad(ctx, dy, offsets, saved: list, x=None):
+    """dW of one projection (None if not needed) from the rest of what `_project` saved."""
+    r = ctx.recipe
+    if ctx.wgrad_from is None:
+        return None
+    x_in = x if ctx.wgrad_from == "rebuilt" else (saved[0] if ctx.wgrad_from == "input" else None)
+    if r.wgrad == "mxfp8":
+        if ctx.wgrad_from == "mx":
+            x_cols = MXTensor(saved[0], saved[1], 0, r.scale_mode, group_offsets=offsets)
         else:
-            w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
-        dy_rows = mx.quantize(dy, 1, scale_mode=r.scale_mode, backend=r.backend)
-        dx = mx.mx_grouped_mm(dy_rows, w_n, offsets, ctx.x_dtype, backend=r.backend)
-    if ctx.wgrad_from is not None:
-        x_in = x if ctx.wgrad_from == "rebuilt" else (saved[0] if ctx.wgrad_from == "input" else None)
-        if r.wgrad == "mxfp8":
-            if ctx.wgrad_from == "mx":
-                x_cols = MXTensor(saved[0], saved[1], 0, r.scale_mode, group_offsets=offsets)
-            else:
-                x_cols = mx.quantize_grouped(x_in, offsets, scale_mode=r.scale_mode, backend=r.backend)
-            dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
-            dw = mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
-        else:
-            dw = grouped_weight_grad_mm(dy.t(), x_in, offsets).to(ctx.w_dtype)  # [E, N, K]
-    return dx, dw
+            x_cols = mx.quantize_grouped(x_in, offsets, scale_mode=r.scale_mode, backend=r.backend)
+        dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
+        return mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
+    return grouped_weight_grad_mm(dy.t(), x_in, offsets).to(ctx.w_dtype)  # [E, N, K]
 
 
 class _MXGroupedLinear(torch.autograd.Function):
@@ -128,9 +139,19 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def _gated(gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+def gated(gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
+    """The experts' SwiGLU: act_fn(gate) * up of gate_up [M, 2I] (gate columns, then up)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return act_fn(gate) * up
+
+
+def activation_grad(gate_up: torch.Tensor, act_fn: nn.Module, d_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate_up, act) from gate_up: the activation rebuilt and differentiated by autograd, with
+    the element-wise operations autograd runs on the experts' forward."""
+    with torch.enable_grad():
+        gate_up = gate_up.detach().requires_grad_()
+        act = gated(gate_up, act_fn)
+    return torch.autograd.grad(act, gate_up, d_act)[0], act.detach()
 
 
 class _MXGatedDown(torch.autograd.Function):
@@ -142,7 +163,7 @@ class _MXGatedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, weight, copies, offsets, act_fn, r: _Recipe, grad_enabled: bool):
-        act = _gated(gate_up, act_fn)
+        act = gated(gate_up, act_fn)
         saved = [offsets]
         y = _project(ctx, act, weight, copies, offsets, r, grad_enabled, saved, keep_input=False)
         ctx.act_fn = act_fn
@@ -154,7 +175,7 @@ class _MXGatedDown(torch.autograd.Function):
         offsets, *saved, gate_up = ctx.saved_tensors  # unpacked once: checkpointing allows no more
         with torch.enable_grad():
             gu = gate_up.detach().requires_grad_(ctx.needs_input_grad[0])
-            act = _gated(gu, ctx.act_fn)
+            act = gated(gu, ctx.act_fn)
         d_act, dw = _project_backward(ctx, dy, offsets, saved, x=act.detach())
         d_gate_up = torch.autograd.grad(act, gu, d_act)[0] if ctx.needs_input_grad[0] else None
         return d_gate_up, dw, None, None, None, None, None
@@ -209,6 +230,54 @@ class MXExpertsRecipe:
         return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
                                   experts.act_fn, r, grad_enabled)
 
+    def stages(self, experts: nn.Module) -> MXExpertStages:
+        return MXExpertStages(self, experts)
+
     def describe(self) -> str:
         c = self.config
         return f"mxfp8 {c.scale_mode}, wgrad={c.wgrad}, save_input={c.save_input}"
+
+
+def _expert_slice(t: MXTensor | None, lo: int, hi: int) -> MXTensor | None:
+    return None if t is None else replace(t, data=t.data[lo:hi], scale=t.scale[lo:hi])
+
+
+class MXExpertStages:
+    """The MXFP8 experts in the three stages of `hyperparallel.moe.stages` (its docstring has the
+    interface): the products, quantizations and saved operands of `_MXGroupedLinear` and
+    `_MXGatedDown`, with dgrad and wgrad run apart. The weights' MX copies are taken once per
+    forward (from the recipe's per-version cache) and sliced by expert."""
+
+    def __init__(self, recipe: MXExpertsRecipe, experts: nn.Module):
+        self.experts, self.r = experts, recipe._recipe()
+        self.copies = {name: recipe.weight_copies(name, getattr(experts, name), True)
+                       for name in ("gate_up_proj", "down_proj")}
+
+    def _project(self, name, x, lo, hi, keep_input=True):
+        ctx = SimpleNamespace(needs_input_grad=(True, True))
+        weight = getattr(self.experts, name)[lo:hi]
+        copies = tuple(_expert_slice(c, lo, hi) for c in self.copies[name])
+        saved: list = []
+        y = _project(ctx, x, weight, copies, self._offsets, self.r, True, saved, keep_input=keep_input)
+        return y, ctx, saved
+
+    def forward(self, x, offsets, lo, hi):
+        self._offsets = offsets
+        gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, lo, hi)
+        y, down_ctx, down_saved = self._project("down_proj", gated(gate_up, self.experts.act_fn), lo, hi,
+                                                keep_input=False)
+        return y, (up_saved + down_saved + [gate_up], (up_ctx, down_ctx, len(up_saved)))
+
+    def input_grad(self, saved, dy, offsets, lo, hi):
+        tensors, (up_ctx, down_ctx, n_up) = saved
+        up_saved, down_saved, gate_up = tensors[:n_up], tensors[n_up:-1], tensors[-1]
+        dy = dy.contiguous()
+        d_act, down_rest = _project_dgrad(down_ctx, dy, offsets, down_saved)
+        d_gate_up, act = activation_grad(gate_up, self.experts.act_fn, d_act)
+        dx, up_rest = _project_dgrad(up_ctx, d_gate_up, offsets, up_saved)
+        return dx, (up_ctx, up_rest, d_gate_up, down_ctx, down_rest, dy, act)
+
+    def weight_grad(self, for_wgrad, offsets):
+        up_ctx, up_rest, d_gate_up, down_ctx, down_rest, dy, act = for_wgrad
+        return (_project_wgrad(up_ctx, d_gate_up, offsets, up_rest),
+                _project_wgrad(down_ctx, dy, offsets, down_rest, x=act))

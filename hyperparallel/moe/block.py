@@ -37,6 +37,10 @@ class MoEBlock(nn.Module):
         _, weights, indices = self.gate(tokens)
         if self.dispatcher is None:
             out = self.experts(tokens, indices, weights)
+        elif self.shared_experts is not None and getattr(self.dispatcher, "runs_shared_experts", False):
+            # MegaMoE schedules the shared experts into its graph's idle time
+            out, shared = self.dispatcher(self.experts, tokens, indices, weights, shared_experts=self.shared_experts)
+            return out.view(*shape) + shared.view(*shape)
         else:
             out = self.dispatcher(self.experts, tokens, indices, weights)
         out = out.view(*shape)

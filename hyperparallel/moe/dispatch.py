@@ -51,10 +51,16 @@ def expert_ranges(num_experts: int, ep_size: int) -> list[tuple[int, int]]:
     if num_experts < ep_size:
         raise ConfigError(f"expert parallelism over {ep_size} ranks needs at least {ep_size} experts (one per "
                           f"rank), but the model has {num_experts}: use an EP size of at most {num_experts}")
-    base, extra = divmod(num_experts, ep_size)
+    return split_evenly(num_experts, ep_size)
+
+
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, count) of `parts` contiguous ranges covering 0..total-1, counts differing by at
+    most one, the larger first (some empty when parts > total)."""
+    base, extra = divmod(total, parts)
     ranges, offset = [], 0
-    for rank in range(ep_size):
-        count = base + (rank < extra)
+    for part in range(parts):
+        count = base + (part < extra)
         ranges.append((offset, count))
         offset += count
     return ranges

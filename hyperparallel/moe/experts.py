@@ -15,6 +15,7 @@ product with the routing weights is taken in their dtype (float32 routers promot
 to the hidden dtype before the tokens are summed. forward(rows [M,H], offsets=ends) is the
 products alone, on rows already ordered by expert (what expert parallelism hands the local
 experts; called as the module, so that module hooks such as FSDP's gathers run).
+forward(rows, pipeline=fn) returns fn(self): MegaMoE's task graphs, run inside the module's hooks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from hyperparallel.errors import ShapeError
 from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm
 from hyperparallel.moe.permutation import add_rows_to_tokens, padded_slots, sort_by_expert
+from hyperparallel.moe.stages import HighPrecisionStages
 
 # Rows per padded group for bf16/fp16 grouped matmuls on the CPU: oneDNN builds (and caches) one
 # kernel per matmul shape, so expert groups of new sizes every step cost ~1 ms each there (measured:
@@ -53,6 +55,9 @@ class HighPrecision:
             gate_up, down = gate_up.to(rows.dtype), down.to(rows.dtype)
         gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
         return grouped_mm(experts.act_fn(gate) * up, down.transpose(-2, -1), offsets)
+
+    def stages(self, experts: GroupedExperts) -> HighPrecisionStages:
+        return HighPrecisionStages(experts)
 
     def describe(self) -> str:
         return "high precision"
@@ -113,7 +118,10 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.down_proj, mean=0.0, std=std)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
-                top_k_weights: torch.Tensor | None = None, *, offsets: torch.Tensor | None = None) -> torch.Tensor:
+                top_k_weights: torch.Tensor | None = None, *, offsets: torch.Tensor | None = None,
+                pipeline=None) -> torch.Tensor:
+        if pipeline is not None:  # MegaMoE's graphs, run as this module's forward so that its hooks run
+            return pipeline(self)
         if offsets is not None:
             return self.run_sorted(hidden_states, offsets)
         num_tokens, top_k = top_k_index.shape

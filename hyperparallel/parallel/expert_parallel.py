@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp.geometry import ShardInfo
-from hyperparallel.moe import MoEBlock
+from hyperparallel.moe import MegaMoE, MoEBlock
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
 
 
@@ -52,9 +52,12 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
 
 
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> int:
+def apply_expert_parallel(model: nn.Module, layout: ExpertLayout, *, implementation: str = "sequential",
+                          waves: int = 1) -> int:
     """Keep only this rank's experts in every MoEBlock and route tokens through the EP group;
-    returns how many blocks. Call before fully_shard and before building the optimizer."""
+    returns how many blocks. Call before fully_shard and before building the optimizer.
+
+    `implementation`: "sequential" (ExpertParallel) or "megamoe" (MegaMoE with `waves` waves)."""
     blocks = moe_blocks(model)
     for block in blocks:
         experts = block.experts
@@ -65,7 +68,8 @@ def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> int:
             param.data = param.data[offset:offset + count].clone()
             param._hp_shard_info = ShardInfo(global_shape, offset, count)
         experts.num_experts = count
-        block.dispatcher = ExpertParallel(layout.ep_group, total)
+        block.dispatcher = (MegaMoE(layout.ep_group, total, waves) if implementation == "megamoe"
+                            else ExpertParallel(layout.ep_group, total))
     return len(blocks)
 
 

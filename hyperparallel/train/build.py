@@ -15,7 +15,8 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, install_fused_loss
-from hyperparallel.moe import LoadBalancer, routers
+from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
+from hyperparallel.multicore import COST_MODELS, LANES
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
 from hyperparallel.train import data
@@ -62,6 +63,7 @@ class BuiltModel:
     sharded: bool
     balancer: LoadBalancer | None = None  # the MoE layers' load balancing (None: no MoE layers)
     ep: int = 1
+    waves: int | None = None  # MegaMoE's expert waves (None: the sequential EP layer, or no EP)
 
 
 def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
@@ -81,7 +83,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
     layout = None
     if cfg.parallel.ep > 1:
         layout = expert_layout(cfg.parallel.ep, rt.device.type)
-        apply_expert_parallel(model, layout)
+        waves = moe_waves(cfg, model, rt.device) if cfg.moe.implementation == "megamoe" else 1
+        apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves)
     if cfg.training.fused_loss:
         install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
     apply_recompute(model, cfg.parallel.recompute)
@@ -93,7 +96,24 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
     elif rt.world > 1:  # ranks beyond the parallel plans replicate the model
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
-    return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep)
+    return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
+                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None)
+
+
+def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:
+    """moe.waves, or the count the device's cost model predicts fastest for the first MoE layer at
+    this run's micro-batch (the same on every rank: it depends on the config alone)."""
+    if cfg.moe.waves is not None:
+        return cfg.moe.waves
+    block = next(m for m in model.modules() if isinstance(m, MoEBlock))
+    shared = block.shared_experts
+    shared_intermediate = sum(p.numel() for p in shared.parameters()) // (3 * block.experts.hidden_dim) if shared else 0
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
+    shape = MoEShape(tokens=cfg.training.micro_batch * cfg.data.seq_len, hidden=block.experts.hidden_dim,
+                     intermediate=block.experts.intermediate_dim, experts=block.experts.num_experts,
+                     top_k=block.gate.top_k, shared_intermediate=shared_intermediate,
+                     element_bytes=torch.empty((), dtype=dtype).element_size())
+    return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], lanes=LANES[device.type])
 
 
 def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:

@@ -26,7 +26,7 @@ from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.models import family_for_model_type, family_names, get_family
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
-from hyperparallel.moe import LOAD_BALANCE
+from hyperparallel.moe import LOAD_BALANCE, MOE_IMPLEMENTATIONS
 from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
 from hyperparallel.parallel import RECOMPUTE_MODES
 
@@ -171,12 +171,17 @@ class ParallelSection(Section):
 
 
 class MoESection(Section):
-    """How MoE layers balance their experts' load (hyperparallel.moe.balance)."""
+    """How MoE layers balance their experts' load (hyperparallel.moe.balance) and, under expert
+    parallelism, how their all-to-alls run (hyperparallel.moe.megamoe)."""
 
     # aux_loss | bias | none; null: the family's rule (qwen3_moe: aux_loss, deepseek_v3: bias)
     load_balance: choice(LOAD_BALANCE) | None = None
     aux_loss_coef: float | None = Field(None, ge=0)  # null: the model config's router_aux_loss_coef
     bias_update_rate: float = Field(0.001, ge=0)  # DeepSeek-V3's bias update speed
+    # sequential: all rows out, all experts, all rows back; megamoe: expert waves whose
+    # all-to-alls overlap the experts' products (needs parallel.ep > 1)
+    implementation: choice(MOE_IMPLEMENTATIONS) = "sequential"
+    waves: int | None = Field(None, ge=1)  # MegaMoE's expert waves; null: what the cost model predicts fastest
 
     def rule(self, family: str) -> str:
         return self.load_balance or get_family(family).default_load_balance
@@ -233,6 +238,8 @@ class LoggingSection(Section):
     tensorboard: bool = False
     progress: bool = True  # the live progress bar
     peak_tflops: float | None = Field(None, gt=0)  # for MFU; default: measured matmul peak (CPU) or table (GPU)
+    trace: bool = False  # write RUN_DIR/trace.json: a timeline of trace_steps steps (Perfetto)
+    trace_steps: int = Field(3, ge=1)  # traced from the second step of the run (the first warms up)
 
     @model_validator(mode="after")
     def _run_dir_template(self):
@@ -286,6 +293,8 @@ class TrainConfig(Section):
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
         for how in ("compile", "fused_loss", "timeout_s", "eval_every", "eval_batches"):
             data["training"].pop(how)  # how the same numbers are computed, waited for, and looked at
+        for how in ("implementation", "waves"):
+            data["moe"].pop(how)  # MegaMoE computes what the sequential layer does
         return _flatten(data)
 
     def fingerprint(self) -> str:

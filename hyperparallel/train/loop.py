@@ -36,6 +36,7 @@ from hyperparallel.train.evaluate import Evaluator
 from hyperparallel.train.metrics import LogWindow, MetricsLog, peak_memory_bytes, peak_tflops
 from hyperparallel.train.preemption import StopRequests
 from hyperparallel.train.step import TrainStep
+from hyperparallel.train.tracing import StepTrace
 
 
 def _decide_start(cfg: TrainConfig, world: int, restarted: bool) -> dict:
@@ -147,12 +148,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     last = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     window = LogWindow()
     launched = elastic.launched_by_hyperparallel()  # (then the launcher announces a stop, and forwards it)
+    tracer = StepTrace(run_dir_path / "trace.json", first_step=start, last_step=last, steps=cfg.logging.trace_steps,
+                       enabled=cfg.logging.trace)
     with StopRequests(announce=rt.is_main and not launched, forwarded=launched) as stop:
         try:
             for step in range(start, last):
                 t0 = time.perf_counter()
-                result = step_fn(batches.micro_batches(step))
+                with tracer.step(step):
+                    result = step_fn(batches.micro_batches(step))
                 agreed = agree(result.loss, time.perf_counter() - t0, stop.requested is not None)
+                tracer.after_step(step)
                 first_loss = agreed.loss if first_loss is None else first_loss
                 last_loss = agreed.loss
                 done = step + 1
@@ -177,6 +182,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 if agreed.stop:
                     stopped_by = stop.requested or "SIGTERM"  # (None here: another rank was signalled)
                     break
+            tracer.close()  # (a run stopped early, inside the traced steps: every rank agreed to stop here)
             path = checkpointer.finish()
             _log_saved(log, path)
             if stopped_by is not None:
@@ -208,7 +214,8 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
     """The run's first lines: what trains, on what, how."""
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
     if built.ep > 1:
-        layout += f", experts split over {built.ep} ranks (ep)"
+        layout += f", experts split over {built.ep} ranks (ep"
+        layout += f", MegaMoE in {built.waves} waves)" if built.waves else ")"
     log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
               f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "

@@ -46,6 +46,9 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
         problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must be "
                         f"a multiple of ep (the ranks sharing each expert's shards x ep); with {world} rank(s): {fix}")
     family = get_family(cfg.model.family)
+    if cfg.moe.implementation == "megamoe" and ep == 1:
+        problems.append("moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep "
+                        "is 1 (no all-to-alls); set parallel.ep > 1 or use moe.implementation: sequential")
     if ep > 1 and not family.moe_block_classes:
         problems.append(f"parallel.ep = {ep} splits the experts of MoE layers, and family {cfg.model.family!r} has none")
     if cfg.moe.rule(cfg.model.family) == "bias" and family.default_load_balance != "bias":
@@ -60,9 +63,16 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
 
 def _expert_problems(cfg: TrainConfig, hf_config) -> list[str]:
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
-    if cfg.parallel.ep > 1 and experts is not None and experts < cfg.parallel.ep:
-        return [f"parallel.ep = {cfg.parallel.ep} needs at least one expert per rank, and the model has {experts} "
+    ep = cfg.parallel.ep
+    if ep > 1 and experts is not None and experts < ep:
+        return [f"parallel.ep = {ep} needs at least one expert per rank, and the model has {experts} "
                 f"experts per MoE layer; use ep <= {experts}"]
+    waves = cfg.moe.waves
+    if cfg.moe.implementation == "megamoe" and ep > 1 and experts is not None and waves is not None:
+        most = -(-experts // ep)
+        if waves > most:
+            return [f"moe.waves = {waves}: a wave is a group of one rank's experts, and with {experts} experts over "
+                    f"parallel.ep = {ep} ranks a rank holds at most {most}; use moe.waves <= {most} (or null)"]
     return []
 
 

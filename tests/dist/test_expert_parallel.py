@@ -60,11 +60,17 @@ CASES = {
     "recompute_full": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml"), {"recompute": "full"}),
     # Muon: each rank orthogonalizes the expert matrices it holds
     "muon": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml"), {"muon": True}),
+    # MegaMoE (moe.implementation: megamoe) in 2 waves; with DeepSeek-V3's shared experts inside its graph
+    "megamoe": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml"), {"waves": 2}),
+    "megamoe_deepseek_v3": ("deepseek_v3", tiny("deepseek_v3_tiny.yaml"), {"bias": True, "waves": 2}),
+    "megamoe_mxfp8": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml"), {"mx": True, "waves": 2}),
+    "megamoe_recompute": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml"), {"recompute": "full", "waves": 2}),
 }
 LAYOUTS = {2: [("qwen3_moe", 2), ("deepseek_v3_bias", 2), ("six_experts", 2), ("one_expert", 2), ("mxfp8", 2),
-               ("recompute_full", 2), ("muon", 2)],
+               ("recompute_full", 2), ("muon", 2), ("megamoe", 2), ("megamoe_deepseek_v3", 2), ("megamoe_mxfp8", 2),
+               ("megamoe_recompute", 2)],
            4: [("qwen3_moe", 4), ("qwen3_moe", 2), ("six_experts", 4), ("one_expert", 4), ("mxfp8", 4),
-               ("deepseek_v3_bias", 4)]}
+               ("deepseek_v3_bias", 4), ("megamoe", 4), ("megamoe_deepseek_v3", 4)]}
 RUNS = [(world, case, ep) for world, layouts in LAYOUTS.items() for case, ep in layouts]
 
 
@@ -131,10 +137,11 @@ def reference(case: str) -> dict:
 def parallel_model(case: str, ep: int):
     model = build(case, ours=True)
     layout = expert_layout(ep, "cpu") if ep > 1 else None
-    if layout is not None:
-        apply_expert_parallel(model, layout)
-    shard_model(model, experts=layout)
     options = CASES[case][2]
+    if layout is not None:
+        implementation = "megamoe" if "waves" in options else "sequential"
+        apply_expert_parallel(model, layout, implementation=implementation, waves=options.get("waves", 1))
+    shard_model(model, experts=layout)
     balancer = LoadBalancer(model, "bias" if options.get("bias") else "none", bias_update_rate=BIAS_RATE)
     return model, balancer
 

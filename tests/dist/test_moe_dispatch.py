@@ -1,7 +1,8 @@
 """ExpertParallel on 4 gloo processes, in EP groups of 4, 2 and 1 ranks, against one process
 running every expert (GroupedExperts) on the concatenation of a group's tokens: outputs, token and
 routing-weight gradients, and each rank's expert-weight gradients against the one-process
-gradients of its slice."""
+gradients of its slice. MegaMoE, for every wave count from 1 to a rank's expert count, against
+ExpertParallel on the same ranks, with and without shared experts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.lowp import LowPrecisionConfig, MXExpertsRecipe
 from hyperparallel.moe import GroupedExperts
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
+from hyperparallel.moe.megamoe import MegaMoE
 from tests.dist.ranks import leave
 from tests.dist.test_fsdp import one_thread
 
@@ -31,6 +33,12 @@ LAYOUTS = {"ep4": [[0, 1, 2, 3]], "ep2": [[0, 2], [1, 3]], "ep1": [[0], [1], [2]
 CASES = ["random_top2", "uneven_experts", "one_expert", "idle_rank", "empty_rank", "mxfp8"]
 # all_to_all_single calls per layer: counts, dispatch, combine forward; combine, dispatch backward
 EXCHANGES = {"forward": 3, "backward": 2}
+SHARED_INTERMEDIATE = 48
+
+
+def megamoe_exchanges(waves: int) -> dict[str, int]:
+    """MegaMoE's: the counts, then a dispatch and a combine per wave; backward two per wave."""
+    return {"forward": 1 + 2 * waves, "backward": 2 * waves}
 
 
 @dataclass
@@ -98,21 +106,40 @@ def local_experts(full: GroupedExperts, offset: int, count: int, mx: bool) -> Gr
     return local
 
 
-def run_case(case: Case, rank: int, process_groups: dict[tuple[int, ...], object], counter: dict) -> dict:
+def shared_mlp() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(HIDDEN, SHARED_INTERMEDIATE), nn.SiLU(), nn.Linear(SHARED_INTERMEDIATE, HIDDEN))
+
+
+def run_case(case: Case, rank: int, process_groups: dict[tuple[int, ...], object], counter: dict, *,
+             waves: int | None = None, shared: bool = False) -> dict:
+    """One layer forward and backward: ExpertParallel, or MegaMoE in `waves` waves; with `shared`,
+    plus a shared-experts MLP (MegaMoE runs it inside its graph)."""
     members = next(g for g in case.groups if rank in g)
-    ep = ExpertParallel(process_groups[tuple(members)], case.num_experts)
+    group = process_groups[tuple(members)]
+    ep = ExpertParallel(group, case.num_experts) if waves is None else MegaMoE(group, case.num_experts, waves)
     offset, count = ep.local_range
     experts = local_experts(full_experts(case), offset, count, case.mx)
+    mlp = shared_mlp() if shared else None
     tokens = case.tokens[rank].clone().requires_grad_()
     weights = case.weights[rank].clone().requires_grad_()
     counter["n"] = 0
-    out = ep(experts, tokens, case.indices[rank], weights)
+    if shared and waves is not None:
+        routed, shared_out = ep(experts, tokens, case.indices[rank], weights, shared_experts=mlp)
+        out = routed + shared_out
+    else:
+        out = ep(experts, tokens, case.indices[rank], weights)
+        if shared:
+            out = out + mlp(tokens)
     forward_exchanges = counter["n"]
     (out * case.grad_out[rank]).sum().backward()
-    return {"range": (offset, count), "out": out.detach(), "tokens_grad": tokens.grad,
-            "weights_grad": weights.grad, "gate_up_grad": experts.gate_up_proj.grad,
-            "down_grad": experts.down_proj.grad,
-            "exchanges": {"forward": forward_exchanges, "backward": counter["n"] - forward_exchanges}}
+    result = {"range": (offset, count), "out": out.detach(), "tokens_grad": tokens.grad,
+              "weights_grad": weights.grad, "gate_up_grad": experts.gate_up_proj.grad,
+              "down_grad": experts.down_proj.grad,
+              "exchanges": {"forward": forward_exchanges, "backward": counter["n"] - forward_exchanges}}
+    if shared:
+        result.update({f"shared_{name}": p.grad for name, p in mlp.named_parameters()})
+    return result
 
 
 def wrong_local_experts_message() -> str:
@@ -143,15 +170,38 @@ def run_all(rank: int) -> dict:
             process_groups.update({tuple(g): dist.new_group(g) for g in groups if len(g) < WORLD})
         results = {(layout, name): run_case(make_case(name, layout), rank, process_groups, counter)
                    for layout in LAYOUTS for name in CASES}
+        for layout, name, waves, shared in MEGAMOE_RUNS:
+            key = ("megamoe", layout, name, waves, shared)
+            results[key] = run_case(make_case(name, layout), rank, process_groups, counter, waves=waves, shared=shared)
+        for layout in LAYOUTS:  # the sequential layer with the same shared experts, MegaMoE's reference
+            results["shared", layout] = run_case(make_case("random_top2", layout), rank, process_groups, counter,
+                                                 shared=True)
     finally:
         dist.all_to_all_single = all_to_all_single
     results["wrong_local_experts"] = wrong_local_experts_message()
+    try:
+        MegaMoE(dist.group.WORLD, 10, 4)  # 10 experts on 4 ranks: 3, 3, 2, 2
+    except ConfigError as error:
+        results["too_many_waves"] = str(error)
     return results
 
 
 @pytest.fixture(scope="module")
 def dispatched(ep_spawn_4) -> list[dict]:
     return [results["dispatch"] for results in ep_spawn_4]
+
+
+def most_local_experts(name: str, layout: str) -> int:
+    case = make_case(name, layout)
+    return max(count for _, count in expert_ranges(case.num_experts, len(case.groups[0])))
+
+
+# MegaMoE: every case and layout at every wave count from 1 to the most experts a rank holds, and
+# with shared experts at the fewest and most waves
+MEGAMOE_RUNS = [(layout, name, waves, False) for layout in LAYOUTS for name in CASES
+                for waves in range(1, most_local_experts(name, layout) + 1)]
+MEGAMOE_RUNS += [(layout, "random_top2", waves, True) for layout in LAYOUTS
+                 for waves in sorted({1, most_local_experts("random_top2", layout)})]
 
 
 def one_process(case: Case, members: list[int]) -> dict:
@@ -206,6 +256,32 @@ def test_expert_parallel_matches_one_process(dispatched, layout, name):
     assert all(diff <= TOLERANCE for diff in worst.values()), f"{name}, {layout}: {worst}"
 
 
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0) if a.numel() else 0.0
+
+
+# Measured: 0 for every quantity of every run (each expert's products see the same rows in the
+# same order; every token here sums at most two slots, whose order does not change a sum of two).
+# 1e-6 is the relative tolerance the issue sets for MegaMoE against the sequential layer.
+MEGAMOE_TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize("layout, name, waves, shared", MEGAMOE_RUNS,
+                         ids=[f"{layout}-{name}-{waves}waves" + ("-shared" if shared else "")
+                              for layout, name, waves, shared in MEGAMOE_RUNS])
+def test_megamoe_matches_the_sequential_layer(dispatched, layout, name, waves, shared):
+    for r, results in enumerate(dispatched):
+        got = results["megamoe", layout, name, waves, shared]
+        want = results["shared", layout] if shared else results[layout, name]
+        assert got["range"] == want["range"]
+        keys = [key for key in want if key not in ("range", "exchanges")]
+        assert set(keys) <= set(got)
+        worst = {key: relative_difference(got[key], want[key]) for key in keys}
+        assert all(diff <= MEGAMOE_TOLERANCE for diff in worst.values()), f"rank {r}: {worst}"
+        assert got["exchanges"] == megamoe_exchanges(waves), f"rank {r}"
+
+
 def test_each_layer_runs_three_exchanges_forward_and_two_backward(dispatched):
     for r, results in enumerate(dispatched):
         for layout in LAYOUTS:
@@ -229,6 +305,11 @@ def test_cases_cover_what_they_are_named_for(dispatched):
 def test_local_experts_of_the_wrong_count_are_refused(dispatched):
     message = dispatched[0]["wrong_local_experts"]
     assert "rank 0 of 4 holds experts 0..1 (2 of 8), but its GroupedExperts has 3" in message
+
+
+def test_more_waves_than_a_rank_has_experts_are_refused(dispatched):
+    assert dispatched[0]["too_many_waves"] == ("moe.waves must be between 1 and the most experts one EP rank holds "
+                                               "(3: 10 experts over 4 ranks), got 4")
 
 
 def test_expert_ranges_are_contiguous_and_differ_by_at_most_one():

@@ -123,6 +123,35 @@ def test_two_sharded_ranks_match_one_rank(tmp_path):
     assert losses(run_dir) == full  # exactly: the same ranks, shards and order of every sum
 
 
+def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(tmp_path):
+    """moe.implementation: megamoe in 2 waves against the sequential EP layer (dp_shard 2, ep 2, fp32,
+    the aux loss on) for 20 steps: the same loss curve; logging.trace writes a timeline of two
+    steps with MegaMoE's tasks on every rank's lanes."""
+    from hyperparallel.multicore import timeline
+
+    layout = ["--set", "training.steps=20", "--set", "training.eval_every=0", "--set", "parallel.dp_shard=2",
+              "--set", "parallel.ep=2", "--nproc", "2"]
+    sequential = run("train", str(tiny_config(tmp_path, tmp_path / "sequential", family="qwen3_moe")), *layout,
+                     tmp_path=tmp_path)
+    assert sequential.returncode == 0, sequential.stderr[-3000:]
+    megamoe = run("train", str(tiny_config(tmp_path, tmp_path / "megamoe", family="qwen3_moe")), *layout,
+                  "--set", "moe.implementation=megamoe", "--set", "moe.waves=2", "--set", "logging.trace=true",
+                  "--set", "logging.trace_steps=2", tmp_path=tmp_path)
+    assert megamoe.returncode == 0, megamoe.stderr[-3000:]
+    assert "experts split over 2 ranks (ep, MegaMoE in 2 waves)" in megamoe.stdout
+    want = losses(tmp_path / "sequential")
+    assert len(want) == 20
+    # measured: equal to the last bit (each expert's products see the same rows in the same order)
+    assert losses(tmp_path / "megamoe") == pytest.approx(want, rel=1e-6)
+    events = timeline.load(tmp_path / "megamoe" / "trace.json")
+    assert {e["pid"] for e in events} == {0, 1}
+    steps = sorted({e["name"] for e in events if e["lane"] == "step"})
+    assert steps == ["step 2", "step 3"]  # the first step warms up
+    names = {e["name"] for e in events if e["pid"] == 1}
+    assert {"dispatch 0", "combine 1", "experts 1", "dgrad 0", "wgrad 1", "dispatch grad 1"} <= names
+    assert {e["lane"] for e in events} == {"step", "compute", "comm"}
+
+
 def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(tmp_path):
     """lr 0: both layouts evaluate the same (initial) weights on the same held-out sequences."""
     options = ["--set", "optimizer.lr=0", "--set", "training.steps=2", "--set", "training.eval_batches=2"]

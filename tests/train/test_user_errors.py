@@ -122,6 +122,8 @@ def _config(family: str, **sections):
     ("qwen3", {"parallel": {"ep": 2, "dp_shard": 2}}, 2, r"parallel.ep = 2 splits the experts .* family 'qwen3' has none"),
     ("qwen3_moe", {"moe": {"load_balance": "bias"}}, 1,
      r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
+    ("qwen3_moe", {"moe": {"implementation": "megamoe"}, "parallel": {"dp_shard": 2}}, 2,
+     r"moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep is 1"),
 ])
 def test_expert_layout_mistakes_are_named(family, sections, world, message):
     from hyperparallel.train.preflight import layout_problems
@@ -136,6 +138,14 @@ def test_more_expert_ranks_than_experts_is_named():
     cfg = _config("qwen3_moe", parallel={"ep": 32, "dp_shard": 32})  # the tiny model has 16 experts
     assert model_problems(cfg, None) == ["parallel.ep = 32 needs at least one expert per rank, and the model has 16 "
                                          "experts per MoE layer; use ep <= 16"]
+
+
+def test_more_megamoe_waves_than_a_rank_has_experts_is_named():
+    from hyperparallel.train.preflight import model_problems
+
+    cfg = _config("qwen3_moe", parallel={"ep": 4, "dp_shard": 4}, moe={"implementation": "megamoe", "waves": 5})
+    assert model_problems(cfg, None) == ["moe.waves = 5: a wave is a group of one rank's experts, and with 16 experts "
+                                         "over parallel.ep = 4 ranks a rank holds at most 4; use moe.waves <= 4 (or null)"]
 
 
 def test_expert_parallelism_of_a_dense_family_without_sharding(tmp_path, config):
