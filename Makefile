@@ -38,6 +38,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench fsdp
 	$(PY) -m hyperparallel bench checkpoint
 	$(PY) -m hyperparallel bench fusion
+	$(PY) -m hyperparallel bench moe
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks

@@ -230,8 +230,8 @@ class MXExpertsRecipe:
         return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
                                   experts.act_fn, r, grad_enabled)
 
-    def stages(self, experts: nn.Module) -> MXExpertStages:
-        return MXExpertStages(self, experts)
+    def stages(self, experts: nn.Module, *, needs_grad: bool = True) -> MXExpertStages:
+        return MXExpertStages(self, experts, needs_grad=needs_grad)
 
     def describe(self) -> str:
         c = self.config
@@ -248,17 +248,17 @@ class MXExpertStages:
     `_MXGatedDown`, with dgrad and wgrad run apart. The weights' MX copies are taken once per
     forward (from the recipe's per-version cache) and sliced by expert."""
 
-    def __init__(self, recipe: MXExpertsRecipe, experts: nn.Module):
-        self.experts, self.r = experts, recipe._recipe()
-        self.copies = {name: recipe.weight_copies(name, getattr(experts, name), True)
+    def __init__(self, recipe: MXExpertsRecipe, experts: nn.Module, *, needs_grad: bool = True):
+        self.experts, self.r, self.needs_grad = experts, recipe._recipe(), needs_grad
+        self.copies = {name: recipe.weight_copies(name, getattr(experts, name), needs_grad)
                        for name in ("gate_up_proj", "down_proj")}
 
     def _project(self, name, x, lo, hi, keep_input=True):
         ctx = SimpleNamespace(needs_input_grad=(True, True))
         weight = getattr(self.experts, name)[lo:hi]
         copies = tuple(_expert_slice(c, lo, hi) for c in self.copies[name])
-        saved: list = []
-        y = _project(ctx, x, weight, copies, self._offsets, self.r, True, saved, keep_input=keep_input)
+        saved: list = []  # (nothing for backward without grad: no copy made for it)
+        y = _project(ctx, x, weight, copies, self._offsets, self.r, self.needs_grad, saved, keep_input=keep_input)
         return y, ctx, saved
 
     def forward(self, x, offsets, lo, hi):

@@ -56,7 +56,7 @@ class HighPrecision:
         gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
         return grouped_mm(experts.act_fn(gate) * up, down.transpose(-2, -1), offsets)
 
-    def stages(self, experts: GroupedExperts) -> HighPrecisionStages:
+    def stages(self, experts: GroupedExperts, *, needs_grad: bool = True) -> HighPrecisionStages:
         return HighPrecisionStages(experts)
 
     def describe(self) -> str:

@@ -9,14 +9,15 @@ local experts into K contiguous *waves* (`wave_ranges`) and runs the layer as on
 
 Communication is issued in the order dispatch 0, dispatch 1, combine 0, dispatch 2, combine 1, ...:
 while wave w's products run, wave w+1's rows arrive and wave w-1's results leave. The shared
-experts (DeepSeek), which need no exchange, are a compute task of the lowest priority: the executor
-runs them while it would otherwise wait.
+experts (DeepSeek), which need no exchange, are one compute task right after the first dispatch,
+where the compute lane would otherwise wait for it.
 
 Backward is a graph of the same shape: the combine's reverse exchange of wave w, its input-gradient
-products (`dgrad[w]`) and the dispatch's reverse exchange, with the weight-gradient products
-(`wgrad[w]`) and the shared experts' backward last in priority, filling the exchanges' time. The
-products are the recipe's three stages (`hyperparallel.moe.stages`: high precision or MXFP8),
-which compute what its autograd path computes.
+products (`dgrad[w]`) and the dispatch's reverse exchange; each wave's weight-gradient products
+(`wgrad[w]`) come one wave behind, after the next wave's dgrad, filling the exchanges' time, and
+the shared experts' backward right after the first exchange. The products are the recipe's three
+stages (`hyperparallel.moe.stages`: high precision or MXFP8), which compute what its autograd path
+computes.
 
 Rows travel wave-major ([wave][destination][expert][token]), so each wave's rows for every
 destination are one contiguous range and one all_to_all_single sends a wave. Within an expert the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.moe.dispatch import ExpertParallel
@@ -45,12 +47,14 @@ IMPLEMENTATIONS = ("sequential", "megamoe")  # moe.implementation: ExpertParalle
 class MegaMoE(ExpertParallel):
     """The dispatcher a `MoEBlock` calls under expert parallelism with `moe.implementation: megamoe`:
     what `ExpertParallel` computes, as overlapped task graphs of `waves` expert waves. `last_stats`
-    holds the latest forward's and backward's `multicore.RunStats`."""
+    holds the latest forward's and backward's `multicore.RunStats`; overlap=False runs the same
+    graphs with every exchange waited for at once (for measuring each task alone)."""
 
     runs_shared_experts = True
 
-    def __init__(self, process_group, num_experts: int, waves: int):
+    def __init__(self, process_group, num_experts: int, waves: int, *, overlap: bool = True):
         super().__init__(process_group, num_experts)
+        self.overlap = overlap
         most = max(count for _, count in self.ranges)
         if not 1 <= waves <= most:
             raise ConfigError(f"moe.waves must be between 1 and the most experts one EP rank holds ({most}: "
@@ -77,7 +81,8 @@ class MegaMoE(ExpertParallel):
         order = torch.argsort(self.wave_major.to(indices.device)[indices.reshape(-1)], stable=True)
         token_of_row = order // top_k
         rows = tokens.index_select(0, token_of_row).to(dtype)
-        pipeline = WavePipeline(self.layout(indices), self.waves, self.process_group, experts, shared_experts)
+        pipeline = WavePipeline(self.layout(indices), self.waves, self.process_group, experts, shared_experts,
+                                grad_enabled=torch.is_grad_enabled())
         shared_input = tokens if shared_experts is not None else None
         shared_params = [p for p in shared_experts.parameters() if p.requires_grad] if shared_experts else []
         # called as the module: its hooks (FSDP's gathers) run around the graph, as for ExpertParallel
@@ -114,16 +119,18 @@ class _MegaMoEFunction(torch.autograd.Function):
     def forward(ctx, moe: MegaMoE, pipeline: WavePipeline, rows, gate_up_proj, down_proj, shared_input,
                 *shared_params):
         graph, outputs = pipeline.forward_graph(rows, shared_input)
-        moe.last_stats["forward"] = run_graph(graph)
+        moe.last_stats["forward"] = run_graph(graph, overlap=moe.overlap)
+        results = (outputs["returned"].tensor,) + ((outputs["shared"].tensor,) if shared_input is not None else ())
+        graph.release()  # its buffers go now, not when the cycle collector finds them
         ctx.moe, ctx.pipeline, ctx.has_shared = moe, pipeline, shared_input is not None
         ctx.counts = [len(wave) for wave in pipeline.saved]
         # saved through autograd (not held by the pipeline), so that recompute can drop them
         ctx.save_for_backward(*[t for wave in pipeline.saved for t in wave])
         pipeline.saved = []
-        returned = outputs["returned"].tensor
-        return (returned, outputs["shared"].tensor) if ctx.has_shared else (returned,)
+        return results
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_returned, d_shared=None):
         flat, at = ctx.saved_tensors, 0  # unpacked once: checkpointing allows no more
         pipeline = ctx.pipeline
@@ -133,9 +140,14 @@ class _MegaMoEFunction(torch.autograd.Function):
         if d_shared is None and ctx.has_shared:
             d_shared = torch.zeros_like(pipeline.shared_graph["output"])
         graph, outputs = pipeline.backward_graph(d_returned.contiguous(), d_shared)
-        ctx.moe.last_stats["backward"] = run_graph(graph)
-        pipeline.saved = []
+        ctx.moe.last_stats["backward"] = run_graph(graph, overlap=ctx.moe.overlap)
         grads = (None, None, outputs["rows"].tensor, outputs["gate_up_proj"].tensor, outputs["down_proj"].tensor)
-        if not ctx.has_shared:
-            return (*grads, None)
-        return (*grads, outputs["shared input"].tensor, *outputs["shared"])
+        if ctx.has_shared:
+            grads += (outputs["shared input"].tensor, *outputs["shared"])
+        else:
+            grads += (None,)
+        # released now: the weight gradients then have no other owner, so autograd takes them as
+        # they are instead of copying them into .grad
+        graph.release()
+        pipeline.saved, pipeline.shared_graph = [], {}
+        return grads

@@ -84,14 +84,15 @@ class WavePipeline:
     group: object
     experts: object
     shared: nn.Module | None
+    grad_enabled: bool = True  # whether the call builds an autograd graph (else nothing is kept for backward)
     # filled by the forward graph's run, read by the backward graph's
     saved: list[list[torch.Tensor]] = field(default_factory=list)
     metas: list[object] = field(default_factory=list)
     shared_graph: dict = field(default_factory=dict)
 
     def _stages(self):
-        if not hasattr(self, "_cached_stages"):
-            self._cached_stages = self.experts.recipe.stages(self.experts)
+        if not hasattr(self, "_cached_stages"):  # one per call: MX stages keep the forward's weight copies
+            self._cached_stages = self.experts.recipe.stages(self.experts, needs_grad=self.grad_enabled)
         return self._cached_stages
 
     def forward_graph(self, rows: torch.Tensor, shared_input: torch.Tensor | None) -> tuple[TaskGraph, dict]:
@@ -102,6 +103,7 @@ class WavePipeline:
         returned = graph.buffer("returned", torch.empty_like(rows))
         row_bytes = hidden * rows.element_size()
         waves = []
+        outputs = {"returned": returned}
         self.saved, self.metas = [], [None] * self.num_waves
         for w, (lo, count) in enumerate(lay.waves):
             received = graph.buffer(f"received {w}", rows.new_empty(sum(lay.recv[w]), hidden))
@@ -119,6 +121,7 @@ class WavePipeline:
             waves[w][2].set(y)
             self.saved[w] += tensors
             self.metas[w] = meta
+            graph.hold(*tensors)  # they outlive the run (saved for backward)
 
         for step, w in interleaved(self.num_waves):
             received, grouped, products, done = waves[w]
@@ -127,11 +130,13 @@ class WavePipeline:
             if step == "in":
                 graph.add(f"dispatch {w}", "comm", _Exchange(self.group, source, received, lay.send[w], lay.recv[w]),
                           reads=[source], writes=[received], bytes=link)
+                if w == 0 and self.shared is not None:
+                    outputs["shared"] = self._add_shared_forward(graph, shared_input)
             elif step == "out":
                 graph.add(f"combine {w}", "comm", _Exchange(self.group, done, region, lay.recv[w], lay.send[w]),
                           reads=[done], writes=[region], bytes=link)
             else:
-                graph.add(f"regroup {w}", "vector", _select(received, grouped, self.saved[w], inverse=False),
+                graph.add(f"regroup {w}", "vector", _select(received, grouped, self, w, inverse=False),
                           reads=[received], writes=[grouped], bytes=2 * n * row_bytes)
                 if lay.waves[w][1]:
                     graph.add(f"experts {w}", "matmul", lambda w=w: run_experts(w), reads=[grouped],
@@ -139,22 +144,27 @@ class WavePipeline:
                 else:  # no expert of this rank in the wave: no rows arrive
                     graph.add(f"experts {w}", "vector", lambda p=products, g=grouped: p.set(g.tensor),
                               reads=[grouped], writes=[products])
-                graph.add(f"unregroup {w}", "vector", _select(products, done, self.saved[w], inverse=True),
+                graph.add(f"unregroup {w}", "vector", _select(products, done, self, w, inverse=True),
                           reads=[products], writes=[done], bytes=2 * n * row_bytes)
-        outputs = {"returned": returned}
-        if self.shared is not None:
-            shared_in = graph.input("shared input", shared_input)
-            outputs["shared"] = shared_out = graph.buffer("shared output", rows=shared_input.shape[0])
-            # added last: the lowest priority, so it runs when no wave's work is ready
-            graph.add("shared experts", "matmul", lambda: self._shared_forward(shared_in.tensor, shared_out),
-                      reads=[shared_in], writes=[shared_out], flops=mlp_flops(self.shared, shared_input.shape[0]))
         return graph, outputs
 
+    def _add_shared_forward(self, graph: TaskGraph, shared_input: torch.Tensor):
+        """The shared experts as one matmul task, right after the first dispatch: the compute lane
+        has nothing else until that dispatch arrives (on CUDA the matmul stream runs it first)."""
+        shared_in = graph.input("shared input", shared_input)
+        shared_out = graph.buffer("shared output", rows=shared_input.shape[0])
+        graph.add("shared experts", "matmul", lambda: self._shared_forward(shared_in.tensor, shared_out),
+                  reads=[shared_in], writes=[shared_out], flops=mlp_flops(self.shared, shared_input.shape[0]))
+        return shared_out
+
     def _shared_forward(self, shared_input: torch.Tensor, out) -> None:
-        with torch.enable_grad():
-            x = shared_input.detach().requires_grad_(shared_input.requires_grad)
+        # its own autograd graph, from a detached input, that backward's task differentiates; its
+        # activations stay with this call until then (recompute does not drop them)
+        with torch.set_grad_enabled(self.grad_enabled):
+            x = shared_input.detach().requires_grad_(shared_input.requires_grad and self.grad_enabled)
             y = self.shared(x)
-        self.shared_graph = {"input": x, "output": y}
+        if self.grad_enabled:
+            self.shared_graph = {"input": x, "output": y}
         out.set(y.detach())
 
     def backward_graph(self, d_returned: torch.Tensor, d_shared: torch.Tensor | None) -> tuple[TaskGraph, dict]:
@@ -168,6 +178,7 @@ class WavePipeline:
         d_down = graph.buffer("d down_proj", torch.zeros_like(down))
         row_bytes = hidden * d_returned.element_size()
         waves, for_wgrad = [], {}
+        outputs = {"rows": d_rows, "gate_up_proj": d_gate_up, "down_proj": d_down, "shared": []}
         for w in range(self.num_waves):
             n = sum(lay.recv[w])
             waves.append((graph.buffer(f"d done {w}", d_returned.new_empty(n, hidden)),
@@ -180,12 +191,23 @@ class WavePipeline:
             dx, for_wgrad[w] = self._stages().input_grad((tensors, self.metas[w]), waves[w][1].tensor, offsets,
                                                          lo, lo + count)
             waves[w][2].set(dx)
+            graph.hold(*(t for t in for_wgrad[w] if isinstance(t, torch.Tensor)))
 
         def wgrad(w: int) -> None:
             lo, count = lay.waves[w]
             d_w1, d_w2 = self._stages().weight_grad(for_wgrad.pop(w), self.saved[w][1])
             d_gate_up.tensor[lo:lo + count] = d_w1
             d_down.tensor[lo:lo + count] = d_w2
+
+        def add_wgrad(w: int) -> None:
+            """Wave w's weight gradients: one wave behind its input gradients in program order, so
+            that they fill the time the next wave's exchanges take (and, on CUDA, where a stream runs
+            its tasks in order, they do not wait for the last wave)."""
+            lo, count = lay.waves[w]
+            if count:
+                graph.add(f"wgrad {w}", "matmul", lambda: wgrad(w), reads=[waves[w][2]],
+                          writes=[d_gate_up[lo:lo + count], d_down[lo:lo + count]],
+                          flops=6 * sum(lay.expert_rows(w)) * hidden * inter)
 
         for step, w in interleaved(self.num_waves):
             d_done, d_products, d_grouped, d_received = waves[w]
@@ -195,12 +217,14 @@ class WavePipeline:
                 graph.add(f"combine grad {w}", "comm", _Exchange(self.group, region_in, d_done, lay.send[w],
                                                                  lay.recv[w]),
                           reads=[region_in], writes=[d_done], bytes=link)
+                if w == 0 and self.shared is not None and d_shared is not None:
+                    outputs["shared input"] = self._add_shared_backward(graph, d_shared, outputs["shared"])
             elif step == "out":  # the dispatch's reverse: input gradients back to the tokens' ranks
                 graph.add(f"dispatch grad {w}", "comm", _Exchange(self.group, d_received, region_out, lay.recv[w],
                                                                   lay.send[w]),
                           reads=[d_received], writes=[region_out], bytes=link)
             else:
-                graph.add(f"regroup grad {w}", "vector", _select(d_done, d_products, self.saved[w], inverse=False),
+                graph.add(f"regroup grad {w}", "vector", _select(d_done, d_products, self, w, inverse=False),
                           reads=[d_done], writes=[d_products], bytes=2 * n * row_bytes)
                 if lay.waves[w][1]:
                     graph.add(f"dgrad {w}", "matmul", lambda w=w: dgrad(w), reads=[d_products], writes=[d_grouped],
@@ -208,24 +232,24 @@ class WavePipeline:
                 else:
                     graph.add(f"dgrad {w}", "vector", lambda g=d_grouped, p=d_products: g.set(p.tensor),
                               reads=[d_products], writes=[d_grouped])
-                graph.add(f"unregroup grad {w}", "vector", _select(d_grouped, d_received, self.saved[w], inverse=True),
+                graph.add(f"unregroup grad {w}", "vector", _select(d_grouped, d_received, self, w, inverse=True),
                           reads=[d_grouped], writes=[d_received], bytes=2 * n * row_bytes)
-        for w, (lo, count) in enumerate(lay.waves):  # lowest priority: they fill the exchanges' time
-            if count:
-                graph.add(f"wgrad {w}", "matmul", lambda w=w: wgrad(w), reads=[waves[w][2]],
-                          writes=[d_gate_up[lo:lo + count], d_down[lo:lo + count]],
-                          flops=6 * sum(lay.expert_rows(w)) * hidden * inter)
-        outputs = {"rows": d_rows, "gate_up_proj": d_gate_up, "down_proj": d_down, "shared": []}
-        if self.shared is not None and d_shared is not None:
-            d_shared_out = graph.input("d shared output", d_shared)
-            outputs["shared input"] = d_shared_in = graph.buffer("d shared input", rows=d_shared.shape[0])
-            graph.add("shared experts grad", "matmul",
-                      lambda: self._shared_backward(d_shared_out.tensor, d_shared_in, outputs["shared"]),
-                      reads=[d_shared_out], writes=[d_shared_in], flops=2 * mlp_flops(self.shared, d_shared.shape[0]))
+                if w:  # the previous wave's weight gradients, behind this wave's input gradients
+                    add_wgrad(w - 1)
+        add_wgrad(self.num_waves - 1)
         return graph, outputs
 
+    def _add_shared_backward(self, graph: TaskGraph, d_shared: torch.Tensor, param_grads: list):
+        """The shared experts' backward as one matmul task, right after the first exchange."""
+        d_shared_out = graph.input("d shared output", d_shared)
+        d_shared_in = graph.buffer("d shared input", rows=d_shared.shape[0])
+        graph.add("shared experts grad", "matmul",
+                  lambda: self._shared_backward(d_shared_out.tensor, d_shared_in, param_grads),
+                  reads=[d_shared_out], writes=[d_shared_in], flops=2 * mlp_flops(self.shared, d_shared.shape[0]))
+        return d_shared_in
+
     def _shared_backward(self, d_out: torch.Tensor, d_input, param_grads: list) -> None:
-        x, y = self.shared_graph.pop("input"), self.shared_graph.pop("output")
+        x, y = self.shared_graph["input"], self.shared_graph["output"]
         params = [p for p in self.shared.parameters() if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
         grads = list(torch.autograd.grad(y, inputs, d_out, allow_unused=True))
@@ -233,11 +257,11 @@ class WavePipeline:
         param_grads.extend(grads)
 
 
-def _select(source, target, saved: list, inverse: bool):
-    """A task setting `target` to `source`'s rows regrouped by the wave's index (or its inverse)."""
+def _select(source, target, pipeline: WavePipeline, w: int, inverse: bool):
+    """A task setting `target` to `source`'s rows regrouped by wave w's index (or its inverse)."""
     def regroup() -> None:
-        index = _inverse(saved[0]) if inverse else saved[0]
-        target.set(source.tensor.index_select(0, index))
+        index = pipeline.saved[w][0]
+        target.set(source.tensor.index_select(0, _inverse(index) if inverse else index))
     return regroup
 
 
@@ -305,15 +329,15 @@ class _PlannedExperts:
     intermediate_dim: int
 
 
-def default_waves(shape: MoEShape, ep: int, cost: CostModel, lanes=None) -> int:
+def default_waves(shape: MoEShape, ep: int, cost: CostModel, **simulation) -> int:
     """The wave count `cost` predicts fastest (forward plus backward) under uniform routing, ties
-    to the fewer waves; every rank computes the same from the same config."""
+    to the fewer waves; every rank computes the same from the same config. `simulation`: how the
+    executor runs (`multicore.EXECUTORS[device type]`: lanes, in_order)."""
     local = max(count for _, count in expert_ranges(shape.experts, ep))
-    options = {} if lanes is None else {"lanes": lanes}
     best, best_time = 1, None
     for waves in range(1, local + 1):
         forward, backward = plan_graphs(shape, ep, waves)
-        time = simulate(forward, cost, **options).overlapped_s + simulate(backward, cost, **options).overlapped_s
+        time = simulate(forward, cost, **simulation).overlapped_s + simulate(backward, cost, **simulation).overlapped_s
         if best_time is None or time < best_time * 0.99:
             best, best_time = waves, time
     return best

@@ -10,9 +10,9 @@ from hyperparallel.multicore.graph import KINDS, Buffer, Region, Task, TaskGraph
 from hyperparallel.multicore.scheduler import RunStats, run
 from hyperparallel.multicore.simulate import (
     COST_MODELS,
-    CPU_LANES,
-    CUDA_LANES,
-    LANES,
+    EXECUTORS,
+    LANE_PER_KIND,
+    SHARED_COMPUTE,
     CostModel,
     Prediction,
     costs_from_trace,
@@ -22,10 +22,10 @@ from hyperparallel.multicore.timeline import trace
 
 __all__ = [
     "COST_MODELS",
-    "CPU_LANES",
-    "CUDA_LANES",
+    "SHARED_COMPUTE",
+    "LANE_PER_KIND",
     "KINDS",
-    "LANES",
+    "EXECUTORS",
     "Buffer",
     "CostModel",
     "Prediction",

@@ -14,7 +14,9 @@ adding a task, `precede(a, b)` between any two: to hold a memory peak down, say)
 task to one before it can close a cycle, which `validate` reports with the tasks on it.
 
 A region is a range of rows (dim 0) of a `Buffer`, so the waves of one output buffer (or the
-experts of one weight gradient) are written by separate tasks without false dependencies.
+experts of one weight gradient) are written by separate tasks without false dependencies. An
+empty region touches nothing, except in a buffer whose tensor a producer sets (`Buffer.set`):
+there it orders against the writers around its place, since its reader needs that tensor.
 A buffer is either an input (`TaskGraph.input`, produced before the graph runs) or produced by
 the graph (`TaskGraph.buffer`); reading rows of a produced buffer that no earlier task writes is
 an error naming the reader, the buffer and the rows.
@@ -75,9 +77,10 @@ class Region:
         if self.buffer is not other.buffer:
             return False
         if self.start == self.stop or other.start == other.stop:
-            # an empty region still orders against writers around its place: a producer may set
-            # the buffer's tensor itself, and the reader then needs the tensor, empty or not
-            return self.start <= other.stop and other.start <= self.stop
+            # an empty region of a buffer whose tensor a producer will set (none yet) still orders
+            # against the writers around its place: the reader needs that tensor, empty or not.
+            # Of a buffer that has its tensor, an empty region touches nothing.
+            return self.buffer.tensor is None and self.start <= other.stop and other.start <= self.stop
         return self.start < other.stop and other.start < self.stop
 
     def __str__(self) -> str:
@@ -87,7 +90,8 @@ class Region:
 @dataclass
 class Task:
     """One unit of work. `fn()` does it; a comm task may return an async work handle (anything
-    with `wait()`), which the executor waits on only where a consumer needs the result.
+    with `wait()`: a c10d Work, a torch.futures.Future), which the executor waits on only where a
+    consumer needs the result.
     `bytes` (moved or sent) and `flops` describe the task to traces and the simulator."""
 
     index: int
@@ -114,7 +118,21 @@ class TaskGraph:
         self.name = name
         self.tasks: list[Task] = []
         self.buffers: list[Buffer] = []
+        self.held: list[torch.Tensor] = []
         self._order: list[int] | None = None
+
+    def release(self) -> None:
+        """Drop the tasks and buffers (and the tensors they hold) of a graph that is done. Tasks
+        usually close over the graph's buffers, and so over the graph: without this, a graph and
+        every tensor of it live until Python's cycle collector runs."""
+        for buffer in self.buffers:
+            buffer.tensor = None
+        self.tasks, self.buffers, self.held, self._order = [], [], [], None
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Tensors a task makes that outlive the run outside any buffer (saved for a later graph):
+        the CUDA executor protects them as it does buffers' tensors. Call from inside the task."""
+        self.held.extend(tensors)
 
     def input(self, name: str, tensor: torch.Tensor | None = None, *, rows: int | None = None) -> Buffer:
         """A buffer whose contents exist before the graph runs."""
@@ -170,7 +188,7 @@ class TaskGraph:
     def _check_produced(self, task: Task, read: Region) -> None:
         """Every row `task` reads of a produced buffer is written by some earlier task."""
         writes = [w for t in self.tasks for w in t.writes if w.buffer is read.buffer]
-        if read.start == read.stop and not any(read.overlaps(w) for w in writes):
+        if read.start == read.stop and read.buffer.tensor is None and not any(read.overlaps(w) for w in writes):
             raise ConfigError(f"task {task.name!r} reads {read}, but no task before it writes buffer "
                               f"{read.buffer.name!r}: add its producer before {task.name!r}, or declare "
                               f"{read.buffer.name!r} a graph input")

@@ -20,9 +20,12 @@ where the edges allow), never in the order they happen to become ready.
 
 [Note: tensors between lanes on CUDA]
 A tensor a task allocates belongs to its lane's stream in the caching allocator. Data passes
-between tasks only through the graph's buffers, so at the end of a run every buffer's tensor is
-recorded on every lane's stream and the caller's: its memory is not reused while any of them
-may still read it.
+between tasks only through the graph's buffers, and what outlives a run outside them is
+declared (`TaskGraph.hold`), so at the end of a run each of those tensors is recorded on every
+lane's stream and the caller's: its memory is not reused while any of them may still read it.
+The lanes are the same streams for every run on a device. Tensors that an autograd call inside a
+task saves (MegaMoE's shared experts) are not declared: autograd's own stream handling covers
+them.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def run(graph: TaskGraph, executor: str | None = None, *,
         stats = _run_cuda(graph, overlap)
     else:
         raise ValueError(f"executor {executor!r}: use 'cpu' or 'cuda'")
+    graph.held.clear()  # the graph keeps no reference past its run
     tracing.record(graph.name, stats.spans)
     return stats
 
@@ -105,7 +109,7 @@ def _run_cpu(graph: TaskGraph, pick, overlap: bool) -> RunStats:
         index, work, issued, completed = item
         work.wait()
         end = completed[0] if completed else time.perf_counter_ns()
-        stats.spans.append(tracing.Span(tasks[index], "comm", issued, end))
+        stats.spans.append(tracing.Span.of(tasks[index], "comm", issued, end))
         finish(index)
 
     while finished < len(tasks):
@@ -118,7 +122,7 @@ def _run_cpu(graph: TaskGraph, pick, overlap: bool) -> RunStats:
             issued = time.perf_counter_ns()
             work = tasks[index].fn() if tasks[index].fn is not None else None
             if work is None:  # done synchronously (nothing to send, or a blocking call)
-                stats.spans.append(tracing.Span(tasks[index], "comm", issued, time.perf_counter_ns()))
+                stats.spans.append(tracing.Span.of(tasks[index], "comm", issued, time.perf_counter_ns()))
                 finish(index)
                 continue
             completed: list[int] = []
@@ -126,7 +130,7 @@ def _run_cpu(graph: TaskGraph, pick, overlap: bool) -> RunStats:
             in_flight.append((index, work, issued, completed))
             if not overlap:
                 _wait_exposed(in_flight.pop(), tasks, stats, retire)
-        while in_flight and in_flight[0][1].is_completed():
+        while in_flight and _completed(in_flight[0][1]):
             retire(in_flight.popleft())
         compute = ready["matmul"] + ready["vector"]
         if compute:
@@ -140,7 +144,7 @@ def _run_cpu(graph: TaskGraph, pick, overlap: bool) -> RunStats:
                 task.fn()
             ended = time.perf_counter_ns()
             stats.compute_ns += ended - began
-            stats.spans.append(tracing.Span(task, "compute", began, ended))
+            stats.spans.append(tracing.Span.of(task, "compute", began, ended))
             finish(index)
         elif in_flight:
             _wait_exposed(in_flight.popleft(), tasks, stats, retire)
@@ -158,7 +162,13 @@ def _wait_exposed(item, tasks, stats: RunStats, retire) -> None:
     retire(item)
     ended = time.perf_counter_ns()
     stats.exposed_comm_ns += ended - began
-    stats.spans.append(tracing.Span(None, "compute", began, ended, name=f"wait {tasks[item[0]].name}"))
+    stats.spans.append(tracing.Span.wait(f"wait {tasks[item[0]].name}", began, ended))
+
+
+def _completed(work) -> bool:
+    """Whether an async handle is done without waiting: a c10d Work's is_completed(), a Future's done()."""
+    probe = getattr(work, "is_completed", None) or getattr(work, "done", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _on_completion(work, completed: list[int]) -> None:
@@ -185,10 +195,21 @@ def _union_ns(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+_LANE_STREAMS: dict[int, dict[str, torch.cuda.Stream]] = {}  # per device, made once
+
+
+def _lane_streams(device: int) -> dict[str, torch.cuda.Stream]:
+    """The same streams for every run on a device, so that a tensor one run's lane allocated and a
+    later run's lanes read is protected by the same record_stream as any other."""
+    if device not in _LANE_STREAMS:
+        _LANE_STREAMS[device] = {kind: torch.cuda.Stream(device) for kind in KINDS}
+    return _LANE_STREAMS[device]
+
+
 def _run_cuda(graph: TaskGraph, overlap: bool) -> RunStats:
     tasks = graph.tasks
     caller = torch.cuda.current_stream()
-    streams = {kind: torch.cuda.Stream() for kind in KINDS} if overlap else {kind: caller for kind in KINDS}
+    streams = _lane_streams(torch.cuda.current_device()) if overlap else {kind: caller for kind in KINDS}
     timing = tracing.active()
     base = torch.cuda.Event(enable_timing=True)
     base.record(caller)
@@ -217,17 +238,18 @@ def _run_cuda(graph: TaskGraph, overlap: bool) -> RunStats:
                 timed.append((task, start, done))
     for stream in set(streams.values()):
         caller.wait_stream(stream)
-    for buffer in graph.buffers:  # see [Note: tensors between lanes on CUDA]
-        if buffer.tensor is not None and buffer.tensor.is_cuda:
+    held = [b.tensor for b in graph.buffers if b.tensor is not None] + graph.held
+    for tensor in held:  # see [Note: tensors between lanes on CUDA]
+        if tensor.is_cuda:
             for stream in set(streams.values()) | {caller}:
-                buffer.tensor.record_stream(stream)
+                tensor.record_stream(stream)
     stats = RunStats()
     if timing:  # the trace needs the device's times: one sync, only while tracing
         torch.cuda.synchronize()
         to_ns = lambda event: began_ns + int(base.elapsed_time(event) * 1e6)  # noqa: E731
         for task, start, done in timed:
             lane = "comm" if task.kind == "comm" else task.kind
-            stats.spans.append(tracing.Span(task, lane, to_ns(start), to_ns(done)))
+            stats.spans.append(tracing.Span.of(task, lane, to_ns(start), to_ns(done)))
         stats.wall_ns = max((s.end_ns for s in stats.spans), default=began_ns) - began_ns
         stats.comm_ns = _union_ns([(s.start_ns, s.end_ns) for s in stats.spans if s.lane == "comm"])
         stats.compute_ns = _union_ns([(s.start_ns, s.end_ns) for s in stats.spans if s.lane != "comm"])

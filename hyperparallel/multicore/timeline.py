@@ -7,8 +7,10 @@ One process per rank, one track per lane (the CPU executor's `compute` and `comm
 per stream: `matmul`, `vector`, `comm`), each slice a task with its graph, bytes and FLOPs, and a
 `step` track for spans the caller marks (`span("step 3")`: a trainer's steps). Under
 torch.distributed every rank must enter and leave `trace` together: leaving gathers the ranks'
-slices (a collective) and rank 0 writes the file (under a temporary name, then renamed).
-Timestamps come from the monotonic clock, which the processes of one machine share.
+slices to rank 0 (a collective), which writes the file (under a temporary name, then renamed).
+Timestamps come from the monotonic clock, which the processes of one machine share; on CUDA a
+task's times are its events' offsets from one event recorded at the start of the run, placed at
+the host time of that start (within a launch latency of the host-timed `step` track).
 """
 
 from __future__ import annotations
@@ -27,11 +29,25 @@ _recording: list[list[dict]] = []  # the slices of each open `trace`
 
 @dataclass
 class Span:
-    task: object  # graph.Task, or None for a wait
+    """What a run did when: a task (its index, name, kind, bytes and FLOPs) or a wait (kind "wait",
+    index -1). It holds no reference to the task, so keeping a run's statistics keeps no tensor."""
+
+    index: int
+    name: str
+    kind: str
     lane: str
     start_ns: int
     end_ns: int
-    name: str | None = None
+    bytes: int = 0
+    flops: int = 0
+
+    @classmethod
+    def of(cls, task, lane: str, start_ns: int, end_ns: int) -> Span:
+        return cls(task.index, task.name, task.kind, lane, start_ns, end_ns, task.bytes, task.flops)
+
+    @classmethod
+    def wait(cls, name: str, start_ns: int, end_ns: int) -> Span:
+        return cls(-1, name, "wait", "compute", start_ns, end_ns)
 
 
 def active() -> bool:
@@ -48,11 +64,9 @@ def record(graph_name: str, spans: list[Span]) -> None:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
     for span in spans:
-        task = span.task
-        _append({
-            "name": span.name or task.name, "lane": span.lane, "rank": rank, "start_ns": span.start_ns,
-            "end_ns": span.end_ns, "graph": graph_name, "kind": task.kind if task is not None else "wait",
-            "bytes": task.bytes if task is not None else 0, "flops": task.flops if task is not None else 0})
+        _append({"name": span.name, "lane": span.lane, "rank": rank, "start_ns": span.start_ns,
+                 "end_ns": span.end_ns, "graph": graph_name, "kind": span.kind, "bytes": span.bytes,
+                 "flops": span.flops})
 
 
 @contextmanager
@@ -64,13 +78,14 @@ def trace(path: str | os.PathLike, *, group=None):
         yield slices
     finally:
         _recording.pop()
+        write = True
         if dist.is_initialized():
-            gathered: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, slices, group=group)
-            slices = [s for rank_slices in gathered for s in rank_slices]
             write = dist.get_rank(group) == 0
-        else:
-            write = True
+            gathered: list | None = [None] * dist.get_world_size(group) if write else None
+            first = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.gather_object(slices, gathered, dst=first, group=group)  # to rank 0 only
+            if write:
+                slices = [s for rank_slices in gathered for s in rank_slices]
         if write:
             _write(Path(path), slices)
 
@@ -79,8 +94,9 @@ LANES = ("step", "compute", "matmul", "vector", "comm")
 
 
 @contextmanager
-def span(name: str):
-    """Record the time inside as a slice `name` on the `step` track (nothing when not tracing)."""
+def span(name: str, lane: str = "step"):
+    """Record the time inside as a slice `name` on the track `lane` (`step`, or `comm` for a blocking
+    collective outside any graph); nothing when not tracing."""
     if not _recording:
         yield
         return
@@ -88,9 +104,8 @@ def span(name: str):
     try:
         yield
     finally:
-        _append({"name": name, "lane": "step", "rank": dist.get_rank() if dist.is_initialized() else 0,
-                               "start_ns": start, "end_ns": time.perf_counter_ns(), "graph": "", "kind": "step",
-                               "bytes": 0, "flops": 0})
+        _append({"name": name, "lane": lane, "rank": dist.get_rank() if dist.is_initialized() else 0,
+                 "start_ns": start, "end_ns": time.perf_counter_ns(), "graph": "", "kind": lane, "bytes": 0, "flops": 0})
 
 
 def chrome_events(slices: list[dict]) -> list[dict]:
@@ -149,9 +164,9 @@ def plot(path: str | os.PathLike, image: str | os.PathLike, *, graph: str | None
     axes.invert_yaxis()
     axes.set_xlabel("ms")
     handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colours.items()]
-    axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
+    figure.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
     if title:
         axes.set_title(title)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(image, dpi=130)
     plt.close(figure)

@@ -16,7 +16,7 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, install_fused_loss
 from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
-from hyperparallel.multicore import COST_MODELS, LANES
+from hyperparallel.multicore import COST_MODELS, EXECUTORS
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
 from hyperparallel.train import data
@@ -113,7 +113,7 @@ def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:
                      intermediate=block.experts.intermediate_dim, experts=block.experts.num_experts,
                      top_k=block.gate.top_k, shared_intermediate=shared_intermediate,
                      element_bytes=torch.empty((), dtype=dtype).element_size())
-    return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], lanes=LANES[device.type])
+    return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], **EXECUTORS[device.type])
 
 
 def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:

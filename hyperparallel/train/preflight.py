@@ -46,6 +46,9 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
         problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must be "
                         f"a multiple of ep (the ranks sharing each expert's shards x ep); with {world} rank(s): {fix}")
     family = get_family(cfg.model.family)
+    if cfg.moe.waves is not None and cfg.moe.implementation != "megamoe":
+        problems.append(f"moe.waves = {cfg.moe.waves} sets MegaMoE's expert waves, and moe.implementation is "
+                        f"{cfg.moe.implementation}; set moe.implementation: megamoe, or leave moe.waves null")
     if cfg.moe.implementation == "megamoe" and ep == 1:
         problems.append("moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep "
                         "is 1 (no all-to-alls); set parallel.ep > 1 or use moe.implementation: sequential")

@@ -7,6 +7,7 @@ ExpertParallel on the same ranks, with and without shared experts."""
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +21,7 @@ from hyperparallel.lowp import LowPrecisionConfig, MXExpertsRecipe
 from hyperparallel.moe import GroupedExperts
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
 from hyperparallel.moe.megamoe import MegaMoE
+from hyperparallel.moe.megamoe_graphs import WavePipeline
 from tests.dist.ranks import leave
 from tests.dist.test_fsdp import one_thread
 
@@ -106,6 +108,23 @@ def local_experts(full: GroupedExperts, offset: int, count: int, mx: bool) -> Gr
     return local
 
 
+def watch_graphs() -> list:
+    """Weak references to every task graph MegaMoE builds from now on (its pipelines' builders, wrapped)."""
+    refs: list = []
+    for name in ("forward_graph", "backward_graph"):
+        built = getattr(WavePipeline, name)
+        original = getattr(built, "__wrapped__", built)
+
+        def recorded(self, *args, _original=original):
+            graph, outputs = _original(self, *args)
+            refs.append(weakref.ref(graph))
+            return graph, outputs
+
+        recorded.__wrapped__ = original
+        setattr(WavePipeline, name, recorded)
+    return refs
+
+
 def shared_mlp() -> nn.Module:
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(HIDDEN, SHARED_INTERMEDIATE), nn.SiLU(), nn.Linear(SHARED_INTERMEDIATE, HIDDEN))
@@ -118,12 +137,14 @@ def run_case(case: Case, rank: int, process_groups: dict[tuple[int, ...], object
     members = next(g for g in case.groups if rank in g)
     group = process_groups[tuple(members)]
     ep = ExpertParallel(group, case.num_experts) if waves is None else MegaMoE(group, case.num_experts, waves)
+    graph_refs = watch_graphs()
     offset, count = ep.local_range
     experts = local_experts(full_experts(case), offset, count, case.mx)
     mlp = shared_mlp() if shared else None
     tokens = case.tokens[rank].clone().requires_grad_()
     weights = case.weights[rank].clone().requires_grad_()
     counter["n"] = 0
+    routed = shared_out = None
     if shared and waves is not None:
         routed, shared_out = ep(experts, tokens, case.indices[rank], weights, shared_experts=mlp)
         out = routed + shared_out
@@ -133,12 +154,17 @@ def run_case(case: Case, rank: int, process_groups: dict[tuple[int, ...], object
             out = out + mlp(tokens)
     forward_exchanges = counter["n"]
     (out * case.grad_out[rank]).sum().backward()
-    result = {"range": (offset, count), "out": out.detach(), "tokens_grad": tokens.grad,
+    out_value = out.detach().clone()
+    del out, routed, shared_out  # (no gc.collect(): the graphs must go by reference counting alone)
+    result = {"range": (offset, count), "out": out_value, "tokens_grad": tokens.grad,
               "weights_grad": weights.grad, "gate_up_grad": experts.gate_up_proj.grad,
               "down_grad": experts.down_proj.grad,
               "exchanges": {"forward": forward_exchanges, "backward": counter["n"] - forward_exchanges}}
     if shared:
         result.update({f"shared_{name}": p.grad for name, p in mlp.named_parameters()})
+    if waves is not None:
+        # nothing of the layer's graphs outlives its backward (their buffers, the saved tensors)
+        result["graphs_alive"] = sum(ref() is not None for ref in graph_refs)
     return result
 
 
@@ -276,6 +302,7 @@ def test_megamoe_matches_the_sequential_layer(dispatched, layout, name, waves, s
         want = results["shared", layout] if shared else results[layout, name]
         assert got["range"] == want["range"]
         keys = [key for key in want if key not in ("range", "exchanges")]
+        assert got["graphs_alive"] == 0, f"rank {r}: {got['graphs_alive']} task graphs outlived the backward"
         assert set(keys) <= set(got)
         worst = {key: relative_difference(got[key], want[key]) for key in keys}
         assert all(diff <= MEGAMOE_TOLERANCE for diff in worst.values()), f"rank {r}: {worst}"

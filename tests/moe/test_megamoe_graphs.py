@@ -38,11 +38,12 @@ def test_a_uniform_layout_sends_every_rank_its_share_of_each_wave():
 SHAPE = MoEShape(tokens=64, hidden=32, intermediate=16, experts=8, top_k=2, shared_intermediate=24)
 
 
-def test_the_planned_forward_graph_has_five_tasks_a_wave_and_the_shared_experts_last():
+def test_the_planned_forward_graph_has_five_tasks_a_wave_and_the_shared_experts_first():
     forward, _ = plan_graphs(SHAPE, ep=2, waves=2)
     names = [t.name for t in forward.tasks]
-    assert names == ["dispatch 0", "regroup 0", "experts 0", "unregroup 0", "dispatch 1", "combine 0", "regroup 1",
-                     "experts 1", "unregroup 1", "combine 1", "shared experts"]
+    # the shared experts right after the first dispatch: the compute lane has nothing else until it lands
+    assert names == ["dispatch 0", "shared experts", "regroup 0", "experts 0", "unregroup 0", "dispatch 1",
+                     "combine 0", "regroup 1", "experts 1", "unregroup 1", "combine 1"]
     by_name = {t.name: t for t in forward.tasks}
     rows = 64  # each wave: 64 of this rank's 128 rows arrive, 32 from each rank
     assert by_name["experts 0"].flops == 6 * rows * 32 * 16
@@ -53,12 +54,14 @@ def test_the_planned_forward_graph_has_five_tasks_a_wave_and_the_shared_experts_
     assert not by_name["dispatch 1"].deps
 
 
-def test_the_planned_backward_graph_puts_the_weight_gradients_last():
+def test_the_planned_backward_graph_puts_each_wave_s_weight_gradients_one_wave_behind():
     _, backward = plan_graphs(SHAPE, ep=2, waves=2)
     names = [t.name for t in backward.tasks]
-    assert names[-3:] == ["wgrad 0", "wgrad 1", "shared experts grad"]
-    assert names[:-3] == ["combine grad 0", "regroup grad 0", "dgrad 0", "unregroup grad 0", "combine grad 1",
-                          "dispatch grad 0", "regroup grad 1", "dgrad 1", "unregroup grad 1", "dispatch grad 1"]
+    assert names == ["combine grad 0", "shared experts grad", "regroup grad 0", "dgrad 0", "unregroup grad 0",
+                     "combine grad 1", "dispatch grad 0", "regroup grad 1", "dgrad 1", "unregroup grad 1", "wgrad 0",
+                     "dispatch grad 1", "wgrad 1"]
+    by_name = {t.name: t for t in backward.tasks}
+    assert by_name["wgrad 0"].deps == {by_name["dgrad 0"].index}  # it may run as soon as dgrad 0 is done
 
 
 def test_default_waves_is_the_fastest_prediction_and_one_when_communication_is_free():

@@ -1,12 +1,20 @@
 """`simulate` on hand-built graphs whose makespan is worked out by hand (overlap of independent
 comm and compute, a chain, comm tasks serialized in issue order, kinds sharing a lane or not),
-`CostModel`'s seconds per kind, and `costs_from_trace` averaging slice durations by task name."""
+`CostModel`'s seconds per kind, and `costs_from_trace` taking the median slice duration by task name."""
 
 from __future__ import annotations
 
 import pytest
 
-from hyperparallel.multicore import CPU_LANES, CUDA_LANES, CostModel, Prediction, TaskGraph, costs_from_trace, simulate
+from hyperparallel.multicore import (
+    LANE_PER_KIND,
+    SHARED_COMPUTE,
+    CostModel,
+    Prediction,
+    TaskGraph,
+    costs_from_trace,
+    simulate,
+)
 
 
 def independent(*kinds: str) -> TaskGraph:
@@ -68,11 +76,11 @@ def test_a_comm_waits_for_its_turn_even_when_a_later_one_is_ready_first():
     assert simulate(g, {"mm": 2.0, "late": 1.0, "early": 1.0}).overlapped_s == pytest.approx(4.0)
 
 
-def test_matmul_and_vector_share_the_cpu_lane_and_have_their_own_cuda_lanes():
+def test_matmul_and_vector_share_one_lane_or_have_a_lane_each():
     g = independent("matmul", "vector")
     costs = {"matmul0": 2.0, "vector1": 3.0}
-    assert simulate(g, costs, lanes=CPU_LANES).overlapped_s == pytest.approx(5.0)
-    assert simulate(g, costs, lanes=CUDA_LANES).overlapped_s == pytest.approx(3.0)
+    assert simulate(g, costs, lanes=SHARED_COMPUTE).overlapped_s == pytest.approx(5.0)
+    assert simulate(g, costs, lanes=LANE_PER_KIND).overlapped_s == pytest.approx(3.0)
 
 
 def test_a_compute_lane_takes_the_lowest_program_index_among_its_ready_tasks():
@@ -120,16 +128,21 @@ def event(name: str, dur_us: float, *, graph: str = "g", pid: int = 0, cat: str 
             "args": {"graph": graph, "bytes": 0, "flops": 0}}
 
 
-def test_costs_from_trace_average_durations_by_name_in_seconds():
+def test_costs_from_trace_take_the_median_duration_by_name_in_seconds():
     events = [event("mm", 100.0), event("mm", 300.0), event("send", 50.0, cat="comm"),
               event("wait send", 40.0, cat="wait")]  # waits are no task's cost
     assert costs_from_trace(events) == pytest.approx({"mm": 200e-6, "send": 50e-6})
+    # one slow run of a task does not decide its cost
+    assert costs_from_trace([event("mm", 100.0), event("mm", 110.0), event("mm", 900.0)]) == pytest.approx({"mm": 110e-6})
 
 
 def test_costs_from_trace_of_one_graph_and_one_rank():
     events = [event("mm", 100.0, graph="fwd", pid=0), event("mm", 200.0, graph="fwd", pid=1),
               event("mm", 900.0, graph="bwd", pid=0), event("act", 10.0, graph="bwd", pid=1, cat="vector")]
-    assert costs_from_trace(events, graph_name="fwd") == pytest.approx({"mm": 150e-6})
+    # over the ranks: a compute task's slowest, a comm task's fastest (the others waited for it)
+    assert costs_from_trace(events, graph_name="fwd") == pytest.approx({"mm": 200e-6})
+    exchange = [event("send", 90.0, cat="comm", pid=0), event("send", 30.0, cat="comm", pid=1)]
+    assert costs_from_trace(exchange) == pytest.approx({"send": 30e-6})
     assert costs_from_trace(events, rank=0) == pytest.approx({"mm": 500e-6})
     assert costs_from_trace(events, graph_name="bwd", rank=1) == pytest.approx({"act": 10e-6})
     assert costs_from_trace(events, graph_name="bwd", rank=0) == pytest.approx({"mm": 900e-6})
@@ -145,5 +158,18 @@ def test_costs_from_trace_feed_simulate():
 def test_exposed_comm_on_cuda_lanes_is_the_time_no_compute_lane_works():
     """matmul and vector run side by side for 1 s, then both wait for the 2 s comm: 1 s exposed."""
     g = independent("comm", "matmul", "vector")
-    assert_prediction(simulate(g, {"comm0": 2.0, "matmul1": 1.0, "vector2": 1.0}, lanes=CUDA_LANES),
+    assert_prediction(simulate(g, {"comm0": 2.0, "matmul1": 1.0, "vector2": 1.0}, lanes=LANE_PER_KIND),
                       overlapped=2.0, sequential=4.0, exposed=1.0)
+
+
+def test_in_order_lanes_hold_a_ready_task_behind_one_that_is_not():
+    """As a CUDA stream does: "late" waits for the comm, and "ready", issued after it on the same
+    lane, waits for "late" although nothing it reads is missing."""
+    g = TaskGraph("streams")
+    received, out = g.buffer("received", rows=1), g.buffer("out", rows=2)
+    g.add("comm", "comm", None, writes=[received])
+    g.add("late", "matmul", None, reads=[received], writes=[out[0:1]])
+    g.add("ready", "matmul", None, writes=[out[1:2]])
+    costs = {"comm": 2.0, "late": 1.0, "ready": 1.0}
+    assert_prediction(simulate(g, costs), overlapped=3.0, sequential=4.0, exposed=1.0)  # "ready" fills the wait
+    assert_prediction(simulate(g, costs, in_order=True), overlapped=4.0, sequential=4.0, exposed=2.0)

@@ -60,7 +60,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     with multicore.trace(os.path.join(out_dir, "trace.json")):
         stats = multicore.run(graph)
     torch.save({"recv": buffers["recv"].tensor, "out": buffers["out"].tensor,
-                "spans": [(s.task.name if s.task else s.name, s.lane) for s in stats.spans]},
+                "spans": [(s.name, s.lane) for s in stats.spans]},
                os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
 

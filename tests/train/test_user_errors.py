@@ -124,6 +124,9 @@ def _config(family: str, **sections):
      r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
     ("qwen3_moe", {"moe": {"implementation": "megamoe"}, "parallel": {"dp_shard": 2}}, 2,
      r"moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep is 1"),
+    ("qwen3_moe", {"moe": {"waves": 2}, "parallel": {"dp_shard": 2, "ep": 2}}, 2,
+     r"moe.waves = 2 sets MegaMoE's expert waves, and moe.implementation is sequential; set moe.implementation: "
+     r"megamoe, or leave moe.waves null"),
 ])
 def test_expert_layout_mistakes_are_named(family, sections, world, message):
     from hyperparallel.train.preflight import layout_problems
