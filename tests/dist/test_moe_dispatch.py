@@ -222,10 +222,16 @@ def most_local_experts(name: str, layout: str) -> int:
     return max(count for _, count in expert_ranges(case.num_experts, len(case.groups[0])))
 
 
-# MegaMoE: every case and layout at every wave count from 1 to the most experts a rank holds, and
-# with shared experts at the fewest and most waves
+def wave_counts(name: str, layout: str) -> list[int]:
+    """Every count from 1 to the most experts a rank holds in the EP layouts; with one rank per
+    group (no exchange at all) the fewest and the most."""
+    most = most_local_experts(name, layout)
+    return [1, most] if layout == "ep1" else list(range(1, most + 1))
+
+
+# MegaMoE: every case and layout at those wave counts, and with shared experts at the fewest and most
 MEGAMOE_RUNS = [(layout, name, waves, False) for layout in LAYOUTS for name in CASES
-                for waves in range(1, most_local_experts(name, layout) + 1)]
+                for waves in wave_counts(name, layout)]
 MEGAMOE_RUNS += [(layout, "random_top2", waves, True) for layout in LAYOUTS
                  for waves in sorted({1, most_local_experts("random_top2", layout)})]
 

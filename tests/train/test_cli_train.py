@@ -141,7 +141,8 @@ def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(tmp_path):
     assert "experts split over 2 ranks (ep, MegaMoE in 2 waves)" in megamoe.stdout
     want = losses(tmp_path / "sequential")
     assert len(want) == 20
-    # measured: equal to the last bit (each expert's products see the same rows in the same order)
+    # measured: 7.8e-8 relative at most (each expert's products see the same rows; a token's four
+    # results are summed in another order)
     assert losses(tmp_path / "megamoe") == pytest.approx(want, rel=1e-6)
     events = timeline.load(tmp_path / "megamoe" / "trace.json")
     assert {e["pid"] for e in events} == {0, 1}
