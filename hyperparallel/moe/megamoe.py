@@ -84,7 +84,7 @@ class MegaMoE(ExpertParallel):
         pipeline = WavePipeline(self.layout(indices), self.waves, self.process_group, experts, shared_experts,
                                 grad_enabled=torch.is_grad_enabled())
         shared_input = tokens if shared_experts is not None else None
-        shared_params = [p for p in shared_experts.parameters() if p.requires_grad] if shared_experts else []
+        shared_params = [p for p in shared_experts.parameters() if p.requires_grad] if shared_experts is not None else []
         # called as the module: its hooks (FSDP's gathers) run around the graph, as for ExpertParallel
         outputs = experts(rows, pipeline=lambda module: _MegaMoEFunction.apply(
             self, pipeline, rows, module.gate_up_proj, module.down_proj, shared_input, *shared_params))

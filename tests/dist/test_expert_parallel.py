@@ -198,10 +198,12 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
 
 def worker(rank: int, world: int, out_dir: str) -> None:
     """Every multi-rank MoE case of one world size, so the ranks start once: this file's, the
-    dispatcher's alone (tests/dist/test_moe_dispatch.py, 4 ranks) and the bias balancing's
-    (tests/moe/test_router.py, 2 ranks). `tests/conftest.py` spawns it."""
+    dispatcher's alone (tests/dist/test_moe_dispatch.py, 4 ranks), the bias balancing's
+    (tests/moe/test_router.py, 2 ranks) and a traced task graph's (tests/multicore/test_trace.py,
+    2 ranks). `tests/conftest.py` spawns it."""
     from tests.dist import test_moe_dispatch
     from tests.moe import test_router
+    from tests.multicore import test_trace
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -211,6 +213,8 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         results["dispatch"] = test_moe_dispatch.run_all(rank)
     if world == test_router.WORLD:
         results["balance"] = test_router.run_balance(rank)
+    if world == test_trace.WORLD:
+        results["trace"] = test_trace.run_on_rank(rank, out_dir)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
 

@@ -11,12 +11,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hyperparallel import multicore
 from hyperparallel.multicore import TaskGraph
 from hyperparallel.multicore.timeline import LANES, load
-from tests.dist.ranks import leave
 from tests.dist.test_fsdp import one_thread
 
 WORLD = 2
@@ -53,24 +51,24 @@ def overlap_graph(rank: int) -> tuple[TaskGraph, dict]:
     return g, {"recv": recv, "out": out}
 
 
-def worker(rank: int, world: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def run_on_rank(rank: int, out_dir: str) -> dict:
+    """This file's graph on one rank of the 2-rank spawn of tests/conftest.py (`ep_spawn_2`, shared
+    so that the ranks start once), traced into out_dir/trace.json."""
     graph, buffers = overlap_graph(rank)
-    with multicore.trace(os.path.join(out_dir, "trace.json")):
+    path = os.path.join(out_dir, "trace.json")
+    with multicore.trace(path):
         stats = multicore.run(graph)
-    torch.save({"recv": buffers["recv"].tensor, "out": buffers["out"].tensor,
-                "spans": [(s.name, s.lane) for s in stats.spans]},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return {"path": path, "recv": buffers["recv"].tensor, "out": buffers["out"].tensor,
+            "spans": [(s.name, s.lane) for s in stats.spans]}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("multicore_trace")
-    mp.spawn(worker, args=(WORLD, str(out)), nprocs=WORLD)
-    return {"path": out / "trace.json", "raw": json.loads((out / "trace.json").read_text()),
-            "ranks": [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]}
+def two_ranks(ep_spawn_2) -> dict:
+    ranks = [results["trace"] for results in ep_spawn_2]
+    path = ranks[0]["path"]
+    with open(path) as f:
+        raw = json.load(f)
+    return {"path": path, "raw": raw, "ranks": ranks}
 
 
 def slice_of(events: list[dict], rank: int, name: str) -> dict:
