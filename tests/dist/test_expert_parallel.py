@@ -199,11 +199,13 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
 def worker(rank: int, world: int, out_dir: str) -> None:
     """Every multi-rank MoE case of one world size, so the ranks start once: this file's, the
     dispatcher's alone (tests/dist/test_moe_dispatch.py, 4 ranks), the bias balancing's
-    (tests/moe/test_router.py, 2 ranks) and a traced task graph's (tests/multicore/test_trace.py,
-    2 ranks). `tests/conftest.py` spawns it."""
+    (tests/moe/test_router.py, 2 ranks), a traced task graph's (tests/multicore/test_trace.py,
+    2 ranks) and MegaMoE in the trainer (tests/train/test_cli_train.py, 2 ranks). `tests/conftest.py`
+    spawns it."""
     from tests.dist import test_moe_dispatch
     from tests.moe import test_router
     from tests.multicore import test_trace
+    from tests.train import test_cli_train
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -215,6 +217,8 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         results["balance"] = test_router.run_balance(rank)
     if world == test_trace.WORLD:
         results["trace"] = test_trace.run_on_rank(rank, out_dir)
+    if world == 2:  # last: the trainer changes process-wide settings (seeds, environment)
+        results["trainer"] = test_cli_train.megamoe_trainer_runs(rank, out_dir)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
 

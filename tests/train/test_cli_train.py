@@ -14,8 +14,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def tiny_config(tmp_path, run_dir, family="qwen3", **training) -> Path:
-    raw = {
+def tiny_raw(run_dir, family="qwen3", **training) -> dict:
+    return {
         "model": {"family": family, "config": yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text())},
         "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 32},
         "training": {"steps": 4, "global_batch": 4, "micro_batch": 2, "compile": "none", "eval_batches": 1, **training},
@@ -23,6 +23,10 @@ def tiny_config(tmp_path, run_dir, family="qwen3", **training) -> Path:
         "scheduler": {"warmup_steps": 0},
         "logging": {"run_dir": str(run_dir), "every": 1},
     }
+
+
+def tiny_config(tmp_path, run_dir, family="qwen3", **training) -> Path:
+    raw = tiny_raw(run_dir, family, **training)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -123,28 +127,44 @@ def test_two_sharded_ranks_match_one_rank(tmp_path):
     assert losses(run_dir) == full  # exactly: the same ranks, shards and order of every sum
 
 
-def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(tmp_path):
-    """moe.implementation: megamoe in 2 waves against the sequential EP layer (dp_shard 2, ep 2, fp32,
-    the aux loss on) for 20 steps: the same loss curve; logging.trace writes a timeline of two
-    steps with MegaMoE's tasks on every rank's lanes."""
+def megamoe_trainer_runs(rank: int, out_dir: str) -> dict:
+    """On a rank of the shared 2-rank spawn (tests/conftest.py's `ep_spawn_2`, whose process group
+    the trainer joins): the trainer for 20 steps with the sequential EP layer, then with MegaMoE
+    in 2 waves and logging.trace; dp_shard 2, ep 2, fp32, the aux loss on."""
+    import os
+
+    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.loop import train
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                      HYPERPARALLEL_CACHE=os.path.join(out_dir, "cache"))
+    runs = {}
+    for implementation in ("sequential", "megamoe"):
+        run_dir = Path(out_dir) / implementation
+        raw = tiny_raw(run_dir, family="qwen3_moe", steps=20, eval_every=0)  # (no file: both ranks build it)
+        raw["parallel"] = {"dp_shard": 2, "ep": 2}
+        raw["logging"].update(progress=False)
+        if implementation == "megamoe":
+            raw["moe"] = {"implementation": "megamoe", "waves": 2}
+            raw["logging"].update(trace=True, trace_steps=2)
+        train(from_mapping(raw))
+        runs[implementation] = str(run_dir)
+    return runs
+
+
+def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(ep_spawn_2):
+    """moe.implementation: megamoe in 2 waves against the sequential EP layer in the trainer for 20
+    steps: the same loss curve; logging.trace writes a timeline of two steps with MegaMoE's tasks
+    on every rank's lanes. (Run by the ranks of the shared spawn: two launches fewer.)"""
     from hyperparallel.multicore import timeline
 
-    layout = ["--set", "training.steps=20", "--set", "training.eval_every=0", "--set", "parallel.dp_shard=2",
-              "--set", "parallel.ep=2", "--nproc", "2"]
-    sequential = run("train", str(tiny_config(tmp_path, tmp_path / "sequential", family="qwen3_moe")), *layout,
-                     tmp_path=tmp_path)
-    assert sequential.returncode == 0, sequential.stderr[-3000:]
-    megamoe = run("train", str(tiny_config(tmp_path, tmp_path / "megamoe", family="qwen3_moe")), *layout,
-                  "--set", "moe.implementation=megamoe", "--set", "moe.waves=2", "--set", "logging.trace=true",
-                  "--set", "logging.trace_steps=2", tmp_path=tmp_path)
-    assert megamoe.returncode == 0, megamoe.stderr[-3000:]
-    assert "experts split over 2 ranks (ep, MegaMoE in 2 waves)" in megamoe.stdout
-    want = losses(tmp_path / "sequential")
+    runs = ep_spawn_2[0]["trainer"]
+    want = losses(Path(runs["sequential"]))
     assert len(want) == 20
     # measured: 7.8e-8 relative at most (each expert's products see the same rows; a token's four
     # results are summed in another order)
-    assert losses(tmp_path / "megamoe") == pytest.approx(want, rel=1e-6)
-    events = timeline.load(tmp_path / "megamoe" / "trace.json")
+    assert losses(Path(runs["megamoe"])) == pytest.approx(want, rel=1e-6)
+    events = timeline.load(Path(runs["megamoe"]) / "trace.json")
     assert {e["pid"] for e in events} == {0, 1}
     steps = sorted({e["name"] for e in events if e["lane"] == "step"})
     assert steps == ["step 2", "step 3"]  # the first step warms up
