@@ -253,18 +253,17 @@ class MXExpertStages:
         self.copies = {name: recipe.weight_copies(name, getattr(experts, name), needs_grad)
                        for name in ("gate_up_proj", "down_proj")}
 
-    def _project(self, name, x, lo, hi, keep_input=True):
+    def _project(self, name, x, offsets, lo, hi, keep_input=True):
         ctx = SimpleNamespace(needs_input_grad=(True, True))
         weight = getattr(self.experts, name)[lo:hi]
         copies = tuple(_expert_slice(c, lo, hi) for c in self.copies[name])
         saved: list = []  # (nothing for backward without grad: no copy made for it)
-        y = _project(ctx, x, weight, copies, self._offsets, self.r, self.needs_grad, saved, keep_input=keep_input)
+        y = _project(ctx, x, weight, copies, offsets, self.r, self.needs_grad, saved, keep_input=keep_input)
         return y, ctx, saved
 
     def forward(self, x, offsets, lo, hi):
-        self._offsets = offsets
-        gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, lo, hi)
-        y, down_ctx, down_saved = self._project("down_proj", gated(gate_up, self.experts.act_fn), lo, hi,
+        gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, offsets, lo, hi)
+        y, down_ctx, down_saved = self._project("down_proj", gated(gate_up, self.experts.act_fn), offsets, lo, hi,
                                                 keep_input=False)
         return y, (up_saved + down_saved + [gate_up], (up_ctx, down_ctx, len(up_saved)))
 

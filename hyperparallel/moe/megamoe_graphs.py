@@ -105,15 +105,14 @@ class WavePipeline:
         waves = []
         outputs = {"returned": returned}
         self.saved, self.metas = [], [None] * self.num_waves
+        per_source = torch.tensor(lay.per_source, device=rows.device, dtype=torch.long).view(len(lay.per_source), -1)
         for w, (lo, count) in enumerate(lay.waves):
             received = graph.buffer(f"received {w}", rows.new_empty(sum(lay.recv[w]), hidden))
             n = received.rows
             waves.append((received, graph.buffer(f"grouped {w}", rows=n), graph.buffer(f"products {w}", rows=n),
                           graph.buffer(f"done {w}", rows=n)))
-            per_source = torch.tensor(lay.per_source, device=rows.device, dtype=torch.long).view(
-                len(lay.per_source), -1)[:, lo:lo + count]
             offsets = torch.tensor(lay.expert_rows(w), device=rows.device, dtype=torch.long).cumsum(0).to(torch.int32)
-            self.saved.append([_regroup_index(per_source, n), offsets])
+            self.saved.append([_regroup_index(per_source[:, lo:lo + count], n), offsets])
 
         def run_experts(w: int) -> None:
             lo, count = lay.waves[w]
