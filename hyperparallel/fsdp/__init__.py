@@ -1,15 +1,14 @@
-"""Fully sharded data parallelism with non-uniform sharding (docs/fsdp.md)."""
+"""Fully sharded data parallelism with non-uniform sharding (docs/fsdp.md).
 
-from hyperparallel.fsdp.fully_shard import (
-    MixedPrecision,
-    ShardPlacement,
-    clip_grad_norm_,
-    fully_shard,
-    set_requires_gradient_sync,
-    shard_info,
-    shard_placement,
-)
+geometry.py: which rows each rank holds; param.py: a sharded parameter (its shard and full
+copy); group.py: a module's parameters together, their all-gather and reduce-scatter, and the
+group's lifecycle; schedule.py: the forward/backward hooks and prefetching; api.py: fully_shard
+and the calls around it.
+"""
+
+from hyperparallel.fsdp.api import clip_grad_norm_, fully_shard, set_requires_gradient_sync, shard_info, shard_placement
 from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_of, shard_ranges
+from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement
 
 __all__ = [
     "GEOMETRIES",

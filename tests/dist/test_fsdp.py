@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from hyperparallel.fsdp.fully_shard import (
+from hyperparallel.fsdp import (
     MixedPrecision,
     clip_grad_norm_,
     fully_shard,
@@ -227,7 +227,7 @@ def state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
 
 
 def run_memory(rank: int, world: int) -> dict:
-    from hyperparallel.fsdp.fully_shard import _GROUP
+    from hyperparallel.fsdp.group import _GROUP
 
     model = shard_all(Wide())
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -236,13 +236,13 @@ def run_memory(rank: int, world: int) -> dict:
     opt.step()
     held = state_bytes(model, opt)
     held["full_params_alive"] = sum(m.full.untyped_storage().nbytes() for sub in model.modules()
-                                    if hasattr(sub, _GROUP) for m in getattr(sub, _GROUP).managed)
+                                    if hasattr(sub, _GROUP) for m in getattr(sub, _GROUP).params)
     return held
 
 
 def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     """What happens in which order in a second step: all-gathers launched, blocks computing, reduces."""
-    from hyperparallel.fsdp.fully_shard import _GROUP, FSDPGroup
+    from hyperparallel.fsdp.group import _GROUP, FSDPGroup
 
     model = shard_all(Uneven())
     names = {id(getattr(model, _GROUP)): "root"}
@@ -251,7 +251,7 @@ def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     launch, reduce = FSDPGroup.start_unshard, FSDPGroup._start_reduce
 
     def logged_launch(group):
-        if not group._unsharded and group._gather is None:
+        if not group.is_unsharded and group._gather is None:
             log.append(("all-gather", names[id(group)]))
         launch(group)
 
@@ -263,7 +263,7 @@ def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     for i, layer in enumerate(model.layers):
         layer.up.register_forward_hook(lambda *args, i=i: log.append(("forward", f"layer{i}")))
         # the full weight: the Parameter that forward uses and that autograd gives a gradient
-        weight = next(m.full for m in getattr(layer, _GROUP).managed if (layer.up, "weight") in m.places)
+        weight = next(m.full for m in getattr(layer, _GROUP).params if (layer.up, "weight") in m.places)
         weight.register_hook(lambda grad, i=i: log.append(("backward", f"layer{i}")))
     for step in range(2):
         log.clear()
@@ -381,8 +381,6 @@ def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
 
 
 def accumulate_worker(rank, world, out_dir):
-    from hyperparallel.fsdp.fully_shard import set_requires_gradient_sync
-
     # a file rendezvous: no TCP port that another test could be holding
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     model = make_model()
@@ -459,8 +457,6 @@ def test_a_block_sharded_over_ranks_its_root_lacks_is_refused(tmp_path):
 
 
 def mixed_precision_worker(rank, world, out_dir):
-    from hyperparallel.fsdp.fully_shard import MixedPrecision
-
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     model = make_model()
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -507,9 +503,9 @@ def test_new_weights_reach_mx_modules_after_a_load_into_shards(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = fully_shard(mx_model(0))
-        from hyperparallel.fsdp.fully_shard import _GROUP
+        from hyperparallel.fsdp.group import _GROUP
 
-        full = getattr(model, _GROUP).managed[0].full
+        full = getattr(model, _GROUP).params[0].full
         model(x).sum().backward()  # fills the FP8 caches with seed 0's weights
         gathered = full._version
         model(x).sum().backward()  # the same values gathered again: the caches stay valid

@@ -1,0 +1,146 @@
+"""fully_shard and what a training loop calls around it: each rank keeps only its rows (dim 0) of a
+module's parameters, gradients and optimizer state. Apply it to each block, then to the root;
+build the optimizer afterwards, from `model.parameters()`, which then yields the shards."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp.geometry import ShardInfo
+from hyperparallel.fsdp.group import _GROUP, FSDPGroup
+from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement
+from hyperparallel.fsdp.schedule import PrefetchSchedule, register_hooks
+
+_optimizer_guard = None  # the step pre-hook's handle, registered by the first fully_shard
+
+
+def _refuse_optimizers_built_before_sharding(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_hp_replaced_by_shard", False):
+                raise ConfigError(
+                    f"{type(optimizer).__name__} was built before fully_shard: it holds the unsharded parameters, "
+                    f"which no longer train; build the optimizer after sharding, from model.parameters()"
+                )
+
+
+def _guard_optimizers() -> None:
+    # On the first fully_shard, not at import: a process that never shards pays nothing per step.
+    global _optimizer_guard
+    if _optimizer_guard is None:
+        _optimizer_guard = register_optimizer_step_pre_hook(_refuse_optimizers_built_before_sharding)
+
+
+def _check_same_group(module: nn.Module, group) -> None:
+    """Blocks shard over their root's ranks, or over some of them (expert parallelism shards each
+    rank's experts over the ranks that hold the same experts)."""
+    size, ranks = dist.get_world_size(group), dist.get_process_group_ranks(group or dist.group.WORLD)
+    for name, sub in module.named_modules():
+        child = getattr(sub, _GROUP, None)
+        if child is not None and sub is not module:
+            child_ranks = dist.get_process_group_ranks(child.group or dist.group.WORLD)
+            if not set(child_ranks) <= set(ranks):
+                raise ConfigError(
+                    f"fully_shard: {name} is sharded over ranks {child_ranks} but its parent over {ranks} "
+                    f"(world size {size}); shard a model's blocks over its process group or a part of it"
+                )
+
+
+def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Parameters of `module` not inside an already sharded submodule, each object once, with every
+    (module, attribute) place that holds it: a tied embedding and output head share one shard."""
+    found: dict[int, tuple[list[tuple[nn.Module, str]], nn.Parameter]] = {}
+
+    def visit(mod: nn.Module, top: bool):
+        if not top and hasattr(mod, _GROUP):
+            return
+        for name, p in mod._parameters.items():
+            if p is not None:
+                found.setdefault(id(p), ([], p))[0].append((mod, name))
+        for child in mod.children():
+            visit(child, False)
+
+    visit(module, True)
+    return list(found.values())
+
+
+def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1,
+                gradient_divide_factor: float | None = None) -> nn.Module:
+    """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
+
+    Apply to each block first, then to the root. Returns `module` (sharded in place). Gradients
+    are summed over the group and divided by `gradient_divide_factor` (default: the group's size,
+    a mean; expert parallelism divides by every data-parallel rank, since each rank's expert
+    gradients already sum the tokens of its whole expert-parallel group)."""
+    if not dist.is_initialized():
+        raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
+    if hasattr(module, _GROUP):
+        raise ConfigError(f"{type(module).__name__} is already sharded: apply fully_shard once per module")
+    if dist.get_rank(process_group) < 0:
+        raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the process_group it was given")
+    _check_same_group(module, process_group)
+    group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy,
+                      gradient_divide_factor)
+    params = _direct_params(module)
+    if not params:
+        setattr(module, _GROUP, group)
+        return module
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) > 1:
+        raise ConfigError(f"fully_shard: one group's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+    _guard_optimizers()
+    group.shard(params)
+    setattr(module, _GROUP, group)
+    PrefetchSchedule(group, [getattr(sub, _GROUP) for sub in module.modules() if hasattr(sub, _GROUP)])
+    register_hooks(module, group)
+    return module
+
+
+def shard_info(param: nn.Parameter) -> ShardInfo:
+    info = getattr(param, "_hp_shard_info", None)
+    if info is None:
+        return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)
+    return info
+
+
+def shard_placement(param: nn.Parameter) -> ShardPlacement | None:
+    """The placement of a parameter sharded by fully_shard; None for any other tensor."""
+    return getattr(param, "_hp_shard_placement", None)
+
+
+def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
+    for sub in module.modules():
+        group = getattr(sub, _GROUP, None)
+        if group is not None:
+            group.gradient_sync = sync
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None,
+                    replicas: dict[str, int] | None = None) -> torch.Tensor:
+    """The global gradient norm over every rank's shards; scales the shards' grads to max_norm.
+
+    `replicas`: per parameter name, how many ranks of the group hold the same gradient shard
+    beside FSDP's own split (tensor parallelism's replicated weights), so each counts once."""
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    grads = [g for _, g in named]
+    # on the parameters' device: the all-reduce then runs where the group's backend can (NCCL
+    # has no CPU path), also on a rank whose shards are all empty and have no gradient
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for name, g in named:
+        square = g.detach().double().pow(2).sum()
+        local += square if replicas is None else square / replicas.get(name, 1)
+    dist.all_reduce(local, group=process_group)
+    total = local.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total.float()

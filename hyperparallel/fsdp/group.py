@@ -1,0 +1,319 @@
+"""FSDPGroup: the parameters of one sharded module, which travel together, and its lifecycle.
+
+All of a group's parameters share one flat buffer in which every rank has a slot of the same
+padded length: the local shards are copied into this rank's slot, one all-gather fills every
+rank's, and views of it with the padding stripped are copied into the full parameters.
+Gradients go the other way: zero-padded into one [world, slot] buffer, one reduce-scatter (sum,
+then a divide by gradient_divide_factor: gloo's AVG is unreliable), and each rank keeps its
+valid rows as its shards' `.grad`. Every copy is one foreach op over the whole group.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperparallel import versions
+from hyperparallel.fsdp.param import MixedPrecision, ShardedParam
+
+if TYPE_CHECKING:
+    from hyperparallel.fsdp.schedule import PrefetchSchedule
+
+_GROUP = "_hp_fsdp_group"  # the attribute of a sharded module that holds its FSDPGroup
+
+
+class GroupState(enum.Enum):
+    """Where a group's full parameters are, from one step's forward to the end of its backward.
+    The moves between states are _TRANSITIONS, below; after __init__, FSDPGroup._become is the only writer."""
+
+    # the module holds the shards; the full parameters have no storage
+    SHARDED = "sharded"
+    # gathered for forward; kept until backward is done unless freed after forward
+    UNSHARDED = "unsharded"
+    # freed after forward: the module keeps the full parameters (autograd saved them) with no
+    # storage, and backward reaching the module's outputs gathers them again
+    RESHARDED_AFTER_FORWARD = "resharded after forward"
+    # gathered again for backward: a recompute's forward inside backward must not free it
+    UNSHARDED_FOR_BACKWARD = "unsharded for backward"
+    # gradients reduced (or kept, without sync) and shards back in the module, until the backward
+    # pass ends: no second reduce, no prefetch for backward
+    BACKWARD_DONE = "backward done"
+
+
+_S = GroupState
+# Every transition a group makes; staying in a state is not a transition (the caller returns early).
+_TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    _S.SHARDED: frozenset({
+        _S.UNSHARDED,  # forward begins
+        _S.UNSHARDED_FOR_BACKWARD,  # backward of an earlier forward, after a no-grad forward resharded it
+    }),
+    _S.UNSHARDED: frozenset({
+        _S.SHARDED,  # a no-grad forward ends
+        _S.RESHARDED_AFTER_FORWARD,  # forward ends, reshard_after_forward (the root never frees)
+        _S.UNSHARDED_FOR_BACKWARD,  # backward reaches an earlier forward's outputs while a later one has it gathered
+        _S.BACKWARD_DONE,  # backward is done (reshard_after_forward=False, or the root)
+    }),
+    _S.RESHARDED_AFTER_FORWARD: frozenset({
+        _S.UNSHARDED,  # another forward before backward (another micro-batch, or a recompute)
+        _S.UNSHARDED_FOR_BACKWARD,  # backward reaches the module's outputs
+    }),
+    _S.UNSHARDED_FOR_BACKWARD: frozenset({
+        _S.SHARDED,  # a no-grad forward ends (a group that is never done: every parameter frozen)
+        _S.BACKWARD_DONE,  # every gradient is final, or the backward pass ends
+    }),
+    _S.BACKWARD_DONE: frozenset({
+        _S.SHARDED,  # the backward pass ends
+    }),
+}
+_UNSHARDED = frozenset({_S.UNSHARDED, _S.UNSHARDED_FOR_BACKWARD})
+
+
+class _FlatLayout:
+    """Where each parameter's elements sit in a flat [world, slot] communication buffer: rank r's
+    slot holds, parameter after parameter, that parameter's rows on rank r followed by zeros up
+    to its padded length. Splitting the buffer by `sizes` gives (rows, padding) pieces, rank-major.
+    Shapes and ranks never change, so a group builds this once."""
+
+    def __init__(self, params: list[ShardedParam], world: int, rank: int):
+        self.params = params
+        self.slot = sum(p.slot_numel for p in params)
+        per_rank = [[n for p in params for n in (p.rank_numels[r], p.slot_numel - p.rank_numels[r])]
+                    for r in range(world)]
+        self.sizes = [n for sizes in per_rank for n in sizes]
+        self.local_sizes = per_rank[rank]  # this rank's slot alone: the all-gather's input, the reduce's output
+        count = len(params)
+        self.rows = [[2 * (r * count + i) for r in range(world)] for i in range(count)]  # param i's, by rank
+        self.rows_in_order = [j for rows in self.rows for j in rows]
+        self.padding = [j for j in range(1, len(self.sizes), 2) if self.sizes[j]]
+        self.local_padding = [j for j in range(1, len(self.local_sizes), 2) if self.local_sizes[j]]
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    return fn(out, flat, group=group, async_op=True)
+
+
+def _all_gather(gathered: torch.Tensor, local: torch.Tensor, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(gathered, local, group=group, async_op=True)
+
+
+class FSDPGroup:
+    def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
+                 mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None):
+        self.module, self.group = module, group
+        self.mp = mp_policy or MixedPrecision()
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.gradient_divide_factor = gradient_divide_factor or self.world
+        self.geometry, self.align = geometry, align
+        self.reshard_after_forward = reshard_after_forward
+        self.gradient_sync = True  # a user setting (set_requires_gradient_sync), not lifecycle state
+        self.params: list[ShardedParam] = []
+        self.state = GroupState.SHARDED
+        self._gather = None  # (work, gathered, local) of a launched all-gather: a prefetch in flight
+        self._reduce = None  # (work, out, flat, layout) of a launched reduce-scatter
+        self._gather_layout: _FlatLayout | None = None
+        self._reduce_layout: _FlatLayout | None = None  # over the trainable parameters only
+        # Per backward pass, not lifecycle: the end-of-backward callback must be queued once per
+        # pass, on the first gradient, whichever state the group is in by then (a group can be
+        # done with its gradients, or still gathered, when the callback runs).
+        self._callback_queued = False
+        self._grads_ready = 0
+        self.schedule: PrefetchSchedule | None = None  # set by the root: forward order, for prefetching
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state in _UNSHARDED
+
+    def _become(self, state: GroupState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise RuntimeError(
+                f"FSDP group of {type(self.module).__name__}: cannot go from {self.state.value!r} to {state.value!r} "
+                f"(was the module run again after its gradients were reduced in the same backward?)"
+            )
+        self.state = state
+
+    # ---------------------------------------------------------------------------- sharding
+
+    def shard(self, params: list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]) -> None:
+        for places, param in params:
+            sharded = ShardedParam.of(places, param, self.group, self.rank, self.world, self.geometry, self.align,
+                                      self.mp.param_dtype)
+            self.params.append(sharded)
+            sharded.put(sharded.shard)
+            param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
+            if sharded.full.requires_grad:
+                sharded.full.register_post_accumulate_grad_hook(self._on_grad)
+        self._gather_layout = _FlatLayout(self.params, self.world, self.rank)
+        # Which parameters get gradients is fixed here, as is the count _on_grad waits for.
+        trainable = [p for p in self.params if p.full.requires_grad]
+        self._reduce_layout = _FlatLayout(trainable, self.world, self.rank) if trainable else None
+
+    # -------------------------------------------------------------------------- all-gather
+
+    def start_unshard(self) -> None:
+        """Launch this group's all-gather without waiting for it (a prefetch); unshard() finishes it."""
+        if self.is_unsharded or self._gather is not None:
+            return
+        layout = self._gather_layout
+        ref = self.params[0].full  # gathered in the full parameters' (compute) dtype
+        local = torch.empty(layout.slot, dtype=ref.dtype, device=ref.device)
+        pieces = local.split_with_sizes(layout.local_sizes)
+        torch._foreach_copy_(pieces[0::2], [p.shard.detach().reshape(-1) for p in self.params])
+        if layout.local_padding:  # never read, but never uninitialized bytes on the wire
+            torch._foreach_zero_([pieces[j] for j in layout.local_padding])
+        for p in self.params:
+            p.sent_version = (p.shard._version, versions.generation(p.shard))
+        gathered = torch.empty(self.world * layout.slot, dtype=ref.dtype, device=ref.device)
+        self._gather = (_all_gather(gathered, local, self.group), gathered, local)
+
+    def unshard(self, for_backward: bool = False) -> None:
+        """Fill the full parameters and put them in the module (a no-op if they are there)."""
+        if self.is_unsharded:
+            if for_backward and self.state is GroupState.UNSHARDED:
+                self._become(GroupState.UNSHARDED_FOR_BACKWARD)
+            return
+        self.start_unshard()
+        work, gathered, _ = self._gather
+        self._gather = None
+        work.wait()
+        pieces = gathered.split_with_sizes(self._gather_layout.sizes)
+        rows, same = [], []
+        for p in self.params:
+            full = p.full
+            storage = full.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(full.numel() * full.element_size())
+            rows.extend(p.full_rows())
+            # Gathering the same values again (for backward, or the next micro-batch) must not look
+            # like an in-place change to autograd: saved tensors of an earlier forward refer to this
+            # storage and are meant to see them. New values (after an optimizer step or a
+            # checkpoint load) bump its generation, so caches of copies derived from it (MXFP8
+            # weight copies) start over.
+            if p.sent_version == p.gathered_version:
+                same.append(full)
+        keep_versions = torch.autograd._unsafe_preserve_version_counter(tuple(same)) if same else nullcontext()
+        with torch.no_grad(), keep_versions:
+            torch._foreach_copy_(rows, [pieces[j] for j in self._gather_layout.rows_in_order])
+        for p in self.params:
+            if p.sent_version != p.gathered_version:
+                versions.bump(p.full)
+            p.gathered_version = p.sent_version
+            p.put(p.full)
+        self._become(GroupState.UNSHARDED_FOR_BACKWARD if for_backward else GroupState.UNSHARDED)
+
+    def drop_prefetch(self) -> None:
+        """Forget an all-gather that was prefetched but not used: the shards may change before the next use."""
+        if self._gather is not None:
+            self._gather[0].wait()
+            self._gather = None
+
+    def _free_full(self) -> None:
+        for p in self.params:
+            p.full.untyped_storage().resize_(0)
+
+    def free_after_forward(self) -> None:
+        """Free the full parameters' storage but leave them in the module: autograd saved them,
+        and backward gathers them again before it needs them."""
+        self._become(GroupState.RESHARDED_AFTER_FORWARD)
+        self._free_full()
+
+    def reshard(self) -> None:
+        """After a forward without gradients: free the full parameters and put the shards back."""
+        self._become(GroupState.SHARDED)
+        self._put_shards()
+
+    def _put_shards(self) -> None:
+        self._free_full()
+        for p in self.params:
+            p.put(p.shard)
+
+    # ------------------------------------------------------------------------- reduce-scatter
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        self._grads_ready += 1
+        if self._grads_ready == len(self._reduce_layout.params):
+            # every gradient of this group is final: reduce now, overlapping the rest of backward
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        if self.state is GroupState.BACKWARD_DONE:
+            return
+        self._become(GroupState.BACKWARD_DONE)
+        if self.gradient_sync:
+            self._start_reduce()
+        else:
+            self._keep_local_full_grads()
+        self._put_shards()
+
+    def _after_backward(self) -> None:
+        """End of the whole backward pass: groups with a parameter that got no gradient reduce now,
+        and every launched reduce-scatter lands in the shards' grads."""
+        self._callback_queued = False
+        self._finish_backward()
+        self._finish_reduce()
+        self._grads_ready = 0
+        self._become(GroupState.SHARDED)
+
+    def _keep_local_full_grads(self) -> None:
+        # no_sync: accumulate the full gradient locally; it is reduced with the next synced step
+        for p in self.params:
+            if p.full.grad is not None:
+                p.accumulated = p.full.grad if p.accumulated is None else p.accumulated + p.full.grad
+                p.full.grad = None
+
+    def _start_reduce(self) -> None:
+        layout = self._reduce_layout
+        if layout is None:
+            return
+        ref = layout.params[0].full
+        reduce_dtype = self.mp.reduce_dtype or ref.dtype
+        flat = torch.empty(self.world, layout.slot, dtype=reduce_dtype, device=ref.device)
+        pieces = flat.view(-1).split_with_sizes(layout.sizes)
+        into, grads = [], []
+        zeros = [pieces[j] for j in layout.padding]
+        for p, rows in zip(layout.params, layout.rows, strict=True):
+            grad = p.full.grad
+            if p.accumulated is not None:
+                grad = p.accumulated if grad is None else grad + p.accumulated
+                p.accumulated = None
+            if grad is None:
+                zeros.extend(pieces[j] for j in rows)
+            else:
+                into.extend(pieces[j] for j in rows)
+                grads.extend(grad.reshape(-1).split_with_sizes(p.rank_numels))
+            p.full.grad = None
+        if into:
+            torch._foreach_copy_(into, grads)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        out = torch.empty(layout.slot, dtype=reduce_dtype, device=ref.device)
+        work = _reduce_scatter(out, flat.view(-1), self.group)
+        self._reduce = (work, out, flat, layout)
+
+    def _finish_reduce(self) -> None:
+        if self._reduce is None:
+            return
+        work, out, _, layout = self._reduce
+        self._reduce = None
+        work.wait()
+        out.div_(self.gradient_divide_factor)
+        pieces = out.split_with_sizes(layout.local_sizes)
+        into, adds = [], []
+        for p, piece in zip(layout.params, pieces[0::2], strict=True):
+            g = piece.view_as(p.shard)  # a view: `out` is the grads plus short-shard padding only
+            if p.shard.grad is None:
+                p.shard.grad = g if g.dtype == p.shard.dtype else g.to(p.shard.dtype)
+            else:
+                into.append(p.shard.grad)
+                adds.append(g)
+        if into:
+            torch._foreach_add_(into, adds)

@@ -1,0 +1,113 @@
+"""A sharded parameter: each rank keeps only its rows (dim 0) of it, as a Parameter of its own.
+
+Between steps the module holds the shard, so `module.parameters()` yields shards and an
+optimizer built after sharding updates only local rows. During forward and backward the module
+holds the full Parameter in its place instead: the same object every step, its storage freed
+(resized to 0) when not in use and refilled by the group's all-gather, so autograd and hooks
+that refer to it keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
+
+
+# MixedPrecision lives here rather than in api.py: it decides the dtype of a sharded parameter's
+# full copy (and of the gradient reduction), which the group reads; api.py only re-exports it.
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Shards (and the optimizer's master weights) keep their own dtype; forward and backward run
+    on full parameters in `param_dtype`, and gradients are reduced in `reduce_dtype` (default:
+    param_dtype) before landing in the shards' dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where every row of a sharded parameter lives: the process group it is sharded over and
+    each group rank's (offset, length) along dim 0, rank 0 first. What an optimizer that needs
+    whole matrices (Muon) uses to move shards between ranks."""
+
+    process_group: object  # a ProcessGroup, or None for the default (world) group
+    ranges: tuple[tuple[int, int], ...]
+    rank: int  # this process's rank in process_group
+
+
+@dataclass
+class ShardedParam:
+    """One parameter of a group: this rank's shard, the full Parameter that forward and backward
+    use in its place, and where each rank's rows go in the group's flat buffers."""
+
+    places: list[tuple[nn.Module, str]]  # where the module holds it (more than one when tied)
+    info: ShardInfo
+    shard: nn.Parameter
+    full: nn.Parameter
+    row_numel: int
+    slot_rows: int  # rows of every rank's slot in the group's flat buffers: the longest shard
+    placement: ShardPlacement
+    rank_numels: list[int]  # elements of every rank's shard, rank 0 first: they tile the flattened parameter
+    accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
+    # the shard's (_version, generation) when its rows last went into an all-gather, and when the
+    # full parameter was last filled: equal means the gather brings the same values again
+    sent_version: tuple | None = None
+    gathered_version: tuple | None = ()
+    # views of `full`'s rows, one per rank, for the all-gather's copy-out (see full_rows)
+    _full_rows: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    _full_storage: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, places: list[tuple[nn.Module, str]], param: nn.Parameter, group, rank: int, world: int,
+           geometry: str, align: int, param_dtype: torch.dtype | None) -> ShardedParam:
+        """Split `param` into this rank's shard and an empty full Parameter in the compute dtype."""
+        shape = param.shape
+        full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)  # a 0-d parameter is one row
+        info = shard_of(shape, rank, world, geometry, align)
+        local = full_2d[info.offset: info.offset + info.length].clone()
+        shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
+                             requires_grad=param.requires_grad)
+        # A parameter that is already a part of a larger one along dim 0 (an expert-parallel
+        # rank's experts) records its shard's place in that larger one, for checkpoints.
+        outer = getattr(param, "_hp_shard_info", None)
+        shard._hp_shard_info = info if outer is None else ShardInfo(outer.global_shape, outer.offset + info.offset,
+                                                                    info.length)
+        placement = ShardPlacement(group, tuple(shard_ranges(info.rows, world, geometry, align)), rank)
+        shard._hp_shard_placement = placement
+        full = nn.Parameter(torch.empty_like(param, dtype=param_dtype or param.dtype),
+                            requires_grad=param.requires_grad)
+        full.untyped_storage().resize_(0)
+        row_numel = full_2d.shape[1]
+        return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
+                   [length * row_numel for _, length in placement.ranges])
+
+    def put(self, param: nn.Parameter) -> None:
+        for owner, name in self.places:
+            owner._parameters[name] = param
+
+    @property
+    def slot_numel(self) -> int:
+        return self.slot_rows * self.row_numel
+
+    def full_rows(self) -> tuple[torch.Tensor, ...]:
+        """Every rank's rows of the full parameter, as views that the all-gather copies into.
+
+        [Note: views of a freed storage] `full` keeps one storage object whose bytes are freed
+        (resize to 0) and allocated again (resize to its size) around every use; views share
+        that storage object, not its bytes, so views made once stay valid across resizes. They
+        are made the first time the storage has its size (a view of a 0-byte storage is not
+        something to rely on), of `full.detach()` so that they share its version counter (the
+        gather's writes count as writes to `full`, and _unsafe_preserve_version_counter undoes
+        them) without carrying autograd history, and made again should anything have put
+        another storage under `full`."""
+        storage = self.full.untyped_storage()
+        # (the cached views hold the storage they were made of, so its address is not reused)
+        if storage._cdata != self._full_storage:
+            self._full_rows = self.full.detach().view(-1).split_with_sizes(self.rank_numels)
+            self._full_storage = storage._cdata
+        return self._full_rows
