@@ -29,54 +29,61 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hyperparallel.fsdp import shard_info, shard_placement
+from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """This rank's rows of a global tensor: its global shape and the offset of the first row."""
+    """This rank's block of a global tensor: its global shape, and the block's offset and size
+    in every dimension (FSDP and expert parallelism split dim 0; row-parallel TP dim 1)."""
 
     global_shape: torch.Size
-    row_offset: int
-    rows: int
+    offsets: torch.Size
+    sizes: torch.Size
 
     @property
-    def offsets(self) -> torch.Size:
-        return torch.Size([self.row_offset] + [0] * (len(self.global_shape) - 1))
-
-    @property
-    def sizes(self) -> torch.Size:
-        return torch.Size([self.rows, *self.global_shape[1:]])
+    def empty(self) -> bool:
+        return any(size == 0 for size in self.sizes)
 
 
-def chunk_of(param: nn.Parameter) -> Chunk | None:
+def chunk_of(param: nn.Parameter, columns: tuple[int, int] | None = None) -> Chunk | None:
     """The chunk of a parameter sharded over several ranks, or split among them (an expert-parallel
-    rank's experts); None for one that is whole here."""
+    rank's experts, a TP rank's heads); None for one that is whole here. `columns`: (global
+    columns, first column) of a row-parallel TP weight, whose dim 1 is split."""
     info = shard_info(param)
-    global_shape = torch.Size(list(info.global_shape) or [1])  # a 0-d parameter is sharded as one row
+    global_shape = list(info.global_shape) or [1]  # a 0-d parameter is sharded as one row
+    offsets, sizes = [info.offset] + [0] * (len(global_shape) - 1), [info.length, *global_shape[1:]]
+    if columns is not None:
+        global_shape[1], offsets[1] = columns
     placement = shard_placement(param)
-    split = info.length < global_shape[0]
+    split = info.length < global_shape[0] or columns is not None
     if not split and (placement is None or len(placement.ranges) == 1 or not any(r for _, r in placement.ranges)):
         return None  # (no rows anywhere: every rank saves the same empty tensor, whole)
-    return Chunk(global_shape, info.offset, info.length)
+    return Chunk(torch.Size(global_shape), torch.Size(offsets), torch.Size(sizes))
 
 
 def shard_chunks(model: nn.Module, model_sd: dict, optim_state: dict | None) -> dict[str, Chunk]:
     """The chunk of every sharded entry, by the flattened key DCP gives it (`model.NAME`,
     `optim.NAME.STATE`): the parameters themselves and the optimizer states shaped like them."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    tp = tensor_parallel_state(model)
+    columns = tp.columns if tp is not None else {}
+
+    def chunk_named(name: str) -> Chunk | None:
+        param = params.get(name)
+        return chunk_of(param, columns.get(name)) if param is not None else None
+
     chunks: dict[str, Chunk] = {}
     for name in model_sd:
-        param = params.get(name)
-        chunk = chunk_of(param) if param is not None else None
+        chunk = chunk_named(name)
         if chunk is not None:
             chunks[f"model.{name}"] = chunk
     for name, entries in (optim_state or {}).items():
-        param = params.get(name)
-        chunk = chunk_of(param) if param is not None else None
+        chunk = chunk_named(name)
         if chunk is None:
             continue
         for key, value in entries.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape == param.shape:
+            if isinstance(value, Tensor) and value.dim() and value.shape == params[name].shape:
                 chunks[f"optim.{name}.{key}"] = chunk
     return chunks
 
@@ -96,7 +103,7 @@ class ShardedSavePlanner(DefaultSavePlanner):
             chunk = self.chunks.get(item.index.fqn)
             if chunk is None or item.tensor_data is None:
                 items.append(item)
-            elif chunk.rows:
+            elif not chunk.empty:
                 items.append(dataclasses.replace(
                     item, index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(chunk.offsets, chunk.sizes),
@@ -128,7 +135,7 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
             chunk = self.chunks.get(fqn)
             if chunk is None:
                 local = ChunkStorageMetadata(torch.Size([0] * tensor.dim()), tensor.size())
-            elif chunk.rows:
+            elif not chunk.empty:
                 local = ChunkStorageMetadata(chunk.offsets, chunk.sizes)
             else:
                 continue  # no rows of it here

@@ -19,8 +19,10 @@ the mean over the counted tokens (or the sum over `num_items_in_batch`), compute
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -66,6 +68,39 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(counted, torch.logsumexp(logits, dim=1) - picked, 0.0).sum()
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """A vocab-parallel head: this rank holds rows [start, start + rows) of the output head, and
+    the ranks of `group` together hold the whole vocabulary."""
+
+    group: object
+    start: int
+
+
+def _vocab_parallel_chunk(logits: torch.Tensor, targets: torch.Tensor, inverse_denominator: torch.Tensor,
+                          grad_dtype: torch.dtype, vocab: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chunk_loss_and_grad` on this rank's columns of the logits: the row maxima, the sums of
+    exponentials and the target logits are completed over the group (two all-reduces per chunk),
+    so the loss is the whole vocabulary's on every rank and each rank's gradient is its columns'."""
+    logits = logits.float()
+    columns = logits.shape[1]
+    counted = targets != IGNORE_INDEX
+    local = targets - vocab.start
+    mine = counted & (local >= 0) & (local < columns)
+    safe = torch.where(mine, local, 0).unsqueeze(1)
+    peak = logits.amax(dim=1, keepdim=True)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=vocab.group)
+    exp = (logits - peak).exp_()
+    sums_and_picked = torch.stack([exp.sum(dim=1), torch.where(mine, logits.gather(1, safe).squeeze(1), 0.0)])
+    dist.all_reduce(sums_and_picked, group=vocab.group)
+    sums, picked = sums_and_picked[0].unsqueeze(1), sums_and_picked[1]
+    lse = sums.log() + peak
+    loss = torch.where(counted, lse.squeeze(1) - picked, 0.0).sum()
+    scale = torch.where(counted.unsqueeze(1), inverse_denominator, 0.0)
+    grad = exp.mul_(scale / sums).scatter_add_(1, safe, -torch.where(mine.unsqueeze(1), scale, 0.0))
+    return loss, grad.to(grad_dtype)
+
+
 _compiled: dict[str, object] = {}
 
 
@@ -82,7 +117,7 @@ def _loss_and_grad_fn(backend: str | None):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, denominator, dtype, want_grads, backend):
+    def forward(ctx, hidden, weight, targets, denominator, dtype, want_grads, backend, vocab_shard):
         rows, vocab = hidden.shape[0], weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_grads else None
@@ -96,11 +131,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for lo in range(0, rows, step):
                 h = hidden[lo : lo + step].to(dtype)
                 logits = h @ w.t()
-                if not want_grads:
+                if vocab_shard is not None:  # (the collectives run eagerly: no compiled chunk function)
+                    loss, grad_logits = _vocab_parallel_chunk(logits, targets[lo : lo + step], inverse_denominator,
+                                                              dtype, vocab_shard)
+                    total += loss
+                    if not want_grads:
+                        continue
+                elif not want_grads:
                     total += _chunk_loss(logits, targets[lo : lo + step])
                     continue
-                loss, grad_logits = chunk_fn(logits, targets[lo : lo + step], inverse_denominator, dtype)
-                total += loss
+                else:
+                    loss, grad_logits = chunk_fn(logits, targets[lo : lo + step], inverse_denominator, dtype)
+                    total += loss
                 grad_hidden[lo : lo + step] = grad_logits @ w
                 if dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
@@ -114,7 +156,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), \
-            None, None, None, None, None
+            None, None, None, None, None, None
 
 
 def shift_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -130,6 +172,7 @@ def linear_cross_entropy(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     compile: str | None = None,
+    vocab_shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, shifted labels) as HF's ForCausalLMLoss, without the logits.
 
@@ -137,6 +180,8 @@ def linear_cross_entropy(
     `shift_labels` (already shifted). The mean over tokens whose target is not -100, or their sum
     divided by `num_items_in_batch` when given (HF's gradient-accumulation convention).
     `compile` names a torch.compile backend for the element-wise work of each chunk.
+    `vocab_shard`: `weight` is this rank's rows of a vocab-parallel head (tensor parallelism); the
+    loss is then the whole vocabulary's, and the gradient of `hidden` this rank's part of it.
     """
     targets = shift_targets(labels) if shift_labels is None else shift_labels
     targets = targets.reshape(-1).to(hidden.device)
@@ -149,7 +194,8 @@ def linear_cross_entropy(
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(flat, weight, targets, denominator, compute_dtype(flat), want_grads, compile)
+    return _LinearCrossEntropy.apply(flat, weight, targets, denominator, compute_dtype(flat), want_grads, compile,
+                                    vocab_shard)
 
 
 class FusedLossHead(nn.Module):
@@ -163,10 +209,19 @@ class FusedLossHead(nn.Module):
         self.weight = head.weight  # the same Parameter object: tying, optimizers, checkpoints see no change
         self.deferred = False
         self._handed_out: torch.Tensor | None = None
+        self.vocab_shard: VocabShard | None = None  # set by tensor parallelism: the head is vocab-parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.deferred:
-            return F.linear(hidden, self.weight)
+            logits = F.linear(hidden, self.weight)
+            if self.vocab_shard is None:
+                return logits
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                raise RuntimeError("a vocab-parallel lm_head makes whole logits only without gradients (generation); "
+                                   "training computes its loss inside fused_loss(model)")
+            from hyperparallel.parallel.tp_collectives import gather_last_dim  # (parallel imports models)
+
+            return gather_last_dim(logits, self.vocab_shard.group)  # whole logits: generation only, no autograd
         self._handed_out = hidden
         return hidden
 
@@ -196,7 +251,8 @@ class _FusedCausalLMLoss:
             raise RuntimeError("fused_loss: the model's loss was given something other than the lm_head's output; "
                                "this model computes its loss in a way FusedLossHead does not support")
         return linear_cross_entropy(hidden, self.head.weight, labels, shift_labels=shift_labels,
-                                    num_items_in_batch=num_items_in_batch, compile=self.head.compile)
+                                    num_items_in_batch=num_items_in_batch, compile=self.head.compile,
+                                    vocab_shard=self.head.vocab_shard)
 
 
 def install_fused_loss(model: nn.Module, compile: str | None = None) -> bool:

@@ -31,7 +31,7 @@ class ExpertLayout:
     ep: int
     ep_group: object  # the ranks that split the experts among them (this rank's)
     shard_group: object  # the ranks that hold the same experts as this rank
-    world: int
+    world: int  # the ranks whose tokens each expert's gradient sums (dp_shard x cp): its mean's divisor
 
     @property
     def ep_rank(self) -> int:
@@ -45,6 +45,11 @@ def expert_layout(ep: int, device_type: str) -> ExpertLayout:
         raise ConfigError(f"parallel.ep ({ep}) must divide the number of ranks ({world})")
     mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
     return ExpertLayout(ep, mesh.get_group("ep"), mesh.get_group("expert_shard"), world)
+
+
+def expert_layout_of(mesh) -> ExpertLayout:
+    """The expert parallelism of a ParallelMesh (its ep groups sit within one tp coordinate)."""
+    return ExpertLayout(mesh.shape.ep, mesh.ep_group, mesh.expert_shard_group, mesh.shape.dp_shard * mesh.shape.cp)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:

@@ -12,7 +12,9 @@ they were (HF checkpoints keep loading).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -41,7 +43,25 @@ MODES = ("off", "full", "selective")
 SAVED_OP_NAMES = {"hyperparallel::grouped_mm"}
 
 
+_kept_nothing = threading.local()
+
+
+@contextlib.contextmanager
+def nothing_kept():
+    """Selective recompute keeps no output of an op run inside: for kernels that write into their
+    own products in place (ring attention's score tiles), which a kept product would not survive
+    (the recompute would read the tile as the kernel left it). Such a kernel is recomputed whole."""
+    depth = getattr(_kept_nothing, "depth", 0)
+    _kept_nothing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _kept_nothing.depth = depth
+
+
 def _policy(ctx, op, *args, **kwargs):
+    if getattr(_kept_nothing, "depth", 0):
+        return CheckpointPolicy.PREFER_RECOMPUTE
     saved = op in SAVED_OPS or (hasattr(op, "name") and op.name() in SAVED_OP_NAMES)
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -18,7 +18,16 @@ from hyperparallel.models import build_model, compile_layers, install_fused_loss
 from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
 from hyperparallel.optim import build_optimizer, build_scheduler
-from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
+from hyperparallel.parallel import (
+    MeshShape,
+    ParallelMesh,
+    apply_expert_parallel,
+    apply_recompute,
+    build_mesh,
+    shard_model,
+)
+from hyperparallel.parallel.expert_parallel import expert_layout_of
+from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.distributed import Runtime
@@ -35,10 +44,18 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
     return dataset
 
 
-def build_batches(cfg: TrainConfig, dataset: data.Dataset, rt: Runtime) -> data.Batches:
+def data_rank(built: BuiltModel, rt: Runtime) -> tuple[int, int]:
+    """(this rank's data-parallel replica, how many): the ranks of one tp x cp group read one batch."""
+    if built.mesh is None:
+        return rt.rank, rt.world
+    return built.mesh.dp_rank, built.mesh.dp_size
+
+
+def build_batches(cfg: TrainConfig, dataset: data.Dataset, rt: Runtime, built: BuiltModel) -> data.Batches:
     order = data.SequenceOrder(len(dataset.sequences), cfg.training.seed)
-    return data.Batches(dataset.sequences, order, cfg.training.global_batch, cfg.training.micro_batch, rt.rank,
-                        rt.world, dataset.tokenizer.pad_id, cfg.data.packing)
+    rank, replicas = data_rank(built, rt)
+    return data.Batches(dataset.sequences, order, cfg.training.global_batch, cfg.training.micro_batch, rank,
+                        replicas, dataset.tokenizer.pad_id, cfg.data.packing)
 
 
 def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
@@ -64,12 +81,17 @@ class BuiltModel:
     balancer: LoadBalancer | None = None  # the MoE layers' load balancing (None: no MoE layers)
     ep: int = 1
     waves: int | None = None  # MegaMoE's expert waves (None: the sequential EP layer, or no EP)
+    mesh: ParallelMesh | None = None  # the device mesh of a sharded run (None: one rank, or DDP)
+    context_parallel: object | None = None  # what apply_context_parallel returned (cp > 1)
 
 
 def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
-    """The HF model, then MXFP8 recipes, the fused loss, recompute and compilation (all before
-    sharding, as they expect), then FSDP or DDP over the ranks."""
-    sharded = cfg.parallel.dp_shard > 1
+    """The HF model, its tensor-parallel split, then MXFP8 recipes, expert parallelism, the fused
+    loss, context parallelism, recompute and compilation (all before sharding, as they expect),
+    then FSDP or DDP over the ranks."""
+    p = cfg.parallel
+    sharded = p.dp_shard > 1 or p.model_parallel() > 1
+    mesh = build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep), rt.device.type) if sharded and rt.world > 1 else None
     model = build_model(
         cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
         dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation, seed=cfg.training.seed,
@@ -77,27 +99,39 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
     if cfg.model.path is not None and model.config.vocab_size < vocab_size:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
+    n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
+    if p.tp > 1:
+        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel)
     conversion = convert(model, cfg.low_precision)
-    n_params = sum(p.numel() for p in model.parameters())  # (all experts: before EP keeps a rank's own)
     balancer = build_balancer(cfg, model)
     layout = None
     if cfg.parallel.ep > 1:
-        layout = expert_layout(cfg.parallel.ep, rt.device.type)
+        layout = expert_layout_of(mesh)
         waves = moe_waves(cfg, model, rt.device) if cfg.moe.implementation == "megamoe" else 1
         apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves)
     if cfg.training.fused_loss:
         install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
+    if p.tp > 1:
+        make_head_vocab_parallel(model)
+    context = None
+    if p.cp > 1:
+        from hyperparallel.parallel.context_parallel import apply_context_parallel
+
+        context = apply_context_parallel(model, mesh.cp_group, p.cp_mode)
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
-    card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # before sharding: whole shapes
+    card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
     trained = model
     if sharded:
-        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, experts=layout)
+        # FSDP over dp_shard x cp (the ranks holding the same TP-local weights); the world without TP
+        group = mesh.fsdp_group if mesh is not None and p.tp > 1 else None
+        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, process_group=group,
+                    experts=layout)
     elif rt.world > 1:  # ranks beyond the parallel plans replicate the model
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
     return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
-                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None)
+                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context)
 
 
 def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:

@@ -28,7 +28,7 @@ from hyperparallel.models import family_for_model_type, family_names, get_family
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
 from hyperparallel.moe import LOAD_BALANCE, MOE_IMPLEMENTATIONS
 from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
-from hyperparallel.parallel import RECOMPUTE_MODES
+from hyperparallel.parallel import CP_MODES, RECOMPUTE_MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
 
@@ -148,11 +148,17 @@ class ParallelSection(Section):
     dp_shard: int = Field(1, ge=1)  # ranks that shard the model (FSDP); must equal the ranks launched
     shard_geometry: choice(GEOMETRIES) = "chunk"  # how rows that do not divide are dealt out
     align: int = Field(1, ge=1)  # shard boundaries on multiples of this many rows (32: whole MXFP8 blocks)
+    # tensor parallelism: attention heads, MLP columns and the vocabulary split over tp ranks
+    # (consecutive ranks); sequence_parallel also splits the residual stream's sequence between blocks
     tp: int = Field(1, ge=1)
+    sequence_parallel: bool = False
     # expert parallelism: every MoE layer's experts split over groups of this many ranks, borrowed
-    # from the dp_shard ranks (dp_shard must be a multiple of it)
+    # from the dp_shard x cp ranks (their product must be a multiple of it)
     ep: int = Field(1, ge=1)
+    # context parallelism: every sequence split over cp ranks (load-balanced chunks); ring passes
+    # keys and values around the ranks, ulysses exchanges heads for sequence (heads must divide by cp)
     cp: int = Field(1, ge=1)
+    cp_mode: choice(CP_MODES) = "ring"
     recompute: choice(RECOMPUTE_MODES) = "off"
 
     @field_validator("recompute", mode="before")
@@ -161,13 +167,10 @@ class ParallelSection(Section):
         # YAML 1.1 reads a bare `off` as false
         return "off" if value is False else value
 
-    @model_validator(mode="after")
-    def _only_wired_values(self):
-        for key, issue in (("tp", "tensor parallelism"), ("cp", "context parallelism")):
-            if getattr(self, key) != 1:
-                raise ValueError(f"parallel.{key} = {getattr(self, key)} is not supported yet ({issue} is not wired "
-                                 f"into the trainer); use 1. Extra ranks from --nproc replicate the model instead")
-        return self
+    def model_parallel(self) -> int:
+        """Ranks that read one batch together (tp x cp): the world's ranks over this are the
+        data-parallel replicas."""
+        return self.tp * self.cp
 
 
 class MoESection(Section):
@@ -276,11 +279,14 @@ class TrainConfig(Section):
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; ConfigError if the batch does not split."""
         t = self.training
-        per_step = t.micro_batch * world_size
+        replicas = max(world_size // self.parallel.model_parallel(), 1)  # (tp x cp ranks read one batch)
+        per_step = t.micro_batch * replicas
         if t.global_batch % per_step:
+            ranks = (f"data-parallel replicas ({world_size} ranks / tp x cp {self.parallel.model_parallel()} = "
+                     f"{replicas})" if self.parallel.model_parallel() > 1 else f"ranks ({world_size})")
             raise ConfigError(
                 f"training.global_batch ({t.global_batch}) must be a multiple of training.micro_batch "
-                f"({t.micro_batch}) x ranks ({world_size}) = {per_step}"
+                f"({t.micro_batch}) x {ranks} = {per_step}"
             )
         return t.global_batch // per_step
 

@@ -3,7 +3,8 @@ sequences, and its perplexity.
 
 The set is the same on any layout: `training.eval_batches` global batches of the validation
 sequences in corpus order (wrapping around when there are fewer), each split over the ranks as a
-training batch is. Every rank sums its token losses and counts, and one float64 all-reduce
+training batch is (over the data-parallel replicas; the tp x cp ranks of one read the same
+batch, and count its tokens as often as they are: the mean is unchanged). Every rank sums its token losses and counts, and one float64 all-reduce
 makes the mean over all of them, so 1 rank and N sharded ranks agree to float rounding.
 """
 
@@ -16,8 +17,9 @@ import torch
 
 from hyperparallel.models import fused_loss
 from hyperparallel.train import data
-from hyperparallel.train.build import BuiltModel
+from hyperparallel.train.build import BuiltModel, data_rank
 from hyperparallel.train.distributed import Runtime, sum_over_ranks
+from hyperparallel.train.step import language_model_loss
 
 
 class Evaluator:
@@ -28,12 +30,13 @@ class Evaluator:
         # the loss is the cross-entropy alone: not with an MoE auxiliary loss a config turned on
         self.cross_entropy_only = ({"output_router_logits": False}
                                    if getattr(built.model.config, "output_router_logits", False) else {})
-        self.batches = data.Batches(sequences, data.InOrder(len(sequences)), global_batch, micro_batch, rt.rank,
-                                    rt.world, pad_id, packing)
+        rank, replicas = data_rank(built, rt)
+        self.batches = data.Batches(sequences, data.InOrder(len(sequences)), global_batch, micro_batch, rank,
+                                    replicas, pad_id, packing)
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
-        model, trained = self.built.model, self.built.trained
+        model = self.built.model
         total = torch.zeros((), dtype=torch.float64)
         tokens = 0
         model.eval()
@@ -44,8 +47,7 @@ class Evaluator:
                     autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
                                 else nullcontext())
                     with fused_loss(model), autocast:
-                        loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device),
-                                       **self.cross_entropy_only).loss
+                        loss = language_model_loss(self.built, ids, labels, self.device, **self.cross_entropy_only)
                     total += loss.double().cpu() * counted
                     tokens += counted
         finally:

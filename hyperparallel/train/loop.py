@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         scheduler.load_state_dict(state["scheduler"])
         start, rng_restored, saved_world = state["step"], state["rng_restored"], state["world_size"]
         schedule_change = _follow_new_schedule(cfg, state, optimizer, scheduler)
-    batches = build_batches(cfg, dataset, rt)
+    batches = build_batches(cfg, dataset, rt, built)
     autocast_bf16 = cfg.training.mixed_precision == "bf16"
     evaluate = None
     if dataset.validation is not None:
@@ -213,6 +213,11 @@ def _validation(cfg: TrainConfig, dataset) -> str:
 def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulation: int, peak: str) -> None:
     """The run's first lines: what trains, on what, how."""
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
+    p = cfg.parallel
+    if p.tp > 1:
+        layout += f", tensor parallel over {p.tp} ranks (tp{', sequence parallel' if p.sequence_parallel else ''})"
+    if p.cp > 1:
+        layout += f", each sequence split over {p.cp} ranks (cp, {p.cp_mode} attention)"
     if built.ep > 1:
         layout += f", experts split over {built.ep} ranks (ep"
         layout += f", MegaMoE in {built.waves} waves)" if built.waves else ")"

@@ -518,6 +518,10 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
     if world < 1:
         raise ConfigError(f"the number of ranks must be at least 1, got {world}")
+    if cfg.parallel.model_parallel() > 1:
+        raise ConfigError(f"hyperparallel plan covers data-parallel, FSDP and expert-parallel layouts; parallel.tp "
+                          f"({cfg.parallel.tp}) and parallel.cp ({cfg.parallel.cp}) are not planned yet (measure them: "
+                          f"benchmarks/parallel.py)")
     if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != world:
         raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but the "
                           f"plan is for {world}; plan it with --nproc {cfg.parallel.dp_shard}")

@@ -36,15 +36,41 @@ def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
 
 def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     problems = []
-    if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != world:
-        problems.append(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but this "
-                        f"run has {world}; launch it with hyperparallel train --nproc {cfg.parallel.dp_shard}")
-    ep, dp_shard = cfg.parallel.ep, cfg.parallel.dp_shard
-    if ep > 1 and (dp_shard == 1 or dp_shard % ep):
+    p = cfg.parallel
+    ep, dp_shard, tp, cp = p.ep, p.dp_shard, p.tp, p.cp
+    if tp * cp > 1:
+        if dp_shard * cp * tp != world:
+            problems.append(f"parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) x parallel.tp ({tp}) = "
+                            f"{dp_shard * cp * tp} ranks, but this run has {world}; make their product {world}, or "
+                            f"launch hyperparallel train --nproc {dp_shard * cp * tp}")
+    elif dp_shard > 1 and dp_shard != world:
+        problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
+                        f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}")
+    borrowed = dp_shard * cp
+    if ep > 1 and (borrowed == 1 or borrowed % ep):
         choices = [n for n in range(2, world + 1) if world % n == 0]
         fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
-        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard}: dp_shard must be "
-                        f"a multiple of ep (the ranks sharing each expert's shards x ep); with {world} rank(s): {fix}")
+        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard} x parallel.cp = {cp}: "
+                        f"that product must be a multiple of ep (the ranks sharing each expert's shards x ep); with "
+                        f"{world} rank(s): {fix}")
+    if tp > 1 and cp > 1:
+        problems.append(f"parallel.tp = {tp} with parallel.cp = {cp}: tensor and context parallelism together are not "
+                        f"supported yet; use one of them (with dp_shard)")
+    if p.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel splits the sequence between tensor-parallel blocks, and "
+                        "parallel.tp is 1; set parallel.tp > 1 or sequence_parallel: false")
+    seq = cfg.data.seq_len
+    if p.sequence_parallel and seq % tp:
+        problems.append(f"parallel.sequence_parallel: data.seq_len ({seq}) must divide by parallel.tp ({tp})")
+    if cp > 1 and seq % (2 * cp):
+        problems.append(f"parallel.cp = {cp}: data.seq_len ({seq}) must divide by 2 x cp = {2 * cp} (each rank holds "
+                        f"two load-balanced chunks of every sequence)")
+    if tp > 1 and not cfg.training.fused_loss:
+        problems.append(f"parallel.tp = {tp} needs training.fused_loss: true (the vocab-parallel cross-entropy; the "
+                        f"logits are never whole on any rank)")
+    if tp > 1 and cfg.optimizer.name == "muon":
+        problems.append(f"optimizer.name: muon with parallel.tp = {tp}: Muon orthogonalizes whole matrices, and TP "
+                        f"splits them over ranks (not supported yet); use adamw, or tp: 1")
     family = get_family(cfg.model.family)
     if cfg.moe.waves is not None and cfg.moe.implementation != "megamoe":
         problems.append(f"moe.waves = {cfg.moe.waves} sets MegaMoE's expert waves, and moe.implementation is "
@@ -94,7 +120,7 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     except HyperparallelError as error:
         where = "model.config" if cfg.model.config is not None else "model.path"
         return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
-    experts = _expert_problems(cfg, hf_config)
+    experts = _expert_problems(cfg, hf_config) + _parallel_problems(cfg, hf_config, given or tokenizer_vocab)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
         return experts
     if cfg.data.tokenizer != "builtin":
@@ -105,6 +131,31 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     return experts + [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
             f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
                                                "tokenizer)" if cfg.model.config is not None else "")]
+
+
+def _parallel_problems(cfg: TrainConfig, hf_config, vocab: int | None) -> list[str]:
+    """What tensor and context parallelism need of the model's shape."""
+    problems = []
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if tp > 1 and heads is not None:
+        if heads % tp:
+            problems.append(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = {heads})")
+        elif kv % tp and tp % kv:
+            problems.append(f"parallel.tp ({tp}) and the key/value heads (num_key_value_heads = {kv}): one must divide "
+                            f"the other (fewer kv heads than tp are replicated)")
+    if tp > 1 and vocab is not None and vocab % tp:
+        problems.append(f"parallel.tp ({tp}) must divide the vocabulary ({vocab}) of the vocab-parallel embedding and "
+                        f"head; set the model's vocab_size to a multiple of {tp}")
+    if tp > 1 and cfg.moe.implementation == "megamoe" and getattr(hf_config, "n_shared_experts", None):
+        problems.append(f"moe.implementation: megamoe with parallel.tp = {tp}: MegaMoE runs the shared experts inside "
+                        f"its task graph, where tensor parallelism's collectives cannot run; use "
+                        f"moe.implementation: sequential")
+    if cp > 1 and cfg.parallel.cp_mode == "ulysses" and heads is not None and heads % cp:
+        problems.append(f"parallel.cp_mode: ulysses exchanges heads for sequence: parallel.cp ({cp}) must divide the "
+                        f"attention heads ({heads}); use cp_mode: ring")
+    return problems
 
 
 def write_problems(cfg: TrainConfig, run_dir: Path) -> list[str]:

@@ -13,7 +13,23 @@ import torch
 
 from hyperparallel import fsdp
 from hyperparallel.models import fused_loss
+from hyperparallel.parallel.context_parallel import context_parallel_batch
+from hyperparallel.parallel.tensor_parallel import grad_replicas, sync_partial_grads
 from hyperparallel.train.build import BuiltModel
+
+
+def language_model_loss(built: BuiltModel, ids: torch.Tensor, labels: torch.Tensor, device: torch.device,
+                        **extra) -> torch.Tensor:
+    """The model's loss on one micro-batch (inside fused_loss and autocast). With context
+    parallelism this rank runs its part of each sequence, and its loss is scaled so that the mean
+    over the cp ranks' gradients is the whole sequence's (`context_parallel_batch`)."""
+    context = built.context_parallel
+    if context is None:
+        return built.trained(input_ids=ids.to(device), labels=labels.to(device), **extra).loss
+    local_ids, shift_labels, positions, items = context_parallel_batch(ids, labels, context.size, context.rank)
+    return built.trained(input_ids=local_ids.to(device), labels=shift_labels.to(device),
+                         shift_labels=shift_labels.to(device), position_ids=positions.to(device),
+                         num_items_in_batch=items.to(device), **extra).loss
 
 
 @dataclass(frozen=True)
@@ -44,20 +60,21 @@ class TrainStep:
         return nullcontext()
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        model, trained, balancer = self.built.model, self.built.trained, self.built.balancer
+        model, balancer = self.built.model, self.built.balancer
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, (ids, labels) in enumerate(micro_batches):
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):
                 with autocast:
-                    loss = trained(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+                    loss = language_model_loss(self.built, ids, labels, self.device)
                 aux = balancer.aux_loss() if balancer is not None else None
                 ((loss if aux is None else loss + aux) / self.accumulation).backward()
             if balancer is not None:
                 balancer.after_backward()
             loss_sum += loss.detach().double().cpu()
+        sync_partial_grads(model)  # (tensor parallelism: replicated weights' partial gradients)
         if self.built.sharded:
-            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm).item()
+            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=grad_replicas(model)).item()
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).item()
         lr = self.optimizer.param_groups[0]["lr"]

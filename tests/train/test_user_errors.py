@@ -116,9 +116,9 @@ def _config(family: str, **sections):
 
 @pytest.mark.parametrize("family, sections, world, message", [
     ("qwen3_moe", {"parallel": {"ep": 2}}, 2,
-     r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1: dp_shard must be a multiple of ep .*"
-     r"with 2 rank\(s\): dp_shard: 2 and ep one of \[2\]"),
-    ("qwen3_moe", {"parallel": {"ep": 3, "dp_shard": 8}}, 8, r"parallel.dp_shard = 8: .* ep one of \[2, 4, 8\]"),
+     r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1 x parallel.cp = 1: that product must be a "
+     r"multiple of ep .* with 2 rank\(s\): dp_shard: 2 and ep one of \[2\]"),
+    ("qwen3_moe", {"parallel": {"ep": 3, "dp_shard": 8}}, 8, r"parallel.dp_shard = 8 x .* ep one of \[2, 4, 8\]"),
     ("qwen3", {"parallel": {"ep": 2, "dp_shard": 2}}, 2, r"parallel.ep = 2 splits the experts .* family 'qwen3' has none"),
     ("qwen3_moe", {"moe": {"load_balance": "bias"}}, 1,
      r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
@@ -133,6 +133,53 @@ def test_expert_layout_mistakes_are_named(family, sections, world, message):
 
     problems = layout_problems(_config(family, **sections), world)
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+@pytest.mark.parametrize("sections, world, message", [
+    ({"parallel": {"tp": 2, "dp_shard": 2}}, 2,
+     r"parallel.dp_shard \(2\) x parallel.cp \(1\) x parallel.tp \(2\) = 4 ranks, but this run has 2; make their "
+     r"product 2, or launch hyperparallel train --nproc 4"),
+    ({"parallel": {"tp": 2, "cp": 2}}, 4, r"parallel.tp = 2 with parallel.cp = 2: .* not supported yet"),
+    ({"parallel": {"sequence_parallel": True}}, 1, r"parallel.sequence_parallel .* parallel.tp is 1"),
+    ({"parallel": {"cp": 3}, "data": {"seq_len": 256}}, 3,
+     r"parallel.cp = 3: data.seq_len \(256\) must divide by 2 x cp = 6"),
+    ({"parallel": {"tp": 2}, "training": {"global_batch": 64, "micro_batch": 1, "fused_loss": False}}, 2,
+     r"parallel.tp = 2 needs training.fused_loss: true"),
+    ({"parallel": {"tp": 2}, "optimizer": {"name": "muon"}}, 2, r"optimizer.name: muon with parallel.tp = 2"),
+    ({"parallel": {"tp": 2}, "training": {"global_batch": 3, "micro_batch": 1}}, 4,
+     r"global_batch \(3\) must be a multiple of training.micro_batch \(1\) x data-parallel replicas \(4 ranks / tp "
+     r"x cp 2 = 2\) = 2"),
+])
+def test_parallel_layout_mistakes_are_named(sections, world, message):
+    from hyperparallel.train.preflight import layout_problems
+
+    problems = layout_problems(_config("qwen3", **sections), world)
+    assert any(re.search(message, p) for p in problems), problems
+
+
+@pytest.mark.parametrize("family, parallel, message", [
+    ("qwen3", {"tp": 8, "dp_shard": 1}, r"parallel.tp \(8\) must divide the attention heads \(num_attention_heads = 4\)"),
+    ("qwen3", {"tp": 2, "cp": 1, "dp_shard": 1}, None),  # 4 heads, 2 kv heads, vocab 512: fits
+    ("qwen3", {"cp": 8, "cp_mode": "ulysses"}, r"parallel.cp_mode: ulysses .* parallel.cp \(8\) must divide the "
+                                                 r"attention heads \(4\); use cp_mode: ring"),
+    ("kimi_k2", {"tp": 2, "dp_shard": 2, "ep": 2}, None),
+    ("deepseek_v3", {"tp": 2, "dp_shard": 2, "ep": 2}, None),
+])
+def test_parallel_model_mistakes_are_named(family, parallel, message):
+    from hyperparallel.train.preflight import model_problems
+
+    problems = model_problems(_config(family, parallel=parallel), None)
+    if message is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_megamoe_with_tensor_parallel_shared_experts_is_named():
+    from hyperparallel.train.preflight import model_problems
+
+    cfg = _config("kimi_k2", parallel={"tp": 2, "dp_shard": 2, "ep": 2}, moe={"implementation": "megamoe"})
+    assert any("moe.implementation: megamoe with parallel.tp = 2" in p for p in model_problems(cfg, None))
 
 
 def test_more_expert_ranks_than_experts_is_named():

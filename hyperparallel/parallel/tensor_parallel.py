@@ -1,0 +1,366 @@
+"""Tensor parallelism (TP) with optional sequence parallelism (SP) for the Hugging Face families.
+
+Each rank keeps the same Parameter objects holding only its part (`.data` replaced), as expert
+parallelism does, so that everything after it works on plain local tensors: MXFP8 converts
+the TP-local linears, FSDP shards the TP-local weights over the data-parallel ranks (uneven
+shards as ever), and checkpoints record each part's place in the global tensor.
+
+The plans (docs/parallel.md has them as tables):
+
+- attention, grouped-query (Qwen3, Qwen3-MoE): q/k/v column-parallel over heads, o row-parallel;
+  with fewer key/value heads than tp, each rank holds the one key/value head its query heads
+  use (replicated over tp / kv ranks); q_norm / k_norm replicated.
+- attention, multi-head latent (DeepSeek-V3, Kimi K2): q_b (or q) and kv_b column-parallel over
+  heads, o row-parallel; the low-rank a-projections and their norms replicated.
+- dense MLPs and shared experts: gate / up column-parallel, down row-parallel.
+- routed experts: not split by TP (expert parallelism splits them); the router replicated.
+- the embedding and the output head vocab-parallel, the loss vocab-parallel
+  (`models.loss.VocabShard`): logits are never whole on any rank.
+
+Communication sits at the attention / MLP boundaries (`tp_collectives`): without SP the residual
+stream is whole on every TP rank, each block's input enters as is and its output is all-reduced;
+with SP the residual stream, the norms and the MoE layers run on this rank's part of the
+sequence, a block's input is all-gathered and its output reduce-scattered.
+
+Gradients: a TP-split weight's gradient is exact on its rank. A replicated weight that works on
+every rank's part of a computation gets a partial gradient that is summed over the TP group
+after backward (`sync_partial_grads`): the weights inside an attention or MLP block (q_norm,
+the MLA a-projections), and with SP every replicated weight (norms, routers, experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp.geometry import ShardInfo
+from hyperparallel.models.loss import FusedLossHead, VocabShard
+from hyperparallel.parallel.recompute import decoder_layers
+from hyperparallel.parallel.tp_collectives import enter_tp, exit_tp, reduce_tp, split_sequence
+
+TP_STATE = "_hp_tensor_parallel"
+
+
+@dataclass
+class TensorParallelState:
+    """What TP did to a model, by parameter name (the names survive FSDP and checkpoints)."""
+
+    group: object
+    tp: int
+    rank: int
+    sequence_parallel: bool
+    columns: dict[str, tuple[int, int]] = field(default_factory=dict)  # row-parallel: (global columns, first column)
+    # names whose gradient is partial on each rank: None sums over the whole group; (slot, slots)
+    # sums over the ranks sharing slot `slot` (a replicated key/value head)
+    partial: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+    replicas: dict[str, int] = field(default_factory=dict)  # TP ranks holding the same values (default: tp)
+    plan: list[tuple[str, str]] = field(default_factory=list)  # (module, placement), for the run summary and docs
+
+    def replicas_of(self, name: str) -> int:
+        return self.replicas.get(name, self.tp)
+
+
+def tensor_parallel_state(model: nn.Module) -> TensorParallelState | None:
+    return getattr(model, TP_STATE, None)
+
+
+# ----------------------------------------------------------------------------- splitting weights
+
+
+def _parts(total: int, tp: int, what: str) -> int:
+    if total % tp:
+        raise ConfigError(f"parallel.tp ({tp}) must divide {what} ({total})")
+    return total // tp
+
+
+def _keep_rows(linear: nn.Module, start: int, count: int) -> None:
+    for name in ("weight", "bias"):
+        param = getattr(linear, name, None)
+        if param is None:
+            continue
+        global_shape = param.shape
+        param.data = param.data[start:start + count].clone()
+        param._hp_shard_info = ShardInfo(global_shape, start, count)  # FSDP shards within it; checkpoints place it
+    linear.out_features = count
+
+
+def _keep_columns(linear: nn.Module, start: int, count: int) -> tuple[int, int]:
+    if getattr(linear, "bias", None) is not None:
+        raise ConfigError(f"tensor parallelism: a row-parallel projection with a bias ({type(linear).__name__}) "
+                          f"would add the bias on every TP rank; this plan supports bias-free ones")
+    weight = linear.weight
+    global_columns = weight.shape[1]
+    weight.data = weight.data[:, start:start + count].clone()
+    linear.in_features = count
+    return global_columns, start
+
+
+class _Planner:
+    def __init__(self, model: nn.Module, state: TensorParallelState):
+        self.model, self.state = model, state
+        self.names: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), []).append(n)
+
+    def record(self, table: dict, param: nn.Parameter, value) -> None:
+        """table[name] = value under every name of `param` (a tied weight has two)."""
+        for name in self.names[id(param)]:
+            table[name] = value
+
+    def column(self, linear: nn.Module, parts: int, part_size: int, owner: str, what: str,
+               slot: tuple[int, int] | None = None) -> None:
+        """Keep rows [part x part_size) of `linear`'s output for this rank's part."""
+        state = self.state
+        index = slot[0] if slot is not None else state.rank
+        per_rank = parts // (state.tp if slot is None else slot[1])
+        _keep_rows(linear, index * per_rank * part_size, per_rank * part_size)
+        for p in (linear.weight, getattr(linear, "bias", None)):
+            if p is None:
+                continue
+            if slot is not None:
+                self.record(state.partial, p, slot)
+                self.record(state.replicas, p, state.tp // slot[1])
+            else:
+                self.record(state.replicas, p, 1)
+        state.plan.append((owner, what))
+
+    def row(self, linear: nn.Module, parts: int, part_size: int, owner: str, what: str) -> None:
+        state = self.state
+        per_rank = parts // state.tp
+        self.record(state.columns, linear.weight,
+                    _keep_columns(linear, state.rank * per_rank * part_size, per_rank * part_size))
+        self.record(state.replicas, linear.weight, 1)
+        state.plan.append((owner, what))
+
+    def replicated_inside(self, module: nn.Module | None, owner: str) -> None:
+        """Replicated weights inside a TP block: each rank's gradient covers its part only."""
+        if module is None:
+            return
+        for p in module.parameters():
+            self.record(self.state.partial, p, None)
+        self.state.plan.append((owner, "replicated (gradient summed over tp)"))
+
+
+def _hook_block(module: nn.Module, group, sp: bool) -> None:
+    """The block's input enters the TP region (whole on every rank), its output leaves it."""
+
+    def before(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = enter_tp(kwargs["hidden_states"], group, sp)
+        else:
+            args = (enter_tp(args[0], group, sp), *args[1:])
+        return args, kwargs
+
+    def after(mod, args, kwargs, output):
+        if isinstance(output, tuple):
+            return (exit_tp(output[0], group, sp), *output[1:])
+        return exit_tp(output, group, sp)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
+
+
+def _plan_attention(planner: _Planner, attention: nn.Module, config, owner: str) -> None:
+    tp = planner.state.tp
+    heads = config.num_attention_heads
+    if heads % tp:
+        raise ConfigError(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = {heads})")
+    if hasattr(attention, "kv_b_proj"):  # multi-head latent attention
+        qk, v = attention.qk_head_dim, attention.v_head_dim
+        q = attention.q_proj if getattr(attention, "q_lora_rank", None) is None else attention.q_b_proj
+        planner.column(q, heads, qk, f"{owner}.{'q_proj' if q is getattr(attention, 'q_proj', None) else 'q_b_proj'}",
+                       "column-parallel over heads")
+        planner.column(attention.kv_b_proj, heads, attention.qk_nope_head_dim + v, f"{owner}.kv_b_proj",
+                       "column-parallel over heads")
+        planner.row(attention.o_proj, heads, v, f"{owner}.o_proj", "row-parallel over heads")
+        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+            planner.replicated_inside(getattr(attention, name, None), f"{owner}.{name}")
+        return
+    if not all(hasattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        raise ConfigError(f"parallel.tp: no tensor-parallel plan for {type(attention).__name__} (expected q/k/v/o "
+                          f"projections, or multi-head latent attention)")
+    kv = config.num_key_value_heads
+    head_dim = getattr(attention, "head_dim", None) or config.hidden_size // heads
+    planner.column(attention.q_proj, heads, head_dim, f"{owner}.q_proj", "column-parallel over heads")
+    if kv % tp == 0:
+        for name in ("k_proj", "v_proj"):
+            planner.column(getattr(attention, name), kv, head_dim, f"{owner}.{name}", "column-parallel over kv heads")
+    elif tp % kv == 0:
+        # each rank's query heads use one key/value head: the rank holds that one, replicated over
+        # the tp / kv ranks whose query heads share it (their gradients are summed among them)
+        slot = (planner.state.rank * kv // tp, kv)
+        for name in ("k_proj", "v_proj"):
+            planner.column(getattr(attention, name), kv, head_dim, f"{owner}.{name}",
+                           f"kv head replicated over {tp // kv} ranks", slot=slot)
+        attention.num_key_value_groups = 1
+    else:
+        raise ConfigError(f"parallel.tp ({tp}) and the key/value heads (num_key_value_heads = {kv}): one must divide "
+                          f"the other")
+    planner.row(attention.o_proj, heads, head_dim, f"{owner}.o_proj", "row-parallel over heads")
+    for name in ("q_norm", "k_norm"):
+        planner.replicated_inside(getattr(attention, name, None), f"{owner}.{name}")
+
+
+def _plan_mlp(planner: _Planner, mlp: nn.Module, owner: str) -> None:
+    tp = planner.state.tp
+    intermediate = mlp.gate_proj.weight.shape[0]
+    _parts(intermediate, tp, f"{owner}'s intermediate size")
+    planner.column(mlp.gate_proj, intermediate, 1, f"{owner}.gate_proj", "column-parallel")
+    planner.column(mlp.up_proj, intermediate, 1, f"{owner}.up_proj", "column-parallel")
+    planner.row(mlp.down_proj, intermediate, 1, f"{owner}.down_proj", "row-parallel")
+
+
+def _is_dense_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows [start, start + rows) are on this rank: ids elsewhere give zeros,
+    and the ranks' results are summed (each id's row is on exactly one rank)."""
+
+    def __init__(self, embedding: nn.Embedding, group, start: int):
+        super().__init__()
+        self.weight = embedding.weight  # the same Parameter (already this rank's rows)
+        self.group, self.start = group, start
+        self.num_embeddings, self.embedding_dim = self.weight.shape
+        padding = embedding.padding_idx
+        self.padding_idx = padding - start if padding is not None and 0 <= padding - start < self.num_embeddings else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        return reduce_tp(rows.masked_fill(outside.unsqueeze(-1), 0), self.group)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.num_embeddings} of a vocab-parallel embedding, {self.embedding_dim}"
+
+
+def _plan_vocab(planner: _Planner, model: nn.Module) -> None:
+    state = planner.state
+    inner = getattr(model, "model", model)
+    embedding = getattr(inner, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear | FusedLossHead):
+        raise ConfigError(f"parallel.tp: {type(model).__name__} has no model.embed_tokens embedding and lm_head "
+                          f"linear to make vocab-parallel")
+    vocab = embedding.weight.shape[0]
+    per_rank = _parts(vocab, state.tp, "the vocabulary (vocab_size; pad it to a multiple of tp)")
+    start = state.rank * per_rank
+    tied = head.weight is embedding.weight  # (tied: one Parameter, split once)
+    _keep_rows(head, start, per_rank)
+    if not tied:
+        _keep_rows(embedding, start, per_rank)
+    embedding.num_embeddings = per_rank
+    for p in (embedding.weight, head.weight):
+        planner.record(state.replicas, p, 1)
+    inner.embed_tokens = VocabParallelEmbedding(embedding, state.group, start)
+    state.plan.append(("model.embed_tokens", "vocab-parallel (rows), outputs summed over tp"))
+    state.plan.append(("lm_head", "vocab-parallel (rows), vocab-parallel cross-entropy"))
+
+
+def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool) -> TensorParallelState:
+    """Split `model`'s weights over the TP `group` and put the collectives in its forward and
+    backward. Call right after building the model, before MXFP8 conversion, expert parallelism,
+    the fused loss (`make_head_vocab_parallel` after it), recompute and FSDP."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    state = TensorParallelState(group, tp, rank, sequence_parallel)
+    planner = _Planner(model, state)
+    config = model.config
+    with torch.no_grad():
+        _plan_vocab(planner, model)
+        from hyperparallel.moe import MoEBlock
+
+        layers = decoder_layers(model)
+        for i, layer in enumerate(layers):
+            owner = f"model.layers.{i}"
+            _plan_attention(planner, layer.self_attn, config, f"{owner}.self_attn")
+            _hook_block(layer.self_attn, group, sequence_parallel)
+            mlp = layer.mlp
+            if isinstance(mlp, MoEBlock):
+                shared = mlp.shared_experts
+                if shared is not None and _is_dense_mlp(shared):
+                    _plan_mlp(planner, shared, f"{owner}.mlp.shared_experts")
+                    _hook_block(shared, group, sequence_parallel)
+                state.plan.append((f"{owner}.mlp.experts", "not split by tp (expert parallelism splits them)"))
+            elif _is_dense_mlp(mlp):
+                _plan_mlp(planner, mlp, f"{owner}.mlp")
+                _hook_block(mlp, group, sequence_parallel)
+            else:
+                raise ConfigError(f"parallel.tp: no tensor-parallel plan for {owner}.mlp ({type(mlp).__name__})")
+    if sequence_parallel:
+        # the residual stream from the first layer on is this rank's part of the sequence: every
+        # replicated weight then sees only those tokens
+        layers[0].register_forward_pre_hook(_split_first_input(group), with_kwargs=True)
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            if name not in state.replicas:
+                state.partial.setdefault(name, None)
+    setattr(model, TP_STATE, state)
+    return state
+
+
+def _split_first_input(group):
+    def before(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = split_sequence(kwargs["hidden_states"], group)
+        else:
+            args = (split_sequence(args[0], group), *args[1:])
+        return args, kwargs
+
+    return before
+
+
+def make_head_vocab_parallel(model: nn.Module) -> None:
+    """The fused loss head of a TP model computes the vocab-parallel loss (its weight is already
+    this rank's rows); without a fused loss head the logits would be whole: refused."""
+    state = tensor_parallel_state(model)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, FusedLossHead):
+        raise ConfigError("parallel.tp needs training.fused_loss: true (the vocab-parallel loss computes the "
+                          "cross-entropy without whole logits on any rank)")
+    vocab = model.get_input_embeddings()
+    head.vocab_shard = VocabShard(state.group, vocab.start)
+    head.out_features = head.weight.shape[0]
+
+    def before(mod, args):
+        return (enter_tp(args[0], state.group, state.sequence_parallel),)
+
+    head.register_forward_pre_hook(before)
+
+
+@torch.no_grad()
+def sync_partial_grads(model: nn.Module) -> None:
+    """Sum over the TP group the gradients that are partial on each rank (after backward, before
+    clipping): one all-reduce for all of them, plus one per replicated key/value weight shape."""
+    state = tensor_parallel_state(model)
+    if state is None or not state.partial:
+        return
+    whole, slotted = [], []
+    for name, p in model.named_parameters():
+        if name in state.partial and p.grad is not None:
+            (whole if state.partial[name] is None else slotted).append((p.grad, state.partial[name]))
+    if whole:
+        flat = torch.cat([g.reshape(-1) for g, _ in whole])
+        dist.all_reduce(flat, group=state.group)
+        parts = flat.split([g.numel() for g, _ in whole])
+        torch._foreach_copy_([g for g, _ in whole], [part.view_as(g) for (g, _), part in zip(whole, parts, strict=True)])
+    for grad, (slot, slots) in slotted:
+        # each rank puts its gradient in its key/value head's slot; the sum over the group is, per
+        # slot, the sum over the ranks sharing it
+        buffer = grad.new_zeros((slots, grad.numel()))
+        buffer[slot] = grad.reshape(-1)
+        dist.all_reduce(buffer, group=state.group)
+        grad.copy_(buffer[slot].view_as(grad))
+
+
+def grad_replicas(model: nn.Module) -> dict[str, int] | None:
+    """Per parameter name, how many TP ranks hold the same gradient (for the global norm)."""
+    state = tensor_parallel_state(model)
+    if state is None:
+        return None
+    return {name: state.replicas_of(name) for name, _ in model.named_parameters()}
