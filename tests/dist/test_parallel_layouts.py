@@ -23,6 +23,7 @@ equals the one-process model's.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -86,7 +87,7 @@ LAYOUTS = {
 # 2.6e-2 of the embedding's largest gradient; in the fourth with another AdamW eps). The MXFP8
 # layout is compared on its first step, where its quantized values are the reference's.
 COMPARED_MX = 1
-PACKED = {"qwen3_cp4_ring", "qwen3_cp2_dp2_ulysses", "qwen3_tp2_dp2"}  # the others' rows end in padding
+PACKED = {"qwen3_cp4_ring", "qwen3_cp4_ulysses", "qwen3_cp2_dp2_ring", "qwen3_cp2_dp2_ulysses", "qwen3_tp2_dp2"}  # the others' rows end in padding
 
 
 def config(layout: str | None, model: str | None = None) -> TrainConfig:
@@ -197,10 +198,31 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         optimizer, _ = build_optimization(cfg, built.model)
         checkpoint.load(Path(out) / "tp2_checkpoint", built.model, optimizer)
         loaded[layout] = whole(built.model, grads=False)
+    trainer = trainer_runs(rank, out)  # last: the trainer changes process-wide settings (seeds, environment)
     if rank == 0:
         with open(Path(out) / "results.pkl", "wb") as f:
-            pickle.dump({"runs": results, "loaded": loaded}, f)
+            pickle.dump({"runs": results, "loaded": loaded, "trainer": trainer}, f)
     leave()
+
+
+def trainer_runs(rank: int, out: str) -> dict:
+    """`hyperparallel train`'s loop in these ranks (it joins their process group): 4 steps at tp=2
+    (sequence parallel) x dp_shard=2 with validation every 2 steps and a checkpoint at step 2;
+    then a run at cp=2 (ring) x dp_shard=2 that resumes from that checkpoint."""
+    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.loop import train as train_loop
+    from tests.train.test_cli_train import tiny_raw
+
+    os.environ.update(LOCAL_RANK=str(rank), HYPERPARALLEL_CACHE=os.path.join(out, "cache"))
+    runs = {}
+    for name, parallel, resume in (("tp", {"tp": 2, "dp_shard": 2, "sequence_parallel": True}, "none"),
+                                   ("cp", {"cp": 2, "dp_shard": 2}, str(Path(out) / "tp" / "checkpoints" / "step_00000002"))):
+        raw = tiny_raw(Path(out) / name, eval_every=2)
+        raw["parallel"] = parallel
+        raw["checkpoint"] = {"every": 2, "resume": resume}
+        raw["logging"].update(progress=False)
+        runs[name] = train_loop(from_mapping(raw))
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +258,7 @@ def test_layout_equals_one_process(spawned, layout):
 
 
 def test_tp_checkpoint_loads_into_other_layouts_and_exports(spawned, tmp_path):
-    """Saved at tp=2 x dp_shard=2: loaded at cp=2 x dp_shard=2, at tp=4 and in one process, the
+    """Saved at tp=2 x dp_shard=2: loaded at cp=2 x dp_shard=2, at tp=4, at dp_shard=4 and in one process, the
     values are the saved run's, and the Hugging Face export loads back with from_pretrained."""
     saved = spawned["runs"]["qwen3_tp2_dp2"][2]
     for layout, values in spawned["loaded"].items():
@@ -257,3 +279,24 @@ def test_tp_checkpoint_loads_into_other_layouts_and_exports(spawned, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(export_hf(spawned["dir"] / "tp2_checkpoint", tmp_path / "hf"))
     for name, p in exported.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
+
+
+def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
+    """The trainer's loop end to end: a tp=2 (SP) x dp_shard=2 run with validation and
+    checkpoints, and a cp=2 x dp_shard=2 run resuming from its step-2 checkpoint: the resumed
+    steps' losses and the validation loss are the tp run's."""
+    runs = spawned["trainer"]
+    tp, cp = (Path(runs[name]["run_dir"]) for name in ("tp", "cp"))
+
+    def records(run_dir):
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    tp_loss = {r["step"]: r["loss"] for r in records(tp) if "loss" in r}
+    cp_loss = {r["step"]: r["loss"] for r in records(cp) if "loss" in r}
+    assert sorted(tp_loss) == [1, 2, 3, 4] and sorted(cp_loss) == [3, 4]
+    for step in (3, 4):  # measured: equal
+        assert cp_loss[step] == pytest.approx(tp_loss[step], rel=1e-6)
+    tp_val = [r["val_loss"] for r in records(tp) if "val_loss" in r]
+    cp_val = [r["val_loss"] for r in records(cp) if "val_loss" in r]
+    assert len(tp_val) == 2 and len(cp_val) == 1
+    assert cp_val[0] == pytest.approx(tp_val[1], rel=1e-6)  # measured: 9.6e-8 relative
