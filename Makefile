@@ -39,6 +39,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench checkpoint
 	$(PY) -m hyperparallel bench fusion
 	$(PY) -m hyperparallel bench moe
+	$(PY) -m hyperparallel bench parallel
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks

@@ -41,3 +41,11 @@ def ep_spawn_4(tmp_path_factory) -> list[dict]:
     from tests.dist.test_expert_parallel import spawn
 
     return spawn(4, tmp_path_factory.mktemp("moe4"))
+
+
+# The 4-rank cases of tests/dist/test_parallel_layouts.py and test_context_parallel.py: one spawn.
+@pytest.fixture(scope="session")
+def parallel_spawn_4(tmp_path_factory) -> dict:
+    from tests.dist.test_parallel_layouts import spawn
+
+    return spawn(tmp_path_factory.mktemp("parallel4"))

@@ -14,7 +14,11 @@ by global position: a query attends to the keys at or before it in the whole seq
   each rank merges its queries' attention to every block it holds by the log-sum-exp (online
   softmax). Backward recomputes each block's probabilities from the saved log-sum-exp (flash
   attention's way: no block's score matrix is kept), and the key / value gradients travel
-  around the ring with their blocks back to their owners.
+  around the ring with their blocks back to their owners. On CPU each block is one call of
+  torch's fused flash attention kernel, which returns the block's log-sum-exp; its backward,
+  given the merged output and log-sum-exp, gives the block's exact share of the gradients (the
+  softmax's rowsum(dO * O) term and the probabilities exp(s - lse) are the whole row's). On
+  other devices (no fused kernel verified there yet) the blocks are hand-written score tiles.
 
 [Note: which blocks a query chunk sees]
 The block of rank s holds chunks (s, 2cp-1-s), ascending. Query chunk a attends to key chunk b
@@ -23,6 +27,9 @@ prefix of the block (none, its first chunk, or both), and only the prefix's last
 the diagonal one. At step 0 (its own block) a rank computes three chunk pairs (two diagonal
 halves and one full); at every other step exactly two full ones: all its queries against the
 block's first chunk (s < r), or its second query chunk against the whole block (s > r).
+So every step is one product for the fused kernel: at step 0 the causal mask over the rank's
+own tokens by their local index (query i sees keys 0..i) is the global one (its first chunk
+precedes its second), and every other step is one unmasked rectangle.
 """
 
 from __future__ import annotations
@@ -36,11 +43,20 @@ import torch.nn.functional as F
 from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.parallel.recompute import nothing_kept
 
-# fp32 elements of one tile's score matrix (two such matrices are alive at once): the query
-# rows of a block are taken this many scores at a time, which bounds ring attention's transient
-# memory (64 MiB a matrix) at any sequence length while keeping the products large (8k tokens,
-# cp=2, 16 heads: 256 query rows a tile).
-_TILE_SCORES = 1 << 24
+# The hand-written blocks (devices other than CPU, or `_FUSED_CPU` off): fp32 elements of one
+# tile's score matrix (two such matrices are alive at once in backward). The query rows of a
+# block are taken this many scores at a time, which bounds the transient memory (16 MiB a
+# matrix) at any sequence length (8k tokens, cp=2, 16 heads: 64 query rows a tile).
+_TILE_SCORES = 1 << 22
+# CPU blocks by torch's fused flash attention kernel (off: the hand-written tiles, for tests)
+_FUSED_CPU = True
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# Whether the CPU kernel takes fewer key/value heads than query heads (GQA) itself: verified on
+# torch 2.13 (forward and backward equal to SDPA's enable_gqa); the kernel's 2024 source indexes
+# the key by the query's head, so before 2.13 the key/value heads are repeated to the query's
+# first (measured on 2.13: 3-8% slower a block).
+_NATIVE_GQA = torch.__version__ >= (2, 13)
 # P2P tags: keys / values and their gradients are in flight to the same peer at once
 _KV_TAG, _GRAD_TAG = 11, 12
 
@@ -246,21 +262,134 @@ def _unpack(buffer: torch.Tensor, key_shape, value_shape) -> tuple[torch.Tensor,
     return buffer[:split].view(key_shape), buffer[split:].view(value_shape)
 
 
+def _block(cp: int, rank: int, owner: int, chunk: int) -> tuple[slice, int, bool]:
+    """(rows, keys, causal) of the one fused product for the block of `owner`: query rows [rows)
+    attend to the block's keys [0, keys), under the causal mask by local index when `causal`
+    ([Note: which blocks a query chunk sees])."""
+    if owner == rank:
+        return slice(0, 2 * chunk), 2 * chunk, True
+    (first, end, keys, diagonal), = _segments(cp, rank, owner, chunk)  # one full rectangle
+    assert not diagonal
+    return slice(first, end), keys, False
+
+
+def _padded(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32, the head dim zero-padded to `dim`: the fused kernel takes one head dim for query,
+    key and value. Exact: zero query/key columns add nothing to a score (the scale is given), zero
+    value columns give zero output columns, which add nothing to rowsum(dO * O) or dO V^T."""
+    x = x.to(torch.float32)
+    return F.pad(x, (0, dim - x.shape[-1])) if x.shape[-1] < dim else x
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's normalized output and log-sum-exp into the running ones (views), in place."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_((lse - merged).exp_().unsqueeze(-1)).add_(block_out.mul_((block_lse - merged).exp_().unsqueeze(-1)))
+    lse.copy_(merged)
+
+
 class _RingAttention(torch.autograd.Function):
     # float32 inside means float32 under autocast too: forward and backward turn it off
     @staticmethod
     def forward(ctx, query, key, value, scaling: float, group):
-        # (its score tiles are written in place: selective recompute must not keep them)
+        # (it writes into its own products in place, the fused kernel's outputs among them, which
+        # selective recompute would otherwise keep: it must keep none of them)
         with torch.autocast(query.device.type, enabled=False), nothing_kept():
-            return _RingAttention._forward(ctx, query, key, value, scaling, group)
+            ctx.fused = _FUSED_CPU and query.device.type == "cpu"
+            if ctx.fused:
+                return _RingAttention._forward_fused(ctx, query, key, value, scaling, group)
+            return _RingAttention._forward_tiles(ctx, query, key, value, scaling, group)
 
     @staticmethod
     def backward(ctx, grad_out):
         with torch.autocast(grad_out.device.type, enabled=False):
-            return _RingAttention._backward(ctx, grad_out)
+            if ctx.fused:
+                return _RingAttention._backward_fused(ctx, grad_out)
+            return _RingAttention._backward_tiles(ctx, grad_out)
 
     @staticmethod
-    def _forward(ctx, query, key, value, scaling: float, group):
+    def _forward_fused(ctx, query, key, value, scaling: float, group):
+        ring = _Ring(group)
+        chunk, dim = query.shape[2] // 2, max(query.shape[-1], value.shape[-1])
+        repeats = 1 if _NATIVE_GQA else query.shape[1] // key.shape[1]
+        q = _padded(query, dim)
+        out = lse = None  # normalized float32 output and log-sum-exp [B, H, S/cp], merged so far
+        buffers = [torch.cat([key.reshape(-1), value.reshape(-1)]), None]
+        buffers[1] = torch.empty_like(buffers[0])
+        for step in range(ring.size):
+            held = buffers[step % 2]
+            # the next hop is in flight while this block is computed
+            works = ring.shift(held, buffers[(step + 1) % 2], _KV_TAG) if step < ring.size - 1 else []
+            k, v = (_repeat_heads(_padded(x, dim), repeats) for x in _unpack(held, key.shape, value.shape))
+            rows, keys, causal = _block(ring.size, ring.rank, ring.owner(step), chunk)
+            block_out, block_lse = _flash_cpu(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], 0.0, causal,
+                                              scale=scaling)
+            if out is None:  # step 0: every row, each seeing at least itself
+                out, lse = block_out, block_lse
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            for work in works:
+                work.wait()
+        if dim > value.shape[-1]:  # a copy without the padding: the padded one is freed
+            out = out[..., :value.shape[-1]].contiguous()
+        result = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, result, lse)
+        ctx.scaling, ctx.group = scaling, group
+        return result
+
+    @staticmethod
+    def _backward_fused(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        scaling, ring = ctx.scaling, _Ring(ctx.group)
+        chunk, dim = query.shape[2] // 2, max(query.shape[-1], value.shape[-1])
+        repeats = 1 if _NATIVE_GQA else query.shape[1] // key.shape[1]
+        # the output as saved (in the input's dtype) makes rowsum(dO * O), as flash attention's does
+        q, d_out, out = _padded(query, dim), _padded(grad_out, dim), _padded(out, dim)
+        d_q = None
+        kv_elements = key.numel() + value.numel()
+        buffers = [torch.cat([key.reshape(-1), value.reshape(-1)]), None]
+        buffers[1] = torch.empty_like(buffers[0])
+        arriving, grad_works = None, []
+        for step in range(ring.size):
+            held = buffers[step % 2]
+            kv_works = ring.shift(held, buffers[(step + 1) % 2], _KV_TAG) if step < ring.size - 1 else []
+            k, v = (_repeat_heads(_padded(x, dim), repeats) for x in _unpack(held, key.shape, value.shape))
+            rows, keys, causal = _block(ring.size, ring.rank, ring.owner(step), chunk)
+            # the block's share, from the merged output and log-sum-exp (the whole rows')
+            block_dq, block_dk, block_dv = _flash_cpu_backward(
+                d_out[:, :, rows], q[:, :, rows], k[:, :, :keys], v[:, :, :keys], out[:, :, rows], lse[:, :, rows],
+                0.0, causal, scale=scaling)
+            if d_q is None:  # step 0: every row
+                d_q = block_dq
+            else:
+                d_q[:, :, rows] += block_dq
+            # this rank's part of the held block's key/value gradients; the parts of the ranks
+            # before it arrive meanwhile, and the sum goes on with the block
+            grads = torch.zeros(kv_elements, dtype=torch.float32, device=query.device)
+            d_k, d_v = _unpack(grads, key.shape, value.shape)
+            if repeats > 1:  # each key/value head's share: the sum over the query heads it served
+                block_dk, block_dv = (x.unflatten(1, (key.shape[1], repeats)).sum(dim=2) for x in (block_dk, block_dv))
+            d_k[:, :, :keys] = block_dk[..., :key.shape[-1]]
+            d_v[:, :, :keys] = block_dv[..., :value.shape[-1]]
+            for work in grad_works:
+                work.wait()
+            if arriving is not None:
+                grads += arriving
+            if ring.size > 1:
+                # after the last step the sum goes to the block's owner, the next rank
+                arriving = torch.empty_like(grads)
+                grad_works = ring.shift(grads, arriving, _GRAD_TAG)
+            else:
+                arriving = grads
+            for work in kv_works:
+                work.wait()
+        for work in grad_works:
+            work.wait()
+        d_k, d_v = _unpack(arriving, key.shape, value.shape)
+        return (d_q[..., :query.shape[-1]].to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None)
+
+    @staticmethod
+    def _forward_tiles(ctx, query, key, value, scaling: float, group):
         ring = _Ring(group)
         batch, heads, local, _ = query.shape
         kv_heads, groups, chunk = key.shape[1], heads // key.shape[1], local // 2
@@ -297,7 +426,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def _backward(ctx, grad_out):
+    def _backward_tiles(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         scaling, ring = ctx.scaling, _Ring(ctx.group)
         batch, heads, local, _ = query.shape

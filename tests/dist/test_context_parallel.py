@@ -1,6 +1,6 @@
 """Context parallelism on 4 gloo ranks against one process on the same global batch.
 
-One spawn of 4 ranks runs cp=4 on all of them and cp=2 in two subgroups ({0, 1} and {2, 3}, both
+The ranks of the shared 4-rank spawn (with tests/dist/test_parallel_layouts.py) run cp=4 on all of them and cp=2 in two subgroups ({0, 1} and {2, 3}, both
 on the same batch). The references are one process: torch's SDPA (is_causal) on the whole
 sequence for the attention functions alone; for the models, transformers' own model with its
 SDPA attention on the whole batch, whose loss and gradients the CP ranks must give (the mean of
@@ -8,21 +8,20 @@ the ranks' losses; each gradient summed over the group and divided by cp, what F
 
 fp32. Ulysses runs the same SDPA on the same numbers per head (measured difference 0); ring
 attention sums the blocks in another order: its outputs and q/k/v gradients measured at most
-2.4e-6 apart (values of order 1; tolerance 3e-5). The models' losses (about 6.2) measured at
-most 9.5e-7 apart (two fp32 ulps; tolerance 1e-5) and their gradients (up to 0.16) at most
-5.6e-8 (tolerance 1e-6), in every mode, cp, model and labelling.
+4.3e-6 apart by the fused CPU kernel (head dims padded: 4.3e-6; equal: 2.4e-6) and 2.4e-6 by
+the hand-written tiles (values of order 1; tolerance 3e-5). The models' losses (about 6.2)
+measured at most 9.5e-7 apart (two fp32 ulps; tolerance 1e-5) and their gradients (up to 0.16)
+at most 8.2e-8 (tolerance 1e-6), in every mode, cp, model and labelling.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import yaml
 
@@ -38,7 +37,6 @@ from hyperparallel.parallel.context_parallel import (
     load_balanced_positions,
     shard_sequence,
 )
-from tests.dist.ranks import leave
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 WORLD = 4
@@ -63,27 +61,28 @@ def config(family: str, **overrides) -> dict:
     return values
 
 
-def attention_inputs(dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """GQA (4 query heads on 2 key/value heads) with a value head dim (16) unlike the query's (24);
-    `weight` makes the loss sum(out * weight), so every output element has its own gradient."""
+def attention_inputs(dtype=torch.float32, value_dim: int = 16) -> dict[str, torch.Tensor]:
+    """GQA (4 query heads on 2 key/value heads) with a value head dim (16) unlike the query's (24)
+    unless `value_dim` says otherwise; `weight` makes the loss sum(out * weight), so every output
+    element has its own gradient."""
     g = torch.Generator().manual_seed(1)
-    shapes = {"query": (ROWS, 4, SEQ, 24), "key": (ROWS, 2, SEQ, 24), "value": (ROWS, 2, SEQ, 16),
-              "weight": (ROWS, 4, SEQ, 16)}
+    shapes = {"query": (ROWS, 4, SEQ, 24), "key": (ROWS, 2, SEQ, 24), "value": (ROWS, 2, SEQ, value_dim),
+              "weight": (ROWS, 4, SEQ, value_dim)}
     return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in shapes.items()}
 
 
-def reference_attention(dtype=torch.float32, compute=torch.float32) -> dict[str, torch.Tensor]:
+def reference_attention(dtype=torch.float32, compute=torch.float32, value_dim: int = 16) -> dict[str, torch.Tensor]:
     """SDPA on the whole sequence, on the inputs made in `dtype` and computed in `compute`."""
-    inputs = {name: x.to(compute) for name, x in attention_inputs(dtype).items()}
+    inputs = {name: x.to(compute) for name, x in attention_inputs(dtype, value_dim).items()}
     q, k, v = (inputs[name].clone().requires_grad_() for name in ("query", "key", "value"))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
     (out.float() * inputs["weight"].float()).sum().backward()
     return {"out": out.detach(), "query": q.grad, "key": k.grad, "value": v.grad}
 
 
-def run_attention(mode: str, group, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def run_attention(mode: str, group, dtype=torch.float32, value_dim: int = 16) -> dict[str, torch.Tensor]:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = {name: shard_sequence(x, cp, rank, dim=2) for name, x in attention_inputs(dtype).items()}
+    local = {name: shard_sequence(x, cp, rank, dim=2) for name, x in attention_inputs(dtype, value_dim).items()}
     q, k, v = (local[name].clone().requires_grad_() for name in ("query", "key", "value"))
     kernel = ring_attention if mode == "ring" else ulysses_attention
     out = kernel(q, k, v, group, SCALE)
@@ -161,22 +160,34 @@ def config_errors(groups: dict) -> dict[str, str]:
             "ring_sequence": error_message(lambda: ring_attention(odd, odd, odd, groups[4]))}
 
 
-def worker(rank: int, world: int, out_dir: str) -> None:
-    entered = time.time()
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def run_on_rank(rank: int, world: int) -> dict:
+    """Every case of this file on one rank of the shared 4-rank spawn (tests/conftest.py's
+    `parallel_spawn_4`, tests/dist/test_parallel_layouts.py's worker): the ranks start once."""
+    assert world == WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
     groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}
     start = time.perf_counter()
-    results: dict = {"attention": {}, "models": {}, "entered": entered, "started": time.time()}
+    results: dict = {"attention": {}, "equal_dims": {}, "repeated_heads": {}, "tiles": {}, "models": {}}
+    # ring on CPU: the fused kernel (its head dims padded to one here, equal in "equal_dims")
     for cp in CPS:
         for mode in MODES:
             results["attention"][(mode, cp)] = run_attention(mode, groups[cp])
-    results["bf16"] = run_attention("ring", groups[2], torch.bfloat16)
+        results["equal_dims"][cp] = run_attention("ring", groups[cp], value_dim=24)
+    # the fused kernel with the key/value heads repeated to the query's (torch without its GQA)
+    native_gqa, context_attention._NATIVE_GQA = context_attention._NATIVE_GQA, False
+    for cp in CPS:
+        results["repeated_heads"][cp] = run_attention("ring", groups[cp])
+    context_attention._NATIVE_GQA = native_gqa
+    results["bf16"] = {"fused": run_attention("ring", groups[2], torch.bfloat16)}
+    # the hand-written tiles (other devices' path), in their own size and one query row a tile
+    context_attention._FUSED_CPU = False
+    results["bf16"]["tiles"] = run_attention("ring", groups[2], torch.bfloat16)
+    for cp in CPS:
+        results["tiles"][cp] = run_attention("ring", groups[cp])
     tile = context_attention._TILE_SCORES
     context_attention._TILE_SCORES = ROWS * 4 * SEQ // 2  # one query row a tile at cp=2 (batch x heads x 16 keys)
     results["tiled"] = run_attention("ring", groups[2])
-    context_attention._TILE_SCORES = tile
+    context_attention._TILE_SCORES, context_attention._FUSED_CPU = tile, True
     results["attention_seconds"] = time.perf_counter() - start
     for family in MODELS:
         model = build_model(family, config=config(family), seed=0)
@@ -186,20 +197,12 @@ def worker(rank: int, world: int, out_dir: str) -> None:
                     results["models"][(family, mode, cp, labels)] = run_model(model, mode, groups[cp], labels)
     results["errors"] = config_errors(groups)
     results["seconds"] = time.perf_counter() - start
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return results
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("cp")
-    start = time.time()
-    mp.spawn(worker, args=(WORLD, str(out_dir)), nprocs=WORLD)
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    print(f"\ncontext parallel: spawn {time.time() - start:.1f} s: ranks started (imports) after "
-          f"{max(r['entered'] for r in results) - start:.1f} s, groups made after {max(r['started'] for r in results) - start:.1f} s, "
-          f"cases {max(r['seconds'] for r in results):.1f} s (attention alone {results[0]['attention_seconds']:.1f} s)")
-    return results
+def ranks(parallel_spawn_4) -> list[dict]:
+    return [r["context_parallel"] for r in parallel_spawn_4["per_rank"]]
 
 
 def group_of(rank: int, cp: int) -> tuple[int, int]:
@@ -226,20 +229,27 @@ def test_attention_matches_sdpa_on_the_whole_sequence(ranks, mode, cp):
     print(f"\n{mode} cp={cp}: output and q/k/v gradients at most {worst:.2e} from SDPA")
 
 
-def test_ring_attention_in_one_row_tiles(ranks):
-    want = reference_attention()
+@pytest.mark.parametrize("case", [(variant, cp) for variant in ("equal_dims", "repeated_heads", "tiles") for cp in CPS]
+                         + [("tiled", 2)], ids=lambda case: f"{case[0]}-cp{case[1]}")
+def test_ring_attention_variants_match_sdpa(ranks, case):
+    """The fused kernel with equal head dims (no padding) and with the key/value heads repeated;
+    the hand-written tiles, in their own size and in one-row tiles (\"tiled\", cp=2)."""
+    variant, cp = case
+    want = reference_attention(value_dim=24 if variant == "equal_dims" else 16)
     worst = 0.0
     for rank, results in enumerate(ranks):
-        place = group_of(rank, 2)[0]
+        got = results[variant] if variant == "tiled" else results[variant][cp]
+        place = group_of(rank, cp)[0]
         for name, full in want.items():
-            local = shard_sequence(full, 2, place, dim=2)
-            worst = max(worst, max_difference(results["tiled"][name], local))
-            torch.testing.assert_close(results["tiled"][name], local, **ATTENTION_TOL["ring"],
-                                       msg=lambda m, name=name, rank=rank: f"tiled rank {rank} {name}: {m}")
-    print(f"\nring in one-row tiles: at most {worst:.2e} from SDPA")
+            local = shard_sequence(full, cp, place, dim=2)
+            worst = max(worst, max_difference(got[name], local))
+            torch.testing.assert_close(got[name], local, **ATTENTION_TOL["ring"],
+                                       msg=lambda m, name=name, rank=rank: f"{variant} rank {rank} {name}: {m}")
+    print(f"\nring {variant} cp={cp}: output and q/k/v gradients at most {worst:.2e} from SDPA")
 
 
-def test_ring_attention_in_bf16(ranks):
+@pytest.mark.parametrize("path", ["fused", "tiles"])
+def test_ring_attention_in_bf16(ranks, path):
     """The output is the float32 result rounded once; the gradients come, as flash attention's,
     from the bf16 output (rowsum(dO * O)), so they are held to flash attention's own test: at most
     twice the error of torch's SDPA run in bf16, both against SDPA in float32 on the same inputs."""
@@ -249,13 +259,13 @@ def test_ring_attention_in_bf16(ranks):
         bound = 2 * max_difference(torch_bf16[name], full)
         worst = 0.0
         for rank, results in enumerate(ranks):
-            got = results["bf16"][name]
+            got = results["bf16"][path][name]
             assert got.dtype == torch.bfloat16, name
             local = shard_sequence(full, 2, group_of(rank, 2)[0], dim=2)
             worst = max(worst, max_difference(got, local))
             if name == "out":
                 torch.testing.assert_close(got.float(), local, **BF16_TOL, msg=lambda m, rank=rank: f"rank {rank}: {m}")
-        print(f"\nring bf16 {name}: at most {worst:.2e} from float32 SDPA (SDPA in bf16: {bound / 2:.2e})")
+        print(f"\nring bf16 {path} {name}: at most {worst:.2e} from float32 SDPA (SDPA in bf16: {bound / 2:.2e})")
         assert worst <= bound, f"{name}: {worst:.3e} > 2 x torch's bf16 SDPA error {bound / 2:.3e}"
 
 

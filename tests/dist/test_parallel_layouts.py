@@ -16,7 +16,7 @@ layout's. With eps 1e-5 such an element barely moves.
 The MoE case runs with the auxiliary loss off: it is a per-rank loss by design (each rank
 balances its own tokens), as with data parallelism.
 
-One spawn runs every layout, and the checkpoint cases: a tp=2 x dp_shard=2 checkpoint loads into
+One spawn runs every layout (and tests/dist/test_context_parallel.py's cases), and the checkpoint cases: a tp=2 x dp_shard=2 checkpoint loads into
 dp_shard=4, cp=2 x dp_shard=2 and one process with the same values, and its Hugging Face export
 equals the one-process model's.
 """
@@ -180,11 +180,16 @@ def reference(layout: str) -> tuple[list[float], list[dict], dict]:
     return _references[layout]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def worker(rank: int, world: int, out: str) -> None:
+    """Every multi-rank case of this file and tests/dist/test_context_parallel.py, so that the
+    ranks start once (tests/conftest.py's `parallel_spawn_4`)."""
+    from tests.dist import test_context_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     rt = Runtime(rank, world, torch.device("cpu"))
+    mine = {"context_parallel": test_context_parallel.run_on_rank(rank, world)}
     results = {}
     for layout in LAYOUTS:
         torch.manual_seed(0)
@@ -192,17 +197,29 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results[layout] = train(config(layout), rt, 512, layout in PACKED, save=save)
     # the tp=2 x dp_shard=2 checkpoint, loaded into other layouts: the same parameters everywhere
     loaded = {}
-    for layout in [l for l in ("qwen3_cp2_dp2_ring", "qwen3_tp4") if l in LAYOUTS and "qwen3_tp2_dp2" in LAYOUTS]:
-        cfg = config(layout)
+    for layout in ("qwen3_cp2_dp2_ring", "qwen3_tp4", "dp_shard=4"):
+        cfg = config(layout if layout in LAYOUTS else "qwen3_tp2_dp2")
+        if layout not in LAYOUTS:
+            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": 1, "dp_shard": 4})})
         built = build_trained_model(cfg, rt, 512)
         optimizer, _ = build_optimization(cfg, built.model)
         checkpoint.load(Path(out) / "tp2_checkpoint", built.model, optimizer)
         loaded[layout] = whole(built.model, grads=False)
     trainer = trainer_runs(rank, out)  # last: the trainer changes process-wide settings (seeds, environment)
+    torch.save(mine, os.path.join(out, f"rank{rank}.pt"))
     if rank == 0:
         with open(Path(out) / "results.pkl", "wb") as f:
             pickle.dump({"runs": results, "loaded": loaded, "trainer": trainer}, f)
     leave()
+
+
+def spawn(out: Path) -> dict:
+    mp.spawn(worker, args=(4, str(out)), nprocs=4, join=True)
+    with open(out / "results.pkl", "rb") as f:
+        results = pickle.load(f)
+    results["per_rank"] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    results["dir"] = out
+    return results
 
 
 def trainer_runs(rank: int, out: str) -> dict:
@@ -226,14 +243,8 @@ def trainer_runs(rank: int, out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("layouts")
-    port = 29500 + os.getpid() % 1000
-    mp.spawn(_worker, args=(4, port, str(out)), nprocs=4, join=True)
-    with open(out / "results.pkl", "rb") as f:
-        results = pickle.load(f)
-    results["dir"] = out
-    return results
+def spawned(parallel_spawn_4) -> dict:
+    return parallel_spawn_4
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
