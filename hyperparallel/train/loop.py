@@ -18,6 +18,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
+from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
@@ -225,6 +226,13 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
               f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
+    tp_state = tensor_parallel_state(built.model)
+    if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."
+        by_placement: dict[str, set[str]] = {}
+        for module, placement in tp_state.plan:
+            by_placement.setdefault(placement, set()).add(module.rsplit(".", 1)[-1])
+        log.print("tensor parallel: " + "; ".join(f"{', '.join(sorted(names))}: {placement}"
+                                                 for placement, names in by_placement.items()))
     if built.conversion_summary:
         log.print(built.conversion_summary)
     if built.balancer is not None:

@@ -23,6 +23,8 @@ equals the one-process model's.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -238,7 +240,9 @@ def trainer_runs(rank: int, out: str) -> dict:
         raw["parallel"] = parallel
         raw["checkpoint"] = {"every": 2, "resume": resume}
         raw["logging"].update(progress=False)
-        runs[name] = train_loop(from_mapping(raw))
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            runs[name] = train_loop(from_mapping(raw))
+        runs[name]["printed"] = printed.getvalue()
     return runs
 
 
@@ -298,6 +302,10 @@ def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
     steps' losses and the validation loss are the tp run's."""
     runs = spawned["trainer"]
     tp, cp = (Path(runs[name]["run_dir"]) for name in ("tp", "cp"))
+    # the run summary names the layout, and the TP plan by placement
+    assert "tensor parallel over 2 ranks (tp, sequence parallel)" in runs["tp"]["printed"]
+    assert "o_proj: row-parallel over heads" in runs["tp"]["printed"]
+    assert "each sequence split over 2 ranks (cp, ring attention)" in runs["cp"]["printed"]
 
     def records(run_dir):
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
