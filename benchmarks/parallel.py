@@ -19,6 +19,7 @@ built side by side and stepped in turn, so that drift of the machine falls on ea
 Memory per rank, by a dispatch mode that follows every tensor storage an operator makes and
 frees (`hyperparallel plan`'s recorder idea; the CPU allocator's own slack aside), in one
 recorded step after the timed ones:
+- peak: the most tensor bytes alive at once in the step (model state included);
 - model state: parameters and optimizer state, alive between steps;
 - activations: the most bytes alive at once during a micro-batch's forward and backward above
   what was alive when it began: saved activations and their gradients, and FSDP's gathered
@@ -75,6 +76,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live, self.peak, self.base = 0, 0, 0
+        self.highest = 0  # the most bytes made here alive at once
         self._seen: set[int] = set()
 
     def mark(self) -> None:
@@ -92,6 +94,7 @@ class LiveBytes(TorchDispatchMode):
                 self._seen.add(key)
                 self.live += storage.nbytes()
                 self.peak = max(self.peak, self.live - self.base)
+                self.highest = max(self.highest, self.live)
                 weakref.finalize(storage, self._freed, key, storage.nbytes())
         return out
 
@@ -150,7 +153,7 @@ def rank_worker(rank: int, world: int, out_dir: str, args) -> None:
                     with live:
                         run["step"](run["batches"].micro_batches(i))
                     hook.remove()
-                    run["memory"] = {"state": before, "activations": live.peak}
+                    run["memory"] = {"state": before, "activations": live.peak, "peak": before + live.highest}
                     continue
                 t0 = time.perf_counter()
                 run["step"](run["batches"].micro_batches(i))
@@ -177,7 +180,8 @@ def run(args) -> dict:
             step_s = max(x["step_s"] for x in r)
             rows[label] = {"tokens_per_s": 2 * seq / step_s, "step_s": step_s,
                            "state_MiB": max(x["state"] for x in r) / 2**20,
-                           "activations_MiB": max(x["activations"] for x in r) / 2**20}
+                           "activations_MiB": max(x["activations"] for x in r) / 2**20,
+                           "peak_MiB": max(x["peak"] for x in r) / 2**20}
         table[seq] = rows
     return table
 
@@ -185,13 +189,15 @@ def run(args) -> dict:
 def print_table(args, table: dict) -> None:
     print(f"Qwen3 hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {VOCAB}, fp32, AdamW; "
           f"2 gloo ranks of 1 thread; global batch 2 sequences; torch {torch.__version__}")
-    print("| seq | layout | tokens/s | vs dp_shard=2 | model state MiB/rank | activations MiB/rank | vs dp_shard=2 |")
-    print("|-----|--------|----------|---------------|----------------------|----------------------|---------------|")
+    print("| seq | layout | tokens/s | vs dp_shard=2 | peak MiB/rank | model state MiB/rank | activations MiB/rank "
+          "| vs dp_shard=2 |")
+    print("|-----|--------|----------|---------------|---------------|----------------------|----------------------"
+          "|---------------|")
     for seq, rows in table.items():
         base = rows["dp_shard=2"]
         for label, row in rows.items():
             print(f"| {seq} | {label} | {row['tokens_per_s']:.0f} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-                  f"{row['state_MiB']:.1f} | {row['activations_MiB']:.1f} | "
+                  f"{row['peak_MiB']:.1f} | {row['state_MiB']:.1f} | {row['activations_MiB']:.1f} | "
                   f"{row['activations_MiB'] / base['activations_MiB']:.2f}x |")
 
 
