@@ -287,7 +287,7 @@ def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool) -
                 if shared is not None and _is_dense_mlp(shared):
                     _plan_mlp(planner, shared, f"{owner}.mlp.shared_experts")
                     _hook_block(shared, group, sequence_parallel)
-                state.plan.append((f"{owner}.mlp.experts", "not split by tp (expert parallelism splits them)"))
+                state.plan.append((f"{owner}.mlp.experts", "replicated over tp (expert parallelism splits them)"))
             elif _is_dense_mlp(mlp):
                 _plan_mlp(planner, mlp, f"{owner}.mlp")
                 _hook_block(mlp, group, sequence_parallel)

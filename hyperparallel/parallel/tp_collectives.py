@@ -31,6 +31,18 @@ from torch.autograd import Function
 SEQUENCE_DIM = 1
 
 
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renamed the tensor collectives (the old names warn); torch.compile's functional
+    # collectives trace the old names, which is what a compiled layer calls
+    single = getattr(dist, "all_gather_single", None)
+    (dist.all_gather_into_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
+
+
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)
+    (dist.reduce_scatter_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
@@ -43,7 +55,7 @@ def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_into(out, x, group)
     return out.view(world, *x.shape)
 
 
@@ -57,7 +69,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     length = x.shape[SEQUENCE_DIM]
     parts = x.unflatten(SEQUENCE_DIM, (world, length // world)).movedim(SEQUENCE_DIM, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group)  # (flat on dim 0, as for the gather)
+    _reduce_scatter_into(out, parts.flatten(0, 1), group)  # (flat on dim 0, as for the gather)
     return out
 
 
