@@ -192,6 +192,19 @@ class _Ring:
                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
         return dist.batch_isend_irecv(ops)
 
+    def add_and_pass(self, grads: torch.Tensor, arriving: torch.Tensor | None, works: list):
+        """The held block's key/value gradients: this rank's part plus the sum arriving from the
+        ranks before it, sent on (after the last step, to the block's owner, the next rank).
+        Returns what then arrives and the works to wait for."""
+        for work in works:
+            work.wait()
+        if arriving is not None:
+            grads += arriving
+        if self.size == 1:
+            return grads, []
+        arriving = torch.empty_like(grads)
+        return arriving, self.shift(grads, arriving, _GRAD_TAG)
+
     def owner(self, step: int) -> int:
         """Whose keys / values this rank holds at `step` (its own at step 0)."""
         return (self.rank - step) % self.size
@@ -371,16 +384,7 @@ class _RingAttention(torch.autograd.Function):
                 block_dk, block_dv = (x.unflatten(1, (key.shape[1], repeats)).sum(dim=2) for x in (block_dk, block_dv))
             d_k[:, :, :keys] = block_dk[..., :key.shape[-1]]
             d_v[:, :, :keys] = block_dv[..., :value.shape[-1]]
-            for work in grad_works:
-                work.wait()
-            if arriving is not None:
-                grads += arriving
-            if ring.size > 1:
-                # after the last step the sum goes to the block's owner, the next rank
-                arriving = torch.empty_like(grads)
-                grad_works = ring.shift(grads, arriving, _GRAD_TAG)
-            else:
-                arriving = grads
+            arriving, grad_works = ring.add_and_pass(grads, arriving, grad_works)
             for work in kv_works:
                 work.wait()
         for work in grad_works:
@@ -458,16 +462,7 @@ class _RingAttention(torch.autograd.Function):
                 d_scores.sub_(delta[:, :, r].unsqueeze(-1)).mul_(probs)
                 d_q[:, :, r].add_(torch.matmul(d_scores, k[:, :, :keys]), alpha=scaling)
                 d_k[:, :, :keys].add_(torch.matmul(d_scores.transpose(-1, -2), q_r), alpha=scaling)
-            for work in grad_works:
-                work.wait()
-            if arriving is not None:
-                grads += arriving
-            if ring.size > 1:
-                # after the last step the sum goes to the block's owner, the next rank
-                arriving = torch.empty_like(grads)
-                grad_works = ring.shift(grads, arriving, _GRAD_TAG)
-            else:
-                arriving = grads
+            arriving, grad_works = ring.add_and_pass(grads, arriving, grad_works)
             for work in kv_works:
                 work.wait()
         for work in grad_works:
