@@ -139,18 +139,28 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def gated(gate_up: torch.Tensor, act_fn: nn.Module) -> torch.Tensor:
-    """The experts' SwiGLU: act_fn(gate) * up of gate_up [M, 2I] (gate columns, then up)."""
+def swiglu_limit(experts: nn.Module) -> float | None:
+    """The clamp of an experts module's SwiGLU inputs (DeepSeek-V4), or None."""
+    return getattr(experts, "swiglu_limit", None)
+
+
+def gated(gate_up: torch.Tensor, act_fn: nn.Module, limit: float | None = None) -> torch.Tensor:
+    """The experts' SwiGLU: act_fn(gate) * up of gate_up [M, 2I] (gate columns, then up). With a
+    `limit` (DeepSeek-V4's swiglu_limit), gate is clamped above at it and up to [-limit, limit]
+    first, as transformers' DeepseekV4Experts does."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return act_fn(gate) * up
 
 
-def activation_grad(gate_up: torch.Tensor, act_fn: nn.Module, d_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def activation_grad(gate_up: torch.Tensor, act_fn: nn.Module, d_act: torch.Tensor,
+                    limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate_up, act) from gate_up: the activation rebuilt and differentiated by autograd, with
     the element-wise operations autograd runs on the experts' forward."""
     with torch.enable_grad():
         gate_up = gate_up.detach().requires_grad_()
-        act = gated(gate_up, act_fn)
+        act = gated(gate_up, act_fn, limit)
     return torch.autograd.grad(act, gate_up, d_act)[0], act.detach()
 
 
@@ -162,11 +172,11 @@ class _MXGatedDown(torch.autograd.Function):
     gate_up ([M, 2I]) in backward by element-wise work, in the same order, to the same bits."""
 
     @staticmethod
-    def forward(ctx, gate_up, weight, copies, offsets, act_fn, r: _Recipe, grad_enabled: bool):
-        act = gated(gate_up, act_fn)
+    def forward(ctx, gate_up, weight, copies, offsets, act_fn, limit, r: _Recipe, grad_enabled: bool):
+        act = gated(gate_up, act_fn, limit)
         saved = [offsets]
         y = _project(ctx, act, weight, copies, offsets, r, grad_enabled, saved, keep_input=False)
-        ctx.act_fn = act_fn
+        ctx.act_fn, ctx.limit = act_fn, limit
         ctx.save_for_backward(*saved, gate_up)
         return y
 
@@ -175,10 +185,10 @@ class _MXGatedDown(torch.autograd.Function):
         offsets, *saved, gate_up = ctx.saved_tensors  # unpacked once: checkpointing allows no more
         with torch.enable_grad():
             gu = gate_up.detach().requires_grad_(ctx.needs_input_grad[0])
-            act = gated(gu, ctx.act_fn)
+            act = gated(gu, ctx.act_fn, ctx.limit)
         d_act, dw = _project_backward(ctx, dy, offsets, saved, x=act.detach())
         d_gate_up = torch.autograd.grad(act, gu, d_act)[0] if ctx.needs_input_grad[0] else None
-        return d_gate_up, dw, None, None, None, None, None
+        return d_gate_up, dw, None, None, None, None, None, None
 
 
 class MXExpertsRecipe:
@@ -228,7 +238,7 @@ class MXExpertsRecipe:
         gate_up = _MXGroupedLinear.apply(rows, gate_up_w, self.weight_copies("gate_up_proj", gate_up_w, grad_enabled),
                                          offsets, r, grad_enabled)
         return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
-                                  experts.act_fn, r, grad_enabled)
+                                  experts.act_fn, swiglu_limit(experts), r, grad_enabled)
 
     def stages(self, experts: nn.Module, *, needs_grad: bool = True) -> MXExpertStages:
         return MXExpertStages(self, experts, needs_grad=needs_grad)
@@ -263,7 +273,8 @@ class MXExpertStages:
 
     def forward(self, x, offsets, lo, hi):
         gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, offsets, lo, hi)
-        y, down_ctx, down_saved = self._project("down_proj", gated(gate_up, self.experts.act_fn), offsets, lo, hi,
+        act = gated(gate_up, self.experts.act_fn, swiglu_limit(self.experts))
+        y, down_ctx, down_saved = self._project("down_proj", act, offsets, lo, hi,
                                                 keep_input=False)
         return y, (up_saved + down_saved + [gate_up], (up_ctx, down_ctx, len(up_saved)))
 
@@ -272,7 +283,7 @@ class MXExpertStages:
         up_saved, down_saved, gate_up = tensors[:n_up], tensors[n_up:-1], tensors[-1]
         dy = dy.contiguous()
         d_act, down_rest = _project_dgrad(down_ctx, dy, offsets, down_saved)
-        d_gate_up, act = activation_grad(gate_up, self.experts.act_fn, d_act)
+        d_gate_up, act = activation_grad(gate_up, self.experts.act_fn, d_act, swiglu_limit(self.experts))
         dx, up_rest = _project_dgrad(up_ctx, d_gate_up, offsets, up_saved)
         return dx, (up_ctx, up_rest, d_gate_up, down_ctx, down_rest, dy, act)
 

@@ -7,7 +7,8 @@ Three rules (`mode`):
 - ``bias``: aux-loss-free balancing (DeepSeek-V3): after each optimizer step, every router's
   correction bias moves by `bias_update_rate` towards balance, b_e += rate * sign(mean load -
   load_e), from the loads of the step summed over every rank that saw different tokens. The
-  bias only changes which experts are chosen, never the weights of the chosen ones.
+  bias only changes which experts are chosen, never the weights of the chosen ones. Hash-routed
+  routers (DeepSeek-V4's first layers) choose nothing and have no bias: they are left alone.
 - ``none``: nothing is changed; the loads are still measured.
 
 Whatever the rule, each step reports per MoE layer its imbalance: the most tokens any expert got
@@ -35,7 +36,7 @@ class LoadBalancer:
             raise ConfigError(f"moe.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {mode!r}")
         self.routers = routers(model)
         without_bias = [name for name, m in model.named_modules()
-                        if isinstance(m, TopKRouter) and m.e_score_correction_bias is None]
+                        if isinstance(m, TopKRouter) and m.e_score_correction_bias is None and not m.hash_routing]
         if mode == "bias" and without_bias:
             raise ConfigError(f"moe.load_balance: bias needs routers with a correction bias, and {without_bias[0]} "
                               f"has none (its family balances with aux_loss)")
@@ -88,7 +89,7 @@ class LoadBalancer:
         for router, load in zip(self.routers, counts.double().split([c.numel() for c in per_layer]), strict=True):
             mean = load.mean()
             imbalance.append(float(load.max() / mean) if mean > 0 else 1.0)
-            if self.mode == "bias":
+            if self.mode == "bias" and router.e_score_correction_bias is not None:
                 bias = router.e_score_correction_bias
                 bias.add_(self.bias_update_rate * torch.sign(mean - load).to(bias.dtype))
         figures["moe_imbalance"] = max(imbalance)

@@ -31,10 +31,11 @@ class MoEBlock(nn.Module):
         self.experts: GroupedExperts
         self.dispatcher = None  # set by expert parallelism
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids`: the tokens' ids, which hash-routed routers (DeepSeek-V4) choose experts by."""
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices = self.gate(tokens)
+        _, weights, indices = self.gate(tokens, input_ids)
         if self.dispatcher is None:
             out = self.experts(tokens, indices, weights)
         elif self.shared_experts is not None and getattr(self.dispatcher, "runs_shared_experts", False):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hyperparallel.errors import ShapeError
+from hyperparallel.lowp.grouped import gated
 from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm
 from hyperparallel.moe.permutation import add_rows_to_tokens, padded_slots, sort_by_expert
 from hyperparallel.moe.stages import HighPrecisionStages
@@ -53,8 +54,8 @@ class HighPrecision:
         gate_up, down = experts.gate_up_proj, experts.down_proj
         if rows.dtype != gate_up.dtype:  # under autocast the products run in its dtype, as nn.Linear's do
             gate_up, down = gate_up.to(rows.dtype), down.to(rows.dtype)
-        gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        return grouped_mm(experts.act_fn(gate) * up, down.transpose(-2, -1), offsets)
+        gate_up_rows = grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
+        return grouped_mm(gated(gate_up_rows, experts.act_fn, experts.swiglu_limit), down.transpose(-2, -1), offsets)
 
     def stages(self, experts: GroupedExperts, *, needs_grad: bool = True) -> HighPrecisionStages:
         return HighPrecisionStages(experts)
@@ -86,7 +87,7 @@ class GroupedExperts(nn.Module):
     """Drop-in for a Hugging Face experts module; parameters keep their names and objects."""
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module, *,
-                 device=None, dtype=None):
+                 swiglu_limit: float | None = None, device=None, dtype=None):
         super().__init__()
         self.num_experts = num_experts  # of this module's weights (an expert-parallel rank: its own)
         self.hidden_dim = hidden_dim
@@ -95,6 +96,8 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim, **factory))
         self.act_fn = act_fn
+        # DeepSeek-V4 clamps the SwiGLU inputs: gate above at the limit, up to [-limit, limit]
+        self.swiglu_limit = swiglu_limit
         self.recipe = HighPrecision()
 
     @classmethod
@@ -105,7 +108,8 @@ class GroupedExperts(nn.Module):
             raise ShapeError(f"{type(experts).__name__} cannot run as GroupedExperts: {reason}")
         E, two_i, H = experts.gate_up_proj.shape
         with torch.device("meta"):
-            grouped = cls(E, H, two_i // 2, experts.act_fn)
+            # DeepseekV4Experts calls its clamp `limit`
+            grouped = cls(E, H, two_i // 2, experts.act_fn, swiglu_limit=getattr(experts, "limit", None))
         grouped.gate_up_proj = experts.gate_up_proj
         grouped.down_proj = experts.down_proj
         return grouped
@@ -167,5 +171,6 @@ class GroupedExperts(nn.Module):
         return self.recipe.products(self, slots, padded).index_select(0, row_slot).to(rows.dtype)
 
     def extra_repr(self) -> str:
+        limit = f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else ""
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, {self.recipe.describe()}")
+                f"intermediate_dim={self.intermediate_dim}{limit}, {self.recipe.describe()}")

@@ -1,7 +1,7 @@
 """TopKRouter: which experts each token goes to, and with what weights; and what load balancing
 needs to know about that choice.
 
-Two scorings cover the families:
+Three scorings cover the families:
 - ``softmax`` (Qwen3-MoE): probabilities over all experts, the top k of them, renormalized to sum
   to one when `norm_topk_prob`;
 - ``sigmoid`` (DeepSeek-V3, Kimi K2): independent sigmoid scores; a correction bias (aux-loss-free
@@ -9,8 +9,14 @@ Two scorings cover the families:
   by the sum of their two best, only the `top_groups` best groups are eligible; the weights are
   the unbiased scores of the chosen experts, renormalized when `norm_topk_prob`, then times
   `routed_scaling_factor`.
+- ``sqrtsoftplus`` (DeepSeek-V4): sqrt(softplus(logit)) scores, otherwise as ``sigmoid`` (correction
+  bias, no groups; always renormalized). DeepSeek-V4's first layers route by hash (`hash_routing`):
+  a fixed table `tid2eid` [vocab, k] gives each token id its experts, and the learned scores only
+  weight them.
 Each follows the corresponding transformers router op for op (the same torch calls in the same
-order), so indices, weights and gradients are those of transformers' own.
+order), so indices, weights and gradients are those of transformers' own. With `fused` (the trainer's `kernels.mega_gate`), everything after the logits
+runs as one MegaGate operation (`hyperparallel.moe.mega_gate`): the same indices and, to fp32
+rounding, the same weights and gradients, with the loads counted in the same pass.
 
 When a `hyperparallel.moe.LoadBalancer` watches it (`recording`), a router in training also
 records, once per micro-batch, how many (token, slot) pairs chose each expert and, when
@@ -32,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperparallel.errors import ConfigError
+from hyperparallel.errors import ConfigError, ShapeError
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
 
 
@@ -42,12 +48,16 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_dim: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  norm_topk_prob: bool = True, num_groups: int = 1, top_groups: int = 1,
                  routed_scaling_factor: float = 1.0, correction_bias: bool = False, float32_logits: bool = False,
-                 device=None, dtype=None):
+                 hash_vocab_size: int | None = None, device=None, dtype=None):
+        """`hash_vocab_size`: route by the token-id table `tid2eid` [hash_vocab_size, top_k] instead of
+        top-k (DeepSeek-V4's hash layers; forward then needs the input ids)."""
         super().__init__()
         if score not in SCORES:
             raise ConfigError(f"router score {score!r} is not one of {', '.join(SCORES)}")
         if not 0 < top_k <= num_experts:
             raise ConfigError(f"router top_k ({top_k}) must be in 1..num_experts ({num_experts})")
+        if hash_vocab_size is not None and (correction_bias or num_groups > 1):
+            raise ConfigError("a hash-routed router chooses no experts: it takes no correction bias and no groups")
         if num_groups < 1 or num_experts % num_groups or not 0 < top_groups <= num_groups:
             raise ConfigError(f"router groups: {num_experts} experts in {num_groups} groups, {top_groups} of them "
                               f"eligible; the groups must divide the experts and 1 <= top_groups <= groups")
@@ -61,6 +71,11 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        if hash_vocab_size is not None:
+            self.tid2eid = nn.Buffer(torch.zeros(hash_vocab_size, top_k, device=device, dtype=torch.long))
+        else:
+            self.tid2eid = None
+        self.fused = False  # MegaGate (kernels.mega_gate)
         self.load_balance = "none"
         self.recording = False  # set by a LoadBalancer
         self.clear_record()
@@ -70,26 +85,75 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=std)  # transformers' draws, in its order
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
+        if self.tid2eid is not None:
+            self.tid2eid.copy_(hash_table(self.tid2eid.shape[0], self.num_experts, self.top_k, device=self.tid2eid.device))
+
+    @property
+    def hash_routing(self) -> bool:
+        return self.tid2eid is not None
 
     # ------------------------------------------------------------------------------ routing
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states [..., H] -> (logits [T, E], weights [T, k], indices [T, k])."""
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states [..., H] (and, for hash routing, input_ids [...]) -> (logits [T, E],
+        weights [T, k], indices [T, k])."""
         x = hidden_states.reshape(-1, self.hidden_dim)
+        if self.hash_routing and (input_ids is None or input_ids.numel() != x.shape[0]):
+            got = "none" if input_ids is None else f"{input_ids.numel()}"
+            raise ShapeError(f"a hash-routed router needs the input ids of its {x.shape[0]} tokens; got {got}")
         if self.float32_logits:
             logits = F.linear(x.type(torch.float32), self.weight.type(torch.float32))
         else:
             logits = F.linear(x, self.weight)
+        weights, indices = self.route_logits(logits, input_ids)
+        return logits, weights, indices
+
+    def route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after the projection: logits [T, E] -> (weights [T, k], indices [T, k])."""
+        if self.fused:
+            return self._fused(logits, input_ids)
         if self.score == "softmax":
             probs = F.softmax(logits, dtype=torch.float, dim=-1)
             weights, indices = self._softmax_top_k(probs)
             weights = weights.to(logits.dtype)
         else:
-            probs = logits.sigmoid()
-            weights, indices = self._sigmoid_top_k(probs)
-        if self.recording and self.training and torch.is_grad_enabled():
+            probs = logits.sigmoid() if self.score == "sigmoid" else F.softplus(logits).sqrt()
+            if self.hash_routing:
+                weights, indices = self._hash_weights(probs, input_ids)
+            else:
+                weights, indices = self._sigmoid_top_k(probs)
+        if self._records():
             _record(self, probs, indices)
-        return logits, weights, indices
+        return weights, indices
+
+    def _fused(self, logits: torch.Tensor, input_ids: torch.Tensor | None):
+        from hyperparallel.moe.mega_gate import mega_gate  # its kernels load on first use
+
+        softmax = self.score == "softmax"
+        hash_indices = self.tid2eid[input_ids.reshape(-1)] if self.hash_routing else None
+        records = self._records()
+        weights, indices, counts, prob_sum = mega_gate(
+            logits.float(), self.e_score_correction_bias, score=self.score, top_k=self.top_k,
+            num_groups=self.num_groups, top_groups=self.top_groups,
+            norm_topk_prob=self.norm_topk_prob or self.hash_routing, routed_scaling_factor=self.routed_scaling_factor,
+            norm_eps=0.0 if softmax else 1e-20, hash_indices=hash_indices,
+            aux_probs=records and self.load_balance == "aux_loss")
+        if records and self.last_counts is None:  # see [Note: recording under recompute]
+            self.last_counts = counts
+            if prob_sum is not None:
+                self.last_prob_sum, self.last_tokens = prob_sum, logits.shape[0]
+        return weights.to(logits.dtype), indices
+
+    def _records(self) -> bool:
+        return self.recording and self.training and torch.is_grad_enabled()
+
+    def _hash_weights(self, scores: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = self.tid2eid[input_ids.reshape(-1)]
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
 
     def _softmax_top_k(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         choice = probs if self.e_score_correction_bias is None else probs + self.e_score_correction_bias
@@ -130,21 +194,30 @@ class TopKRouter(nn.Module):
         self.last_counts: torch.Tensor | None = None  # [E] int64: (token, slot) pairs per expert
         self.last_probs: torch.Tensor | None = None  # [T, E] with grad (aux_loss only)
         self.last_indices: torch.Tensor | None = None
+        self.last_prob_sum: torch.Tensor | None = None  # [E] with grad (MegaGate, aux_loss only)
+        self.last_tokens = 0
 
     def aux_loss(self) -> torch.Tensor | None:
         """This layer's auxiliary loss over the recorded forward (None: nothing recorded)."""
+        if self.last_prob_sum is not None:  # MegaGate summed the distributions over the tokens
+            if self.last_tokens == 0:
+                return None
+            share = self.last_counts.float() / self.last_tokens
+            return self.num_experts * torch.sum(share * self.last_prob_sum / self.last_tokens)
         probs = self.last_probs
         if probs is None or probs.shape[0] == 0:
             return None
-        if self.score == "sigmoid":  # the aux loss needs a distribution over experts per token
+        if self.score != "softmax":  # the aux loss needs a distribution over experts per token
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return switch_aux_loss(probs, self.last_indices, self.num_experts)
 
     def extra_repr(self) -> str:
         groups = f", groups {self.top_groups} of {self.num_groups}" if self.num_groups > 1 else ""
         bias = ", correction bias" if self.e_score_correction_bias is not None else ""
-        return (f"{self.hidden_dim} -> {self.num_experts} experts, top {self.top_k}, {self.score}{groups}{bias}, "
-                f"load_balance={self.load_balance}")
+        how = ", hash-routed" if self.hash_routing else ""
+        fused = ", MegaGate" if self.fused else ""
+        return (f"{self.hidden_dim} -> {self.num_experts} experts, top {self.top_k}, {self.score}{groups}{bias}{how}"
+                f"{fused}, load_balance={self.load_balance}")
 
 
 def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -167,3 +240,10 @@ def _record(router: TopKRouter, probs: torch.Tensor, indices: torch.Tensor) -> N
         0, flat, torch.ones_like(flat))
     if router.load_balance == "aux_loss":
         router.last_probs, router.last_indices = probs, indices.detach()
+
+
+def hash_table(vocab_size: int, num_experts: int, top_k: int, *, device=None) -> torch.Tensor:
+    """[vocab_size, top_k] int64: for each token id, top_k distinct experts drawn uniformly (from
+    the current RNG). transformers zeroes DeepSeek-V4's `tid2eid` and leaves the real table to the
+    checkpoint; a model trained from scratch needs one that spreads the tokens over the experts."""
+    return torch.rand(vocab_size, num_experts, device=device).topk(top_k, dim=-1).indices
