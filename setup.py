@@ -1,8 +1,10 @@
 """Builds the native CPU kernels (plain C, OpenMP) next to the Python package.
 
-Two libraries with no Python entry point, loaded with ctypes: _mx_native (MX quantization,
-hyperparallel.mx.backends.native) and _dvm_native (the DVM bytecode interpreter,
-hyperparallel.fusion.vm). The build is portable: AVX-512 and AVX2 code paths are chosen at run
+Libraries with no Python entry point, loaded with ctypes: _mx_native (MX quantization,
+hyperparallel.mx.backends.native), _dvm_native (the DVM bytecode interpreter,
+hyperparallel.fusion.vm), _mega_gate_native (MegaGate, the fused MoE router,
+hyperparallel.moe.mega_gate) and _mega_mhc_native (MegaMHC, DeepSeek-V4's fused
+hyper-connections, hyperparallel.models.mega_mhc). The build is portable: AVX-512 and AVX2 code paths are chosen at run
 time, never -march=native.
 """
 
@@ -46,6 +48,22 @@ setup(
             extra_compile_args=compile_args() + ["-fno-math-errno", "-fno-trapping-math"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],  # sinf, cosf, powf outside the vectorized ranges
+        ),
+        Extension(
+            "hyperparallel._mega_gate_native",
+            sources=["csrc/mega_gate.c"],
+            include_dirs=["csrc"],
+            extra_compile_args=compile_args(),
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+        ),
+        Extension(
+            "hyperparallel._mega_mhc_native",
+            sources=["csrc/mega_mhc.c"],
+            include_dirs=["csrc"],
+            extra_compile_args=compile_args(),
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
         ),
     ],
     cmdclass={"build_ext": BuildPlainC},

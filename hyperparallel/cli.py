@@ -18,7 +18,7 @@ from hyperparallel.errors import HyperparallelError, error_lines
 
 DOCS = "docs/train.md"
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
-              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py"}
+              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "kernels.py"}
 
 
 def _benchmark_path(name: str) -> Path:

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Each native library and the C sources it is built from (setup.py).
-NATIVE = {"hyperparallel._mx_native": "mx_*.[ch]", "hyperparallel._dvm_native": "dvm_*.[ch]"}
+NATIVE = {"hyperparallel._mx_native": "mx_*.[ch]", "hyperparallel._dvm_native": "dvm_*.[ch]",
+          "hyperparallel._mega_gate_native": "mega_gate*.[ch]", "hyperparallel._mega_mhc_native": "mega_mhc*.[ch]"}
 
 
 def pytest_sessionstart(session):

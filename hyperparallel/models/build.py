@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hyperparallel.lowp import MXLinear
 from hyperparallel.moe import GroupedExperts, TopKRouter
+from hyperparallel.moe.router import hash_table
 
 from ..errors import CheckpointError, ConfigError
 from .families import ModelFamily, family_for_model_type, get_family
@@ -47,7 +48,7 @@ def build_model(
     path: str | Path | None = None,
     config: Mapping | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     seed: int = 0,
     grouped_experts: bool = True,
     materialize: bool = True,
@@ -58,7 +59,8 @@ def build_model(
     `config` (a mapping of the family's HF config keys; weights initialized from `seed`).
     With `grouped_experts`, MoE blocks are hyperparallel.moe.MoEBlocks: our router and
     GroupedExperts (same parameter names); without, transformers' own modules.
-    `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
+    `attn_implementation` None: the family's first (sdpa; eager for DeepSeek-V4, which supports
+    nothing else). `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
     initialized (what `hyperparallel plan` measures).
     """
     spec = get_family(family)
@@ -68,9 +70,14 @@ def build_model(
         )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16; got {dtype!r}")
+    if attn_implementation is None:
+        attn_implementation = spec.attn_implementations[0]
     valid_attention = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if attn_implementation not in valid_attention:
         raise ConfigError(f"attn_implementation {attn_implementation!r} is not one of {', '.join(valid_attention)}")
+    if attn_implementation in ("sdpa", "eager") and attn_implementation not in spec.attn_implementations:
+        raise ConfigError(f"attn_implementation {attn_implementation!r}: transformers' {spec.name} supports "
+                          f"{', '.join(spec.attn_implementations)} only")
 
     if config is not None or not materialize:
         hf_config = make_config(spec, config) if config is not None else pretrained_config(spec, path)
@@ -169,6 +176,11 @@ def _init_post_order(module: nn.Module, owner: PreTrainedModel, is_custom_code: 
         module._is_hf_initialized = True
     else:
         owner._initialize_weights(module, is_custom_code)
+        if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
+            # transformers zeroes DeepSeek-V4's hash table (it expects a checkpoint's): draw one, as
+            # TopKRouter.reset_parameters does, so a seed gives the same model with or without the swap
+            module.tid2eid.copy_(hash_table(*module.tid2eid.shape[:1], module.num_experts, module.top_k,
+                                            device=module.tid2eid.device))
 
 
 def _clear_initialized_marks(model: nn.Module) -> None:

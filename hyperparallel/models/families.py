@@ -20,6 +20,14 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3MoE,
     DeepseekV3TopkRouter,
 )
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Experts,
+    DeepseekV4ForCausalLM,
+    DeepseekV4HashRouter,
+    DeepseekV4SparseMoeBlock,
+    DeepseekV4TopKRouter,
+)
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
@@ -48,6 +56,8 @@ class ModelFamily:
     check: Callable[[PretrainedConfig], None] | None = None  # raises ConfigError for shapes HF accepts but cannot run
     # Keys the modeling code reads with getattr although the config class declares no such field.
     extra_config_keys: tuple[str, ...] = ()
+    attn_implementations: tuple[str, ...] = ("sdpa", "eager")  # what transformers' modeling code supports
+    parallel_plans: tuple[str, ...] = ("tp", "cp")  # the layouts beyond FSDP and EP that support it
 
 
 def _check_attention_heads(config: PretrainedConfig) -> None:
@@ -87,6 +97,18 @@ def _check_deepseek_v3(config: DeepseekV3Config) -> None:
         )
 
 
+def _check_deepseek_v4(config: DeepseekV4Config) -> None:
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok ({top_k}) must be in 1..n_routed_experts ({experts})")
+    heads, groups = config.num_attention_heads, config.o_groups
+    if groups <= 0 or heads % groups:
+        raise ConfigError(f"o_groups ({groups}) must divide num_attention_heads ({heads}): the grouped output "
+                          f"projection splits the heads into o_groups groups")
+    if config.hc_mult < 1 or config.hc_sinkhorn_iters < 1:
+        raise ConfigError(f"hc_mult ({config.hc_mult}) and hc_sinkhorn_iters ({config.hc_sinkhorn_iters}) must be >= 1")
+
+
 FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily(
         name="qwen3",
@@ -119,6 +141,21 @@ FAMILIES: dict[str, ModelFamily] = {
         moe_block_classes=(DeepseekV3MoE,),
         default_load_balance="bias",
         check=_check_deepseek_v3,
+    ),
+    # Manifold-constrained hyper-connections, sqrt-softplus routers (the first layers hash-routed),
+    # clamped SwiGLU experts, compressed sparse attention with sinks (eager attention only).
+    "deepseek_v4": ModelFamily(
+        name="deepseek_v4",
+        model_types=("deepseek_v4",),
+        config_class=DeepseekV4Config,
+        model_class=DeepseekV4ForCausalLM,
+        experts_classes=(DeepseekV4Experts,),
+        router_classes=(DeepseekV4TopKRouter, DeepseekV4HashRouter),
+        moe_block_classes=(DeepseekV4SparseMoeBlock,),
+        default_load_balance="bias",
+        check=_check_deepseek_v4,
+        attn_implementations=("eager",),
+        parallel_plans=(),
     ),
 }
 
@@ -165,6 +202,12 @@ def router_from_hf(router: nn.Module) -> TopKRouter:
         options = {"score": "sigmoid", "norm_topk_prob": router.norm_topk_prob, "num_groups": router.num_group,
                    "top_groups": router.topk_group, "routed_scaling_factor": router.routed_scaling_factor,
                    "correction_bias": True, "float32_logits": True}
+    elif isinstance(router, DeepseekV4TopKRouter):  # always renormalized, with the 1e-20 of sigmoid's
+        options = {"score": "sqrtsoftplus", "routed_scaling_factor": router.routed_scaling_factor,
+                   "correction_bias": True}
+    elif isinstance(router, DeepseekV4HashRouter):
+        options = {"score": "sqrtsoftplus", "routed_scaling_factor": router.routed_scaling_factor,
+                   "hash_vocab_size": router.tid2eid.shape[0]}
     else:
         raise NotImplementedError(f"no TopKRouter for {type(router).__name__}")
     with torch.device("meta"):
@@ -172,4 +215,6 @@ def router_from_hf(router: nn.Module) -> TopKRouter:
     ours.weight = router.weight
     if options.get("correction_bias"):
         ours.e_score_correction_bias = router.e_score_correction_bias
+    if "hash_vocab_size" in options:
+        ours.tid2eid = router.tid2eid
     return ours

@@ -8,6 +8,11 @@ small fraction). Attention scores (Q K^T) and values (P V) add 2 x (qk_dim + v_d
 attended key in the forward, x3 for training; with `causal` a query attends on average to half
 the sequence, so that term is halved (the work a causal kernel does; PaLM's 12·L·T·width omits
 the halving). Sliding-window layers attend to at most `sliding_window` keys.
+
+DeepSeek-V4 also counts its hyper-connections' projections (two per layer and the head's) and
+its KV compressors' and lightning indexers' projections; each query attends to its window plus
+the compressed entries (all of them causally in HCA layers, `index_topk` in CSA layers). The
+indexer's scores over the compressed entries are not counted.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ def training_flops_per_token(config: PretrainedConfig, seq_len: int, *, causal: 
         raise ConfigError(f"seq_len must be positive; got {seq_len}")
     hidden = config.hidden_size
     total = 6.0 * hidden * config.vocab_size  # lm_head
+    if config.model_type == "deepseek_v4":
+        return total + _deepseek_v4(config, seq_len, 0.5 if causal else 1.0)
     for layer in range(config.num_hidden_layers):
         attention_params, qk_width, v_width = _attention(config)
         total += 6.0 * (attention_params + _mlp_params(config, layer))
@@ -50,6 +57,30 @@ def _attention(config: PretrainedConfig) -> tuple[int, int, int]:
         params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
         return params, heads * head_dim, heads * head_dim
     raise ConfigError(f"training_flops_per_token does not know model_type {config.model_type!r}")
+
+
+def _deepseek_v4(config: PretrainedConfig, seq_len: int, causal: float) -> float:
+    hidden, heads, head_dim, q_rank = config.hidden_size, config.num_attention_heads, config.head_dim, config.q_lora_rank
+    n = config.hc_mult
+    attention = (hidden * q_rank + q_rank * heads * head_dim + hidden * head_dim
+                 + heads * head_dim * config.o_lora_rank + config.o_groups * config.o_lora_rank * hidden)
+    hyper = 2 * (2 + n) * n * n * hidden
+    routed = config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size
+    shared = 3 * hidden * config.moe_intermediate_size * config.n_shared_experts
+    mlp = hidden * config.n_routed_experts + routed + shared
+    indexer = (2 * hidden * 2 * config.index_head_dim + q_rank * config.index_n_heads * config.index_head_dim
+               + hidden * config.index_n_heads)
+    total = 6.0 * n * n * hidden  # the head's collapse
+    for kind in config.layer_types:
+        params, keys = attention + hyper + mlp, min(seq_len, config.sliding_window) * causal
+        if kind == "heavily_compressed_attention":
+            params += 2 * hidden * head_dim
+            keys += seq_len / config.compress_rates[kind] * causal
+        elif kind == "compressed_sparse_attention":
+            params += 2 * hidden * 2 * head_dim + indexer
+            keys += min(config.index_topk, seq_len / config.compress_rates[kind] * causal)
+        total += 6.0 * params + 6.0 * keys * 2 * heads * head_dim
+    return total
 
 
 def _mlp_params(config: PretrainedConfig, layer: int) -> int:

@@ -15,6 +15,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, install_fused_loss
+from hyperparallel.models.kernels import use_kernels
 from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
 from hyperparallel.optim import build_optimizer, build_scheduler
@@ -83,6 +84,7 @@ class BuiltModel:
     waves: int | None = None  # MegaMoE's expert waves (None: the sequential EP layer, or no EP)
     mesh: ParallelMesh | None = None  # the device mesh of a sharded run (None: one rank, or DDP)
     context_parallel: object | None = None  # what apply_context_parallel returned (cp > 1)
+    kernels: str = ""  # the run summary's line on the fused kernels
 
 
 def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
@@ -94,12 +96,15 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
     mesh = build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep), rt.device.type) if sharded and rt.world > 1 else None
     model = build_model(
         cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
-        dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation, seed=cfg.training.seed,
+        dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(), seed=cfg.training.seed,
     ).to(rt.device)
     if cfg.model.path is not None and model.config.vocab_size < vocab_size:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
     n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
+    k = cfg.kernels
+    kernels = use_kernels(model, mega_gate=k.mega_gate, mega_mhc=k.mega_mhc).summary(mega_gate=k.mega_gate,
+                                                                                   mega_mhc=k.mega_mhc)
     if p.tp > 1:
         apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel)
     conversion = convert(model, cfg.low_precision)
@@ -131,7 +136,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
     return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
-                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context)
+                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context,
+                      kernels)
 
 
 def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:

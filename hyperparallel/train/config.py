@@ -50,7 +50,14 @@ class ModelSection(Section):
     # (configs/models/*.yaml; a relative path is looked for beside the config file first)
     config: dict[str, Any] | None = None
     dtype: choice(DTYPES) = "float32"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # auto: sdpa where transformers' modeling code of the family supports it, else eager (DeepSeek-V4)
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
+
+    def attention(self) -> str:
+        """The attn_implementation the model is built with (auto resolved for the family)."""
+        if self.attn_implementation != "auto":
+            return self.attn_implementation
+        return get_family(self.family).attn_implementations[0]
 
     @model_validator(mode="before")
     @classmethod
@@ -190,6 +197,14 @@ class MoESection(Section):
         return self.load_balance or get_family(family).default_load_balance
 
 
+class KernelsSection(Section):
+    """Fused kernels (hyperparallel.models.kernels); each computes what the modules it replaces
+    do, and does nothing in a model without them."""
+
+    mega_gate: bool = True  # every MoE router as one fused operation
+    mega_mhc: bool = True  # DeepSeek-V4's hyper-connections as fused operations
+
+
 class OptimizerSection(Section):
     """Types here; the ranges are hyperparallel.optim's (`check_hyperparameters`), stated there once."""
 
@@ -259,6 +274,7 @@ class TrainConfig(Section):
     training: TrainingSection = Field(default_factory=TrainingSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     moe: MoESection = Field(default_factory=MoESection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
     low_precision: LowPrecisionConfig = Field(default_factory=LowPrecisionConfig)
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
@@ -294,7 +310,8 @@ class TrainConfig(Section):
         """What decides the numbers of a run, as flat dotted keys: not where it logs or
         checkpoints, nor how it is laid out over ranks (a checkpoint loads into any sharding), nor
         the micro-batch split, nor how long it runs or how often it evaluates."""
-        data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel"})
+        # (kernels: fused operations compute what the modules they replace do)
+        data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel", "kernels"})
         data["training"].pop("steps")  # a resumed run may go on for longer (its schedule stretches)
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
         for how in ("compile", "fused_loss", "timeout_s", "eval_every", "eval_batches"):

@@ -235,6 +235,8 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
                                                  for placement, names in by_placement.items()))
     if built.conversion_summary:
         log.print(built.conversion_summary)
+    if built.kernels:
+        log.print(built.kernels)
     if built.balancer is not None:
         b = built.balancer
         how = {"aux_loss": f"auxiliary loss x {b.aux_loss_coef:g}", "bias": f"correction bias, rate {b.bias_update_rate:g}",

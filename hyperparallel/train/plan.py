@@ -53,6 +53,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import padded_rows, shard_ranges
 from hyperparallel.models import build_model, fused_loss, install_fused_loss
+from hyperparallel.models.kernels import use_kernels
 from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
 from hyperparallel.parallel import apply_recompute
@@ -151,14 +152,16 @@ def meta_model(cfg: TrainConfig) -> nn.Module:
     if problems:
         raise ConfigError("\n".join(problems))
     return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab),
-                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation,
+                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(),
                        materialize=False)
 
 
 def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device) -> nn.Module:
     """The model the trainer trains, its tensors fake tensors of `mode` on `device` (meta storage:
-    no bytes), with the fused loss and recompute applied (MXFP8 and compilation are not)."""
+    no bytes), with the fused kernels, the fused loss and recompute applied (MXFP8 and compilation
+    are not)."""
     model = meta_model(cfg)
+    use_kernels(model, mega_gate=cfg.kernels.mega_gate, mega_mhc=cfg.kernels.mega_mhc)
     with mode:
         model.to_empty(device=device)
     model.tie_weights()  # (to_empty made new Parameters)

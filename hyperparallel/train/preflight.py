@@ -72,6 +72,14 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
         problems.append(f"optimizer.name: muon with parallel.tp = {tp}: Muon orthogonalizes whole matrices, and TP "
                         f"splits them over ranks (not supported yet); use adamw, or tp: 1")
     family = get_family(cfg.model.family)
+    for name, size in (("tp", tp), ("cp", cp)):
+        if size > 1 and name not in family.parallel_plans:
+            problems.append(f"parallel.{name} = {size}: family {cfg.model.family!r} has no {name.upper()} plan (its "
+                            f"attention is transformers' eager code alone); use FSDP (dp_shard) and EP")
+    attention = cfg.model.attn_implementation
+    if attention != "auto" and attention not in family.attn_implementations:
+        problems.append(f"model.attn_implementation: {attention}: transformers' {cfg.model.family} supports "
+                        f"{', '.join(family.attn_implementations)} only; use auto")
     if cfg.moe.waves is not None and cfg.moe.implementation != "megamoe":
         problems.append(f"moe.waves = {cfg.moe.waves} sets MegaMoE's expert waves, and moe.implementation is "
                         f"{cfg.moe.implementation}; set moe.implementation: megamoe, or leave moe.waves null")

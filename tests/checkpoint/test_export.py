@@ -23,7 +23,8 @@ from hyperparallel.models import build_model, get_family
 from tests.dist.ranks import leave
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TINY = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "deepseek_v3": "kimi_k2_tiny"}
+TINY = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "deepseek_v3": "kimi_k2_tiny",
+        "deepseek_v4": "deepseek_v4_tiny"}
 IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
@@ -75,7 +76,9 @@ def test_export_loads_with_from_pretrained_and_as_model_path_to_the_same_logits(
     assert config["model_type"] == get_family(family).model_types[0] and config["dtype"] == "float32"
     if family != "qwen3":  # the published layout: one matrix per expert, as transformers 5 writes them
         names = load_file(out / "model.safetensors").keys()
-        assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names
+        # (DeepSeek-V4's: the names of DeepSeek's own release, w1 = gate, w3 = up, w2 = down)
+        one_expert = "ffn.experts.0.w1" if family == "deepseek_v4" else "mlp.experts.0.gate_proj"
+        assert f"model.layers.1.{one_expert}.weight" in names
         assert not any(name.endswith("gate_up_proj") for name in names)
 
     want = logits(model)

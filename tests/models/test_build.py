@@ -15,7 +15,8 @@ from hyperparallel.models import build_model, get_family, init_weights
 from hyperparallel.moe import GroupedExperts, MoEBlock, TopKRouter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
-FAMILIES = [("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny"), ("kimi_k2", "kimi_k2_tiny")]
+FAMILIES = [("qwen3", "qwen3_tiny"), ("qwen3_moe", "qwen3_moe_tiny"), ("kimi_k2", "kimi_k2_tiny"),
+            ("deepseek_v4", "deepseek_v4_tiny")]
 MOE_FAMILIES = FAMILIES[1:]
 
 
@@ -44,8 +45,12 @@ def test_builds_and_trains_one_step(family, name):
     assert torch.isfinite(loss)
     # random init: the loss sits near log(vocab)
     assert abs(loss.item() - torch.log(torch.tensor(model.config.vocab_size)).item()) < 0.5
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    moe_layers = {"qwen3": 0, "qwen3_moe": 2, "kimi_k2": 2}[family]
+    # (DeepSeek-V4's lightning indexer picks compressed entries by top-k: transformers' model has no
+    # gradient for it, the paper trains it with a loss of its own)
+    trained = [(n, p) for n, p in model.named_parameters() if ".indexer." not in n]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for _, p in trained)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
+    moe_layers = {"qwen3": 0, "qwen3_moe": 2, "kimi_k2": 2, "deepseek_v4": 4}[family]
     for kind in (MoEBlock, GroupedExperts, TopKRouter):  # transformers' MoE blocks swapped for ours
         assert sum(isinstance(m, kind) for m in model.modules()) == moe_layers, kind.__name__
 
@@ -60,7 +65,8 @@ def test_init_is_the_families_own_and_seeded(family, name):
     c = build_model(family, config=config, seed=8).state_dict()
 
     assert all(torch.equal(a[k], b[k]) for k in a)
-    matrices = [k for k in a if a[k].dim() >= 2]
+    # (DeepSeek-V4's compressors start their position bias at zero; its hash table is experts' ids)
+    matrices = [k for k in a if a[k].dim() >= 2 and not k.endswith(("position_bias", "tid2eid"))]
     assert all(not torch.equal(a[k], c[k]) for k in matrices)
     for key in matrices:  # normal(0, initializer_range), nothing left empty
         assert torch.isfinite(a[key]).all()
@@ -205,3 +211,22 @@ def test_bad_dtype_and_attention():
         build_model("qwen3", config={}, dtype="bf16")
     with pytest.raises(ConfigError, match="attn_implementation 'flash'"):
         build_model("qwen3", config={}, attn_implementation="flash")
+    with pytest.raises(ConfigError, match="attn_implementation 'sdpa': transformers' deepseek_v4 supports eager only"):
+        build_model("deepseek_v4", config=tiny("deepseek_v4_tiny"), attn_implementation="sdpa")
+
+
+def test_deepseek_v4_hash_layers_route_by_a_drawn_table_and_clamp_the_experts():
+    """transformers zeroes tid2eid (every token to expert 0); a model built from a seed draws each
+    token k distinct experts, the same with and without our MoE blocks. The experts keep
+    DeepSeek-V4's SwiGLU clamp."""
+    config = tiny("deepseek_v4_tiny")
+    ours = build_model("deepseek_v4", config=config, seed=2)
+    hf = build_model("deepseek_v4", config=config, seed=2, grouped_experts=False)
+    gate = ours.model.layers[0].mlp.gate
+    assert gate.hash_routing and ours.model.layers[1].mlp.gate.e_score_correction_bias is not None
+    table = gate.tid2eid
+    assert table.shape == (config["vocab_size"], config["num_experts_per_tok"])
+    assert torch.equal(table, hf.model.layers[0].mlp.gate.tid2eid)
+    assert all(len(set(row)) == config["num_experts_per_tok"] for row in table.tolist())
+    assert set(table.flatten().tolist()) == set(range(config["n_routed_experts"]))
+    assert ours.model.layers[0].mlp.experts.swiglu_limit == config["swiglu_limit"]

@@ -149,6 +149,14 @@ def megamoe_trainer_runs(rank: int, out_dir: str) -> dict:
             raw["logging"].update(trace=True, trace_steps=2)
         train(from_mapping(raw))
         runs[implementation] = str(run_dir)
+    for kernels in (True, False):  # tests/train/test_deepseek_v4.py: DeepSeek-V4 with and without its kernels
+        run_dir = Path(out_dir) / f"deepseek_v4_kernels_{'on' if kernels else 'off'}"
+        raw = tiny_raw(run_dir, family="deepseek_v4", steps=20, eval_every=0)
+        raw.update(parallel={"dp_shard": 2, "ep": 2}, moe={"implementation": "megamoe", "waves": 2},
+                   kernels={"mega_gate": kernels, "mega_mhc": kernels}, optimizer={"lr": 3e-3, "eps": 1e-5})
+        raw["logging"].update(progress=False)
+        train(from_mapping(raw))
+        runs[run_dir.name] = str(run_dir)
     return runs
 
 

@@ -17,7 +17,8 @@ from hyperparallel.train.config import from_mapping
 from hyperparallel.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-FRAGMENTS = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "kimi_k2": "kimi_k2_tiny"}
+FRAGMENTS = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "kimi_k2": "kimi_k2_tiny",
+             "deepseek_v4": "deepseek_v4_tiny"}
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from hyperparallel.models import build_model, install_fused_loss
+from hyperparallel.models.kernels import use_kernels
 from hyperparallel.optim import build_optimizer
 from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import plan as planning
@@ -140,6 +141,7 @@ def test_activations_recorded_on_fake_tensors_equal_those_on_real_ones():
     mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     fake = planning.simulate(planning.fake_model(cfg, mode, CPU), mode, cfg, CPU)
     model = build_model("qwen3_moe", config={**cfg.model.config, "vocab_size": 512}, seed=0)
+    use_kernels(model, mega_gate=True, mega_mhc=True)  # (the trainer's default: MegaGate routers)
     install_fused_loss(model)
     apply_recompute(model, "selective")
     real = planning.simulate(model, contextlib.nullcontext(), cfg, CPU)

@@ -110,7 +110,8 @@ def _config(family: str, **sections):
 
     from hyperparallel.train.config import from_mapping
 
-    model = {"family": family, "config": yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text())}
+    model = {"family": family, "config": yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text()),
+             **sections.pop("model", {})}
     return from_mapping({"model": model, "training": {"global_batch": 64, "micro_batch": 1}, **sections})
 
 
@@ -124,6 +125,11 @@ def _config(family: str, **sections):
      r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
     ("qwen3_moe", {"moe": {"implementation": "megamoe"}, "parallel": {"dp_shard": 2}}, 2,
      r"moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep is 1"),
+    ("deepseek_v4", {"parallel": {"tp": 2}}, 2,
+     r"parallel.tp = 2: family 'deepseek_v4' has no TP plan .* use FSDP \(dp_shard\) and EP"),
+    ("deepseek_v4", {"parallel": {"cp": 2}, "data": {"seq_len": 256}}, 2, r"parallel.cp = 2: family 'deepseek_v4' has no CP"),
+    ("deepseek_v4", {"model": {"attn_implementation": "sdpa"}}, 1,
+     r"model.attn_implementation: sdpa: transformers' deepseek_v4 supports eager only; use auto"),
     ("qwen3_moe", {"moe": {"waves": 2}, "parallel": {"dp_shard": 2, "ep": 2}}, 2,
      r"moe.waves = 2 sets MegaMoE's expert waves, and moe.implementation is sequential; set moe.implementation: "
      r"megamoe, or leave moe.waves null"),

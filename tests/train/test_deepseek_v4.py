@@ -1,0 +1,64 @@
+"""DeepSeek-V4 in the trainer: MegaGate and MegaMHC on train as transformers' modules do.
+
+Both runs start from the same seed and read the same batches; with the kernels off the routers
+run op by op as transformers' do and the hyper-connections are transformers' own modules. fp32.
+
+AdamW's eps is 1e-5 here, not 1e-8: a gradient element that is rounding noise around zero (the
+hyper-connections' base and scale gradients are sums that nearly cancel) would otherwise move
+its weight by +-lr at once, and the two runs then part by Adam's doing, not the kernels' (with
+1e-8 the losses measured up to 5e-4 apart by step 18; with 1e-5, 2.1e-7 at most).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperparallel.train.loop import train
+from tests.train.test_cli_train import losses as logged_losses
+from tests.train.test_loop import config
+
+STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
+
+
+def losses(tmp_path, name: str, *, kernels: bool, **sections) -> list[float]:
+    summary = train(config(tmp_path / name, "deepseek_v4", training={"steps": STEPS},
+                           optimizer={"lr": 3e-3, "eps": 1e-5}, kernels={"mega_gate": kernels, "mega_mhc": kernels},
+                           **sections))
+    return [r["loss"] for r in summary["records"]]
+
+
+def test_deepseek_v4_trains_with_mega_gate_and_mega_mhc_as_without(tmp_path, capsys):
+    on = losses(tmp_path, "on", kernels=True)
+    log_on = capsys.readouterr().out
+    off = losses(tmp_path, "off", kernels=False)
+    assert len(on) == STEPS and on[-1] < on[0] - 0.5  # it learns
+    assert on == pytest.approx(off, rel=1e-5)
+    assert "kernels: MegaGate on (4 routers), MegaMHC on (4 hyper-connected layers)" in log_on
+    assert "kernels: MegaGate off, MegaMHC off" in capsys.readouterr().out
+
+
+def test_deepseek_v4_trains_in_mxfp8_with_the_kernels_as_without(tmp_path):
+    """MXFP8 rounds to 3 mantissa bits: inputs 1e-7 apart (the kernels' fp32 rounding) put an
+    element of some block on the other side of a rounding boundary, and the runs part from the
+    second step on. Measured: the first step 1.8e-6 relative apart; later steps up to 1.1e-2."""
+    mx = {"low_precision": {"enabled": True}}
+    on, off = losses(tmp_path, "on", kernels=True, **mx), losses(tmp_path, "off", kernels=False, **mx)
+    assert on[0] == pytest.approx(off[0], rel=2e-5)
+    assert on[1:] == pytest.approx(off[1:], rel=5e-2)
+    assert on[-1] < on[0] - 0.5
+
+
+def test_deepseek_v4_with_ep2_and_megamoe_trains_with_the_kernels_as_without(ep_spawn_2):
+    """dp_shard 2, ep 2, MegaMoE in 2 waves, 20 steps (run by the ranks of the shared 2-rank spawn,
+    tests/train/test_cli_train.py's megamoe_trainer_runs)."""
+    runs = ep_spawn_2[0]["trainer"]
+    on, off = (logged_losses(Path(runs[f"deepseek_v4_kernels_{how}"])) for how in ("on", "off"))
+    assert len(on) == STEPS and on[-1] < on[0] - 0.3  # it learns
+    assert on == pytest.approx(off, rel=1e-5), max(abs(a - b) / b for a, b in zip(on, off, strict=True))
