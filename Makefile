@@ -40,6 +40,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench fusion
 	$(PY) -m hyperparallel bench moe
 	$(PY) -m hyperparallel bench parallel
+	$(PY) -m hyperparallel bench kernels
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
