@@ -30,13 +30,19 @@
  * multiply-adds, and fn [M, K] is larger than L1: each takes TB tokens at a time, so that every
  * fn (and grad_fn) vector loaded serves TB tokens, with the sums of a block in registers.
  *
- * Math: fp32 throughout, libm's expf for the per-token weights (a few dozen per token), no fused
- * multiply-adds (-std=c11 does not contract), and every long sum kept in LANES partial sums with
- * a fixed index-to-lane assignment: every ISA clone below gives the same bits, whatever the
- * vector width, the blocking or the thread count.
+ * [Note: the per-token weights] Sigmoids, softmax and Sinkhorn (a few hundred scalar operations
+ * a token) run on LANES tokens at once, one token per vector lane (group_weights), in functions
+ * compiled for baseline x86-64 only: their bits never depend on the processor.
+ *
+ * Math: fp32 throughout, libm's expf for the weights, and every long sum kept in LANES partial
+ * sums with a fixed index-to-lane assignment, so that results do not depend on the vector width,
+ * the blocking or the thread count. The row loops multiply-add fused where the processor can
+ * (x86-64-v3 and v4 clones, the same bits on both); the baseline clone, for processors without
+ * FMA (before 2013), rounds the products separately.
  */
 /* FP operations may be computed ahead of a select (the bf16 rounding's NaN case), which lets GCC
- * vectorize the conversion loops. It changes no result. */
+ * vectorize the conversion loops; neither this nor the contraction is -ffast-math (no reordered
+ * sums, no approximations). */
 #pragma GCC optimize("no-trapping-math")
 #pragma GCC optimize("fp-contract=fast")
 
@@ -63,7 +69,8 @@
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { MHC_OK = 0, MHC_BAD_ARGUMENT = -1, MHC_NO_MEMORY = -2 };
 
-/* The row loops are compiled for AVX-512, AVX2 and baseline x86-64, picked by the loader (ifunc). */
+/* The row loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA) and baseline x86-64, picked by
+ * the loader (ifunc). */
 #if defined(__x86_64__) && !defined(HP_NO_AVX512)
 #define MHC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -543,7 +550,8 @@ int hp_mega_mhc_pre_backward_weights(const void *x, int x_dt, int64_t T, int n, 
     int status = MHC_OK;
 #pragma omp parallel num_threads(threads)
     {
-        vec *trace = malloc((size_t)sinkhorn_steps(iters) * n * n * sizeof(vec));
+        /* (aligned as a vec must be: malloc's 16 bytes are not enough for AVX's vector moves) */
+        vec *trace = aligned_alloc(sizeof(vec), (size_t)sinkhorn_steps(iters) * n * n * sizeof(vec));
         if (!trace) {
 #pragma omp atomic write
             status = MHC_NO_MEMORY;

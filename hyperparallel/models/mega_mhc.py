@@ -206,6 +206,8 @@ def _raise_for(status: int, what: str) -> None:
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as the kernels read it. Callers keep the result in a variable until the kernel has run:
+    a converted copy passed as _ptr(_f32(t)) would be freed before the call."""
     return None if t is None else t.float().contiguous()
 
 
@@ -217,9 +219,10 @@ class _Native:
         x = x.contiguous()
         T, N, D = x.shape
         M = fn.shape[0]
+        fn, base, scale = _f32(fn), _f32(base), _f32(scale)  # (held: the kernel reads them)
         post, comb, collapsed, z, r = _pre_outputs(x, M, head, empty=_host_empty)
         status = native.LIB.hp_mega_mhc_pre_forward(
-            _ptr(x), _code(x), T, N, D, _ptr(_f32(fn)), _ptr(_f32(base)), _ptr(_f32(scale)), int(head), iters,
+            _ptr(x), _code(x), T, N, D, _ptr(fn), _ptr(base), _ptr(scale), int(head), iters,
             hc_eps, norm_eps, _ptr(z), _ptr(r), _ptr(post), _ptr(comb), _ptr(collapsed), _code(collapsed),
             torch.get_num_threads())
         _raise_for(status, "mhc_head" if head else "mhc_pre")
@@ -230,11 +233,12 @@ class _Native:
         x = x.contiguous()
         T, N, D = x.shape
         g_col = None if g_col is None else g_col.to(x.dtype).contiguous()
+        base, scale, g_post, g_comb = _f32(base), _f32(scale), _f32(g_post), _f32(g_comb)
         gu = x.new_empty(T, z.shape[1], dtype=torch.float32)
         pre = x.new_empty(T, N, dtype=torch.float32)
         status = native.LIB.hp_mega_mhc_pre_backward_weights(
-            _ptr(x), _code(x), T, N, D, _ptr(z), _ptr(r), _ptr(_f32(base)), _ptr(_f32(scale)), int(head), iters,
-            hc_eps, _ptr(_f32(g_post)), _ptr(_f32(g_comb)), _ptr(g_col), _code(x), _ptr(gu), _ptr(pre),
+            _ptr(x), _code(x), T, N, D, _ptr(z), _ptr(r), _ptr(base), _ptr(scale), int(head), iters,
+            hc_eps, _ptr(g_post), _ptr(g_comb), _ptr(g_col), _code(x), _ptr(gu), _ptr(pre),
             torch.get_num_threads())
         _raise_for(status, "mhc_pre backward")
         return gu, pre
@@ -244,10 +248,11 @@ class _Native:
         x = x.contiguous()
         T, N, D = x.shape
         g_col = None if g_col is None else g_col.to(x.dtype).contiguous()
+        fn, gz, coef = _f32(fn), _f32(gz), _f32(coef)
         grad_x = host_empty(x.shape, x.dtype) if need_x else x.new_empty(0)
-        grad_fn = fn.new_empty(fn.shape, dtype=torch.float32) if need_fn else fn.new_empty(0, dtype=torch.float32)
+        grad_fn = fn.new_empty(fn.shape) if need_fn else fn.new_empty(0)
         status = native.LIB.hp_mega_mhc_pre_backward_inputs(
-            _ptr(x), _code(x), T, N, D, _ptr(_f32(fn)), fn.shape[0], _ptr(gz.contiguous()), _ptr(coef.contiguous()),
+            _ptr(x), _code(x), T, N, D, _ptr(fn), fn.shape[0], _ptr(gz), _ptr(coef),
             _ptr(pre), _ptr(g_col), _code(x), _ptr(grad_x) if need_x else None, _code(x),
             _ptr(grad_fn) if need_fn else None, torch.get_num_threads())
         _raise_for(status, "mhc_pre backward")
@@ -257,9 +262,10 @@ class _Native:
     def post_forward(block_out, x, post, comb):
         block_out, x = block_out.contiguous(), x.contiguous()
         T, N, D = x.shape
+        post, comb = _f32(post), _f32(comb)
         out = host_empty(x.shape, x.dtype)
         status = native.LIB.hp_mega_mhc_post_forward(
-            _ptr(block_out), _code(block_out), _ptr(x), _code(x), T, N, D, _ptr(_f32(post)), _ptr(_f32(comb)),
+            _ptr(block_out), _code(block_out), _ptr(x), _code(x), T, N, D, _ptr(post), _ptr(comb),
             _ptr(out), _code(out), torch.get_num_threads())
         _raise_for(status, "mhc_post")
         return out
@@ -271,9 +277,10 @@ class _Native:
         T, N, D = x.shape
         g_bo, g_x, g_post, g_comb = _post_grads(block_out, x, post, comb, need_bo, need_x, need_post, need_comb,
                                                 empty=_host_empty)
+        post32, comb32 = _f32(post), _f32(comb)
         status = native.LIB.hp_mega_mhc_post_backward(
-            _ptr(g), _code(g), _ptr(block_out), _code(block_out), _ptr(x), _code(x), T, N, D, _ptr(_f32(post)),
-            _ptr(_f32(comb)), _ptr(g_bo) if need_bo else None, _code(block_out), _ptr(g_x) if need_x else None,
+            _ptr(g), _code(g), _ptr(block_out), _code(block_out), _ptr(x), _code(x), T, N, D, _ptr(post32),
+            _ptr(comb32), _ptr(g_bo) if need_bo else None, _code(block_out), _ptr(g_x) if need_x else None,
             _code(x), _ptr(g_post) if need_post else None, _ptr(g_comb) if need_comb else None,
             torch.get_num_threads())
         _raise_for(status, "mhc_post backward")

@@ -100,8 +100,10 @@ def _project_kernel(x_ptr, fn_ptr, z_ptr, r_ptr, T, K, M, norm_eps, BLOCK_T: tl.
     row_ok = rows < T
     m = tl.arange(0, M_PAD)
     m_ok = m < M
-    acc = tl.zeros((BLOCK_T, M_PAD), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    # tl.full, not tl.zeros: tl.zeros is a jit function made when triton is imported, which the
+    # interpreter cannot call when triton was imported before TRITON_INTERPRET was set
+    acc = tl.full((BLOCK_T, M_PAD), 0, dtype=tl.float32)
+    squares = tl.full((BLOCK_T, BLOCK_K), 0, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -209,7 +211,7 @@ def _weights_backward_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, gpost_ptr
     i = tl.arange(0, N_PAD)
     i_ok = row_ok[:, None] & (i[None, :] < N)
 
-    g_pre = tl.zeros((BLOCK_T, N_PAD), dtype=tl.float32)
+    g_pre = tl.full((BLOCK_T, N_PAD), 0, dtype=tl.float32)
     if HAS_GCOL:  # the collapse's gradient w.r.t. pre: grad_collapsed . x_n
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
@@ -224,7 +226,7 @@ def _weights_backward_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, gpost_ptr
     tl.store(gu_ptr + rows[:, None] * M + i[None, :], g_pre * (1.0 - sig) * sig, mask=i_ok)
     if not HEAD:
         sig = _gate(z_ptr, base_ptr, scale_ptr, rows, row_ok, r, M, N, 1, N, N_PAD)
-        gu_post = tl.zeros((BLOCK_T, N_PAD), dtype=tl.float32)
+        gu_post = tl.full((BLOCK_T, N_PAD), 0, dtype=tl.float32)
         if HAS_GPOST:
             g_post = tl.load(gpost_ptr + rows[:, None] * N + i[None, :], mask=i_ok, other=0.0)
             gu_post = g_post * 2.0 * (1.0 - sig) * sig
@@ -233,7 +235,7 @@ def _weights_backward_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, gpost_ptr
         k = i[None, None, :]
         ok = (j < N) & (k < N)
         row_ok3 = row_ok[:, None, None] & ok
-        gu_comb = tl.zeros((BLOCK_T, N_PAD, N_PAD), dtype=tl.float32)
+        gu_comb = tl.full((BLOCK_T, N_PAD, N_PAD), 0, dtype=tl.float32)
         if HAS_GCOMB:
             prob = _softmax_rows(z_ptr, base_ptr, scale_ptr, rows, row_ok, r, M, N, N_PAD)
             c = tl.where(ok, prob + hc_eps, 0.0)
@@ -269,7 +271,7 @@ def _grad_fn_kernel(x_ptr, gz_ptr, gfn_ptr, T, K, M, BLOCK_T: tl.constexpr, BLOC
     k_ok = k < K
     m = tl.arange(0, M_PAD)
     m_ok = m < M
-    acc = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)
+    acc = tl.full((M_PAD, BLOCK_K), 0, dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         t_ok = t < T
@@ -330,8 +332,8 @@ def _post_backward_kernel(g_ptr, bo_ptr, x_ptr, post_ptr, comb_ptr, gbo_ptr, gx_
     t_ok, k_ok = t < T, kk < N
     wk_ok = t_ok[:, None] & k_ok[None, :]
     post = tl.load(post_ptr + t[:, None] * N + kk[None, :], mask=wk_ok, other=0.0)
-    acc_post = tl.zeros((BLOCK_T, N_PAD), dtype=tl.float32)
-    acc_comb = tl.zeros((BLOCK_T, N_PAD, N_PAD), dtype=tl.float32)
+    acc_post = tl.full((BLOCK_T, N_PAD), 0, dtype=tl.float32)
+    acc_comb = tl.full((BLOCK_T, N_PAD, N_PAD), 0, dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
@@ -539,8 +541,11 @@ def post_backward(g, block_out, x, post, comb, need_bo, need_x, need_post, need_
         return g_bo, g_x, g_post, g_comb
     n_pad, block_d, block_t = _tiles(N, D, T)
     with _on(x.device):
+        # (an output not asked for gets g in its place: never written, and a valid pointer, where
+        # an empty tensor's may not be)
         _post_backward_kernel[(triton.cdiv(T, block_t),)](
-            g, block_out, x, post32, comb32, g_bo, g_x, g_post, g_comb, T, D, N=N, N_PAD=n_pad, BLOCK_T=block_t,
+            g, block_out, x, post32, comb32, g_bo if need_bo else g, g_x if need_x else g,
+            g_post if need_post else post32, g_comb if need_comb else comb32, T, D, N=N, N_PAD=n_pad, BLOCK_T=block_t,
             BLOCK_D=block_d, NEED_BO=bool(need_bo), NEED_X=bool(need_x), NEED_POST=bool(need_post),
             NEED_COMB=bool(need_comb), num_warps=_NUM_WARPS)
     return g_bo, g_x, g_post, g_comb

@@ -194,8 +194,10 @@ def _top_k(choice, p, col, col_ok, BLOCK_T: tl.constexpr, K: tl.constexpr, K_PAD
     """(expert ids, scores) [BLOCK_T, K_PAD] of the K largest choices, by k rounds of max; among
     equal values the lowest id first. Slots past K hold 0."""
     slot = tl.arange(0, K_PAD)[None, :]
-    chosen = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
-    ws = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    # tl.full, not tl.zeros: tl.zeros is a jit function made when triton is imported, which the
+    # interpreter cannot call when triton was imported before TRITON_INTERPRET was set
+    chosen = tl.full((BLOCK_T, K_PAD), 0, dtype=tl.int64)
+    ws = tl.full((BLOCK_T, K_PAD), 0, dtype=tl.float32)
     taken = choice != choice  # all False (the choice holds no NaN), of the block's shape
     big = 1 << 30
     for s in tl.range(K):
@@ -233,7 +235,7 @@ def _backward_kernel(logits_ptr, idx_ptr, gw_ptr, gs_ptr, out_ptr, T, E, scale, 
     slot_ok = row_ok[:, None] & (slot < K)
     chosen = tl.load(idx_ptr + rows[:, None] * K + slot, mask=slot_ok, other=0)
     in_range = slot_ok & (chosen >= 0) & (chosen < E)
-    g = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    g = tl.full((BLOCK_T, E_PAD), 0, dtype=tl.float32)
     if HAS_GW:
         xs = tl.load(logits_ptr + rows[:, None] * E + chosen, mask=in_range, other=0.0)
         if SCORE == 0:

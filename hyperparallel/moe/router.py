@@ -14,9 +14,10 @@ Three scorings cover the families:
   a fixed table `tid2eid` [vocab, k] gives each token id its experts, and the learned scores only
   weight them.
 Each follows the corresponding transformers router op for op (the same torch calls in the same
-order), so indices, weights and gradients are those of transformers' own. With `fused` (the trainer's `kernels.mega_gate`), everything after the logits
-runs as one MegaGate operation (`hyperparallel.moe.mega_gate`): the same indices and, to fp32
-rounding, the same weights and gradients, with the loads counted in the same pass.
+order), so indices, weights and gradients are those of transformers' own. With `fused` (the
+trainer's `kernels.mega_gate`), everything after the logits runs as one MegaGate operation
+(`hyperparallel.moe.mega_gate`): the same indices and, to fp32 rounding, the same weights and
+gradients, with the loads counted in the same pass.
 
 When a `hyperparallel.moe.LoadBalancer` watches it (`recording`), a router in training also
 records, once per micro-batch, how many (token, slot) pairs chose each expert and, when
@@ -86,7 +87,8 @@ class TopKRouter(nn.Module):
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.tid2eid is not None:
-            self.tid2eid.copy_(hash_table(self.tid2eid.shape[0], self.num_experts, self.top_k, device=self.tid2eid.device))
+            table = hash_table(self.tid2eid.shape[0], self.num_experts, self.top_k, device=self.tid2eid.device)
+            self.tid2eid.copy_(table)
 
     @property
     def hash_routing(self) -> bool:
@@ -137,8 +139,9 @@ class TopKRouter(nn.Module):
         weights, indices, counts, prob_sum = mega_gate(
             logits.float(), self.e_score_correction_bias, score=self.score, top_k=self.top_k,
             num_groups=self.num_groups, top_groups=self.top_groups,
-            norm_topk_prob=self.norm_topk_prob or self.hash_routing, routed_scaling_factor=self.routed_scaling_factor,
-            norm_eps=0.0 if softmax else 1e-20, hash_indices=hash_indices,
+            # (a hash router always renormalizes, as transformers' does; softmax's renormalization has no eps)
+            norm_topk_prob=self.norm_topk_prob or self.hash_routing,
+            routed_scaling_factor=self.routed_scaling_factor, norm_eps=0.0 if softmax else 1e-20, hash_indices=hash_indices,
             aux_probs=records and self.load_balance == "aux_loss")
         if records and self.last_counts is None:  # see [Note: recording under recompute]
             self.last_counts = counts
