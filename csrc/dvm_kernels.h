@@ -456,36 +456,41 @@ static void load(const dvm_tensor *t, float *d, int kd, int64_t r0, int64_t c0, 
     if (kd == KIND_SCALAR) {
         d[0] = load_one(t->ptr, t->dtype);
     } else if (kd == KIND_ROW) {
-        const char *p = t->ptr + r0 * t->rs * es;
-        for (int64_t i = 0; i < tr; i++) d[i] = load_one(p + i * t->rs * es, t->dtype);
+        for (int64_t i = 0; i < tr; i++) d[i] = load_one(t->ptr + dvm_row(t, r0 + i) * es, t->dtype);
     } else {
-        const char *p = t->ptr + (r0 * t->rs + c0 * t->cs) * es;
-        if (t->rs == 0) { /* the same row for every row of the tile */
+        const char *p = t->ptr + (dvm_row(t, r0) + c0 * t->cs) * es;
+        if (t->rs == 0 && t->linear) { /* the same row for every row of the tile */
             load_row(d, p, t->dtype, t->cs, tc);
             for (int64_t i = 1; i < tr; i++) memcpy(d + i * tc, d, (size_t)tc * 4);
-        } else {
+        } else if (t->linear) {
             for (int64_t i = 0; i < tr; i++) load_row(d + i * tc, p + i * t->rs * es, t->dtype, t->cs, tc);
+        } else {
+            for (int64_t i = 0; i < tr; i++)
+                load_row(d + i * tc, t->ptr + (dvm_row(t, r0 + i) + c0 * t->cs) * es, t->dtype, t->cs, tc);
         }
     }
 }
 
 static void store(const dvm_tensor *t, const float *s, int ks, int64_t r0, int64_t c0, int64_t tr, int64_t tc) {
     int es = esize(t->dtype);
-    char *p = t->ptr + (r0 * t->rs + c0 * t->cs) * es;
+    char *p = t->ptr + (dvm_row(t, r0) + c0 * t->cs) * es;
     if (ks == KIND_FULL) {
-        for (int64_t i = 0; i < tr; i++) store_row(p + i * t->rs * es, t->dtype, t->cs, s + i * tc, tc, t->stream);
+        for (int64_t i = 0; i < tr; i++)
+            store_row(t->linear ? p + i * t->rs * es : t->ptr + (dvm_row(t, r0 + i) + c0 * t->cs) * es, t->dtype,
+                      t->cs, s + i * tc, tc, t->stream);
         return;
     }
     /* a ROW or SCALAR value: into broadcast dimensions of the output only once (by the tile
      * at column 0 / at the origin), else repeated along them */
     if (t->cs == 0 && c0 != 0) return;
     int64_t n = t->cs == 0 ? 1 : tc;
-    if (ks == KIND_SCALAR && t->rs == 0) {
+    if (ks == KIND_SCALAR && t->rs == 0 && t->linear) {
         if (r0 == 0) fill_row(p, t->dtype, t->cs ? t->cs : 1, s[0], n);
         return;
     }
     for (int64_t i = 0; i < tr; i++)
-        fill_row(p + i * t->rs * es, t->dtype, t->cs ? t->cs : 1, ks == KIND_ROW ? s[i] : s[0], n);
+        fill_row(t->ptr + (dvm_row(t, r0 + i) + c0 * t->cs) * es, t->dtype, t->cs ? t->cs : 1,
+                 ks == KIND_ROW ? s[i] : s[0], n);
 }
 
 /* Prefetching the inputs of the tile a thread runs next, spread over the instructions of this
@@ -512,7 +517,7 @@ static void pf_plan(const dvm_plan *p, const int64_t *next, int steps, pf_cursor
         const dvm_ins *I = &p->ins[k];
         if (I->op != OP_LOAD || I->kd != KIND_FULL || I->keep) continue;
         const dvm_tensor *t = &p->in[I->idx];
-        if (t->cs != 1) continue;
+        if (t->cs != 1 || !t->linear) continue;
         int dup = 0;
         for (int j = 0; j < c->n; j++) dup |= c->base[j] == t->ptr + (next[0] * t->rs + next[1]) * esize(t->dtype);
         if (dup) continue; /* an input loaded twice */
@@ -554,6 +559,11 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         const dvm_ins *I = &p->ins[k];
         pf_step(pf);
         float *d = R[I->d];
+        if (I->direct && I->op != OP_STORE) { /* computed in its output where the tile's rows are contiguous */
+            const dvm_tensor *o = &p->out[I->direct - 1];
+            d = R[I->d] = tr == 1 || o->rs == tc ? (float *)(o->ptr + (dvm_row(o, r0) + c0 * o->cs) * 4)
+                                                 : S + p->reg_off[I->d];
+        }
         switch (I->op) {
         case OP_LOAD: {
             const dvm_tensor *t = &p->in[I->idx];
@@ -562,8 +572,8 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
                 if (h[0] == c0 && h[1] == tc && h[2] >= tr) break;
                 h[0] = c0, h[1] = tc, h[2] = tr;
             }
-            if (I->in_place && (tr == 1 || t->rs == tc)) {
-                R[I->d] = (float *)(t->ptr + (r0 * t->rs + c0 * t->cs) * 4);
+            if (I->in_place && (tr == 1 || (t->rs == tc && t->linear))) {
+                R[I->d] = (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4);
             } else {
                 if (I->in_place) R[I->d] = d = S + p->reg_off[I->d];
                 load(t, d, I->kd, r0, c0, tr, tc);
@@ -575,7 +585,10 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
             broadcast(d, I->kd, &v, KIND_SCALAR, tr, tc);
             break;
         }
-        case OP_STORE: store(&p->out[I->idx], R[I->a], I->ka, r0, c0, tr, tc); break;
+        case OP_STORE:
+            if (!(I->direct && (tr == 1 || p->out[I->idx].rs == tc)))
+                store(&p->out[I->idx], R[I->a], I->ka, r0, c0, tr, tc);
+            break;
         case OP_COPY: broadcast(d, I->kd, R[I->a], I->ka, tr, tc); break;
         case OP_WHERE: where(d, I->kd, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
         case OP_RSUM:

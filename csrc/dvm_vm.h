@@ -59,14 +59,32 @@ typedef struct {
     int32_t keep;          /* LOAD of a row-broadcast input (a weight): the register keeps its
                               own buffer, reloaded only when the tile's columns change */
     int32_t readers;       /* LOAD: the instructions that read the register */
+    int32_t direct;        /* the producer of a value only a STORE reads: 1 + the output it may
+                              compute into (tiles whose rows are contiguous there); STORE: 1 if
+                              its value was computed in place so */
 } dvm_ins;
 
+/* A tensor over the rows x cols space. Rows may be nested up to three deep: row r is
+ * (r / (n_mid * n_inner), r / n_inner % n_mid, r % n_inner), at s_outer, s_mid and rs elements
+ * apart, so a tensor broadcast over a middle dimension (rotary's cos [1, 1, S, D] in a space of
+ * [B, H, S, D]) or a transposed one is walked as it lies, with no copy. `linear`: the three
+ * strides are one (s_mid = rs * n_inner, s_outer = s_mid * n_mid), row r at r * rs. */
 typedef struct {
     char *ptr;
     int dtype;
-    int64_t rs, cs; /* element strides; a stride of a size-1 dimension is 0 */
-    int stream;     /* output: written with non-temporal stores (too large to stay in cache) */
+    int64_t rs, cs;          /* element strides; a stride of a size-1 dimension is 0 */
+    int64_t s_mid, s_outer;  /* the outer row levels' strides */
+    int64_t n_inner, n_mid;  /* the space's inner row levels' sizes (the same for every tensor) */
+    int linear;
+    int stream; /* output: written with non-temporal stores (too large to stay in cache) */
 } dvm_tensor;
+
+/* Element offset of row r of t. */
+static inline int64_t dvm_row(const dvm_tensor *t, int64_t r) {
+    if (t->linear) return r * t->rs;
+    int64_t q = r / t->n_inner, q2 = q / t->n_mid;
+    return (r - q * t->n_inner) * t->rs + (q - q2 * t->n_mid) * t->s_mid + q2 * t->s_outer;
+}
 
 typedef struct {
     const dvm_ins *ins;

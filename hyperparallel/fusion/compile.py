@@ -1,10 +1,16 @@
 """From a cluster's small FX graph to a fused operator: "compiling" is writing its bytecode.
 
 `lower(sub_gm)` walks the cluster's nodes once and emits a Program (microseconds: no code is
-generated or compiled). `FusedOp` runs it: each call views every input as [rows, cols] of the
-iteration space (broadcast by strides of 0, so nothing is expanded in memory), allocates the
-outputs, and calls the VM. Programs are cached by the cluster's signature (its ops, arguments,
-dtypes and kinds), so a graph seen again costs a dictionary lookup.
+generated or compiled). Programs are cached by the cluster's signature (its ops, arguments,
+dtypes and kinds), so a graph seen again costs a dictionary lookup, and one program serves every
+shape.
+
+`FusedOp` runs it. The first call with an input layout (shapes, strides, dtypes) makes a call
+plan: the iteration space, each tensor's strides over it (0 where it broadcasts), its leading
+dimensions folded into at most three row levels every tensor walks with one stride each (so
+rotary's cos [1, 1, S, D] against q [B, H, S, D] transposed needs no copy), the output shapes,
+and the VM call's ctypes arguments. Later calls with that layout look the plan up, allocate the
+outputs (large ones from the host buffer cache) and make one native call.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
 from hyperparallel.mx.backends import host_cache
 
 _CACHE: dict[tuple, tuple] = {}
-STATS = {"programs_built": 0, "cache_hits": 0, "build_seconds": [], "built_graphs": []}
+# programs: built / found in the cache; calls: run on the VM or by the cluster's ATen graph
+STATS = {"programs_built": 0, "cache_hits": 0, "build_seconds": [], "built_graphs": [], "fused_calls": 0,
+         "aten_calls": 0, "call_plans_built": 0}
 
 
 def _val(node: Node) -> torch.Tensor:
@@ -137,29 +145,47 @@ def _empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return host_cache.empty(tuple(shape), dtype)
 
 
-def _empty_in_order(shape: tuple, dtype: torch.dtype, order: tuple[int, ...]) -> torch.Tensor:
-    if len(order) != len(shape) or order == tuple(range(len(shape))):
-        return _empty(shape, dtype)
-    out = _empty([shape[d] for d in order], dtype)
-    return out.permute([order.index(d) for d in range(len(shape))])
+MAX_PLANS = 16  # call plans kept per fused operator (one per input layout seen)
+_UNFUSED = "aten"  # a layout the VM cannot take: the cluster's own ATen graph runs
 
 
-def _rows_view(t: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, int, int]:
-    """`t` broadcast to `shape`, as (tensor, row_stride, col_stride) of a [rows, cols] view; a copy
-    only when the leading dimensions cannot be walked with one stride."""
+def _strides_in(t: torch.Tensor, shape: tuple) -> tuple[int, ...]:
+    """t's element strides when broadcast to `shape` (0 along broadcast and size-1 dimensions)."""
     e = t.expand(shape) if tuple(t.shape) != tuple(shape) else t
-    if len(shape) == 0:
-        return e, 0, 0
-    col_stride = e.stride(-1) if shape[-1] != 1 else 0
-    lead = [(s, st) for s, st in zip(shape[:-1], e.stride()[:-1], strict=True) if s != 1]
-    if not lead:
-        return e, 0, col_stride
-    row_stride = lead[-1][1]
-    for (_, stride), (next_size, next_stride) in zip(lead[:-1], lead[1:], strict=True):
-        if stride != next_stride * next_size:
-            e = e.contiguous()
-            return e, shape[-1], 1 if shape[-1] != 1 else 0
-    return e, row_stride, col_stride
+    return tuple(0 if size == 1 else stride for size, stride in zip(shape, e.stride(), strict=True))
+
+
+def _nest_rows(shape: tuple, strides: list[tuple[int, ...]]) -> tuple[tuple[int, int, int], list[tuple]] | None:
+    """The leading dimensions of `shape` as at most three row levels (outer, middle, inner) that
+    every tensor walks with one stride each: size-1 dimensions dropped, neighbours merged where
+    every tensor's strides allow. Returns the levels' sizes and each tensor's (outer, middle,
+    inner, column) strides, or None when more than three levels remain."""
+    dims = [(size, [s[d] for s in strides]) for d, size in enumerate(shape[:-1]) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, st in dims:
+        if merged and all(o == i * size for o, i in zip(merged[-1][1], st, strict=True)):
+            merged[-1] = (merged[-1][0] * size, st)  # the outer one folds into this one
+        else:
+            merged.append((size, st))
+    if len(merged) > 3:
+        return None
+    merged = [(1, [0] * len(strides))] * (3 - len(merged)) + merged
+    sizes = tuple(size for size, _ in merged)
+    nested = [tuple(merged[level][1][i] for level in range(3)) + (s[-1] if shape else 0,)
+              for i, s in enumerate(strides)]
+    return sizes, nested
+
+
+class _CallPlan:
+    """A fused operator bound to one input layout (shapes, strides, dtypes): the output shapes and
+    the VM call with every argument but the data pointers, built once; a call then allocates the
+    outputs (large ones from the buffer cache) and makes one native call."""
+
+    __slots__ = ("outs", "call")
+
+    def __init__(self, outs, call):
+        self.outs = outs  # per output: (shape in memory order, dtype, permutation back or None)
+        self.call = call
 
 
 class FusedOp(nn.Module):
@@ -172,39 +198,66 @@ class FusedOp(nn.Module):
         self.program, self.in_kinds, self.out_kinds, self.out_dtypes = program, in_kinds, out_kinds, out_dtypes
         self.out_orders = out_orders  # each output's dimension order in memory, outermost first, as ATen's
         self.fallback = fallback
+        self.plans: dict[tuple, _CallPlan | str] = {}  # by input layout
 
     def forward(self, *inputs):
-        if any(t.device.type != "cpu" or t.dtype not in TORCH_DTYPES for t in inputs):
+        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in inputs)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._plan(inputs)
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.pop(next(iter(self.plans)))  # the oldest layout
+            self.plans[key] = plan
+        if plan is _UNFUSED:
+            STATS["aten_calls"] += 1
             return self.fallback(*inputs)
+        outs = []
+        for shape, dtype, back in plan.outs:
+            out = _empty(shape, dtype)
+            outs.append(out if back is None else out.permute(back))
+        plan.call(inputs, outs)
+        STATS["fused_calls"] += 1
+        return tuple(outs)
+
+    def _plan(self, inputs) -> _CallPlan | str:
+        """The call plan for these inputs' layout, or _UNFUSED."""
+        STATS["call_plans_built"] += 1
+        if any(t.device.type != "cpu" or TORCH_DTYPES.get(t.dtype) != want
+               for t, want in zip(inputs, self.program.input_dtypes, strict=True)):
+            return _UNFUSED  # another device, or dtypes the program was not written for
         full = [t.shape for t, k in zip(inputs, self.in_kinds, strict=True) if k == Kind.FULL]
         shape = tuple(torch.broadcast_shapes(*full)) if full else tuple(inputs[0].shape)
         rows, cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
         if self.program.has_reduction and cols > _max_reduce_cols():
-            return self.fallback(*inputs)
+            return _UNFUSED
         row_shape = shape[:-1] + (1,) if shape else ()
-        views, strides = [], []
-        for t, kind in zip(inputs, self.in_kinds, strict=True):
-            if kind == Kind.SCALAR:
-                views.append(t)
-                strides.append((0, 0))
-            else:
-                v, rs, cs = _rows_view(t, shape if kind == Kind.FULL else row_shape)
-                views.append(v)
-                strides.append((rs, cs))
-        outs, targets, out_strides = [], [], []
+        strides = [(0,) * len(shape) if kind == Kind.SCALAR else _strides_in(t, shape if kind == Kind.FULL else row_shape)
+                   for t, kind in zip(inputs, self.in_kinds, strict=True)]
+        outs = []
         for kind, dtype, order in zip(self.out_kinds, self.out_dtypes, self.out_orders, strict=True):
-            out = _empty_in_order(row_shape if kind == Kind.ROW else shape, dtype, order)
-            target, rs, cs = _rows_view(out, row_shape if kind == Kind.ROW else shape)
-            if kind == Kind.ROW:
-                rs, cs = (rs if target is out else 1), 0
-            outs.append(out)
-            targets.append(target)
-            out_strides.append((rs, cs))
-        _runner()(self.program, views, targets, rows, cols, strides, out_strides)
-        for out, target in zip(outs, targets, strict=True):
-            if target is not out and target.data_ptr() != out.data_ptr():  # a layout the VM cannot walk
-                out.copy_(target)
-        return tuple(outs)
+            out_shape = row_shape if kind == Kind.ROW else shape
+            if len(order) != len(out_shape) or order == tuple(range(len(out_shape))):
+                order = tuple(range(len(out_shape)))
+                spec = (out_shape, dtype, None)
+            else:
+                spec = ([out_shape[d] for d in order], dtype, [order.index(d) for d in range(len(out_shape))])
+            outs.append(spec)
+            laid = torch.empty(spec[0], dtype=dtype, device="meta")
+            laid = laid if spec[2] is None else laid.permute(spec[2])
+            strides.append(_strides_in(laid, shape if kind == Kind.FULL else row_shape))
+        nested = _nest_rows(shape, strides)
+        if nested is None:  # more than three row levels: the ATen graph (a layout not seen in models)
+            return _UNFUSED
+        (_, n_mid, n_inner), st = nested
+        in_st, out_st = st[:len(inputs)], st[len(inputs):]
+        if _runner() is reference.run:
+            def call(ins, outs, program=self.program):
+                reference.run(program, ins, outs, rows, cols, in_st, out_st, (n_mid, n_inner))
+        else:
+            from hyperparallel.fusion import vm
+
+            call = vm.Call(self.program, rows, cols, (n_mid, n_inner), in_st, out_st)
+        return _CallPlan(outs, call)
 
 
 def _max_reduce_cols() -> int:

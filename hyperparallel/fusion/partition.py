@@ -1,17 +1,15 @@
-"""Clusters of fusible ATen nodes: grown greedily, never creating a cycle, within limits; then
-split into sub-regions at dtype boundaries.
+"""Clusters of fusible ATen nodes: grown greedily, never creating a cycle, within limits.
 
-Grow: nodes are visited in graph order; a fusible node joins the cluster of one of its fusible
+Nodes are visited in graph order; a fusible node joins the cluster of one of its fusible
 producers when both work on the same iteration space (the same full shape; a keepdim reduction
 and what follows it count as the same space), when merging makes no cycle (no path leaves the
 cluster and comes back into it), and when the cluster stays within the limits (ops, inputs,
-outputs, live registers). Clusters that meet at a node are merged the same way.
+outputs). Clusters that meet at a node are merged the same way.
 
-Split: inside a cluster, maximal connected runs of nodes computing in one dtype are its
-sub-regions (an fp16 chain, then a cast, then an fp32 chain), as MindSpore's DVM does. They stay
-in one fused operator: the VM computes every region in float32 registers and the cast between
-two regions is an explicit rounding instruction, not a trip through memory. A cluster of a single
-op is not worth a kernel of ours over ATen's and is left to ATen.
+Dtypes do not split a cluster: the VM computes every value in float32 registers, loads convert
+from each input's dtype, and a cast inside the cluster (bf16 work, a cast, fp32 work) is a
+rounding instruction, not a trip through memory. A cluster of a single op is not worth a kernel
+of ours over ATen's and is left to ATen.
 """
 
 from __future__ import annotations
@@ -23,17 +21,16 @@ from torch.fx import Graph, Node
 
 from hyperparallel.fusion.ops import ROW_REDUCING, classify, fusible
 
+# A program's size: its tile's scratch grows with the values alive at once, which these bound
 MAX_OPS = 64
 MAX_INPUTS = 16
 MAX_OUTPUTS = 8
-MAX_LIVE = 24  # registers alive at once: what a tile's scratch holds
 
 
 @dataclass
 class Cluster:
     nodes: list[Node] = field(default_factory=list)
     domain: tuple | None = None  # the full shape every FULL value has
-    regions: list[list[Node]] = field(default_factory=list)  # sub-regions by compute dtype
 
     @property
     def has_reduction(self) -> bool:
@@ -96,24 +93,7 @@ def _creates_cycle(a: Cluster, b: Cluster) -> bool:
 
 def _within_limits(nodes: list[Node]) -> bool:
     c = Cluster(nodes)
-    return (len(nodes) <= MAX_OPS and len(c.inputs()) <= MAX_INPUTS and len(c.outputs()) <= MAX_OUTPUTS
-            and len(nodes) + len(c.inputs()) <= 4 * MAX_LIVE)
-
-
-def _split_regions(cluster: Cluster) -> None:
-    regions: list[list[Node]] = []
-    region_of: dict[Node, int] = {}
-    for n in cluster.nodes:
-        dtype = n.meta["val"].dtype
-        same = [region_of[a] for a in n.all_input_nodes
-                if a in region_of and regions[region_of[a]][0].meta["val"].dtype == dtype]
-        if same and classify(n) != "cast":
-            region_of[n] = same[0]
-            regions[same[0]].append(n)
-        else:
-            region_of[n] = len(regions)
-            regions.append([n])
-    cluster.regions = regions
+    return len(nodes) <= MAX_OPS and len(c.inputs()) <= MAX_INPUTS and len(c.outputs()) <= MAX_OUTPUTS
 
 
 def find_clusters(graph: Graph, *, min_ops: int = 2) -> list[Cluster]:
@@ -150,7 +130,6 @@ def find_clusters(graph: Graph, *, min_ops: int = 2) -> list[Cluster]:
             continue
         if len(c.nodes) < min_ops:
             continue
-        _split_regions(c)
         kept.append(c)
     return kept
 

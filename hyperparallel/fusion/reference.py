@@ -26,29 +26,34 @@ _REDUCE = {Op.RSUM: lambda x: x.sum(-1, keepdim=True), Op.RMAX: lambda x: x.amax
            Op.RMIN: lambda x: x.amin(-1, keepdim=True)}
 
 
-def _as_rows(t: torch.Tensor, rows: int, cols: int, strides: tuple[int, int]) -> torch.Tensor:
-    return torch.as_strided(t, (rows, cols), strides, t.storage_offset())
+def _view(t: torch.Tensor, rows: int, cols: int, strides, row_dims) -> torch.Tensor:
+    """t as [rows / (n_mid * n_inner), n_mid, n_inner, cols] through strides (row, col) or
+    (outer, middle, inner, col); reshape it to [rows, cols] to read it."""
+    n_mid, n_inner = row_dims
+    if len(strides) == 2:
+        row, col = strides
+        strides = (row * n_inner * n_mid, row * n_inner, row, col)
+    shape = (rows // (n_mid * n_inner), n_mid, n_inner, cols)
+    return torch.as_strided(t, shape, strides, t.storage_offset())
 
 
-def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, output_strides) -> None:
+def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, output_strides, row_dims=(1, 1)) -> None:
     regs: dict[int, torch.Tensor] = {}
     code = program.code
     for i in range(0, len(code), WORDS):
         op, dst, a, b, c = (Op(code[i]), *code[i + 1:i + WORDS])
         kind = program.register_kinds[dst] if op != Op.STORE else None
         if op == Op.LOAD:
-            t = _as_rows(inputs[a], rows, cols, input_strides[a]).float()
+            t = _view(inputs[a], rows, cols, input_strides[a], row_dims).reshape(rows, cols).float()
             regs[dst] = t[:1, :1] if kind == Kind.SCALAR else (t[:, :1] if kind == Kind.ROW else t)
         elif op == Op.CONST:
             regs[dst] = torch.full((1, 1), program.immediates[a], dtype=torch.float32)
         elif op == Op.STORE:
-            row_stride, col_stride = output_strides[b]
-            if col_stride == 0:  # one value per row
-                out = torch.as_strided(outputs[b], (rows, 1), (row_stride, 0), outputs[b].storage_offset())
-                out.copy_(regs[a].expand(rows, cols)[:, :1].to(out.dtype))
-            else:
-                out = _as_rows(outputs[b], rows, cols, output_strides[b])
-                out.copy_(regs[a].expand(rows, cols).to(out.dtype))
+            strides = tuple(output_strides[b])
+            per_row = strides[-1] == 0  # one value per row
+            out = _view(outputs[b], rows, 1 if per_row else cols, strides, row_dims)
+            value = regs[a].expand(rows, cols)[:, :1] if per_row else regs[a].expand(rows, cols)
+            out.copy_(value.reshape(out.shape).to(out.dtype))
         elif op in _UNARY:
             regs[dst] = _UNARY[op](regs[a])
         elif op in _BINARY:

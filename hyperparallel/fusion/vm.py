@@ -35,6 +35,7 @@ _I64 = ctypes.c_int64
 # for rows and cols, Python ints only where the C type is int).
 _SIGNATURES = {
     "hp_dvm_run": (None, _INT),
+    "hp_dvm_run_nd": (None, _INT),
     "hp_dvm_strerror": ([_INT], ctypes.c_char_p),
     "hp_dvm_error_instr": ([], _INT),
     "hp_dvm_set_isa": ([_INT], ctypes.c_char_p),
@@ -95,7 +96,7 @@ class _Native:
         self.out_torch = tuple(by_code[int(d)] for d in program.output_dtypes)
         # the array types a call fills
         self.in_ptrs, self.out_ptrs = _P * max(n_in, 1), _P * max(n_out, 1)
-        self.in_strides, self.out_strides = _I64 * max(2 * n_in, 1), _I64 * max(2 * n_out, 1)
+        self.in_strides, self.out_strides = _I64 * max(4 * n_in, 1), _I64 * max(4 * n_out, 1)
 
 
 def _key(program: Program) -> tuple[int, int, int, int, int]:
@@ -125,11 +126,15 @@ def _pointers(kind: str, tensors: Sequence[torch.Tensor], dtypes: tuple[torch.dt
 
 
 def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], rows: int, cols: int,
-        input_strides: Sequence[Sequence[int]], output_strides: Sequence[Sequence[int]], n_threads: int = 0) -> None:
+        input_strides: Sequence[Sequence[int]], output_strides: Sequence[Sequence[int]], n_threads: int = 0,
+        row_dims: tuple[int, int] = (1, 1)) -> None:
     """Runs `program` over a `rows` x `cols` space, writing into `outputs`.
 
     Tensor i is seen as [rows, cols] through ``input_strides[i] = (row_stride, col_stride)``
-    (elements, 0 broadcasts), starting at its data pointer (its storage offset included).
+    (elements, 0 broadcasts), starting at its data pointer (its storage offset included). Rows
+    may nest up to three deep: with ``row_dims = (n_mid, n_inner)`` the rows are
+    [rows / (n_mid * n_inner), n_mid, n_inner] and a tensor's strides are
+    ``(outer, middle, inner row stride, col_stride)`` (a 2-tuple then means rows at one stride).
     `n_threads` <= 0: OpenMP's default. Raises VMError when the VM refuses the program.
     """
     if LIB is None:
@@ -137,14 +142,55 @@ def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torc
     native = _native(program)
     in_ptrs = _pointers("input", inputs, native.in_torch)
     out_ptrs = _pointers("output", outputs, native.out_torch)
-    rc = LIB.hp_dvm_run(native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs,
-                        len(in_ptrs), native.in_ptrs(*in_ptrs), native.in_dtypes,
-                        native.in_strides(*chain.from_iterable(input_strides)),
-                        len(out_ptrs), native.out_ptrs(*out_ptrs), native.out_dtypes,
-                        native.out_strides(*chain.from_iterable(output_strides)),
-                        _I64(rows), _I64(cols), int(n_threads))
+    n_mid, n_inner = row_dims
+    rc = LIB.hp_dvm_run_nd(native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs,
+                           len(in_ptrs), native.in_ptrs(*in_ptrs), native.in_dtypes,
+                           native.in_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in input_strides)),
+                           len(out_ptrs), native.out_ptrs(*out_ptrs), native.out_dtypes,
+                           native.out_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in output_strides)),
+                           _I64(rows), _I64(cols), _I64(n_mid), _I64(n_inner), int(n_threads))
     if rc:
         raise _error(program, rc)
+
+
+class Call:
+    """`program` bound to one layout (rows, cols, row levels, strides; dtypes as the program says):
+    every ctypes argument of the VM call built once, so a call passes only the data pointers.
+    Called with the input and output tensors; the caller guarantees their shapes, strides and
+    dtypes are the ones the Call was made for (FusedOp keys its plans by them)."""
+
+    __slots__ = ("head", "in_ptrs", "in_dtypes", "in_strides", "n_in", "out_ptrs", "out_dtypes", "out_strides",
+                 "n_out", "tail", "program")
+
+    def __init__(self, program: Program, rows: int, cols: int, row_dims: tuple[int, int],
+                 input_strides: Sequence[Sequence[int]], output_strides: Sequence[Sequence[int]], n_threads: int = 0):
+        if LIB is None:
+            raise RuntimeError("the native library hyperparallel._dvm_native is not built (run `make setup`)")
+        native = _native(program)
+        n_mid, n_inner = row_dims
+        self.program = program
+        self.head = (native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs)
+        self.n_in, self.n_out = len(input_strides), len(output_strides)
+        self.in_ptrs, self.out_ptrs = native.in_ptrs, native.out_ptrs
+        self.in_dtypes, self.out_dtypes = native.in_dtypes, native.out_dtypes
+        self.in_strides = native.in_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in input_strides))
+        self.out_strides = native.out_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in output_strides))
+        self.tail = (_I64(rows), _I64(cols), _I64(n_mid), _I64(n_inner), int(n_threads))
+
+    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        rc = LIB.hp_dvm_run_nd(*self.head, self.n_in, self.in_ptrs(*[t.data_ptr() for t in inputs]), self.in_dtypes,
+                               self.in_strides, self.n_out, self.out_ptrs(*[t.data_ptr() for t in outputs]),
+                               self.out_dtypes, self.out_strides, *self.tail)
+        if rc:
+            raise _error(self.program, rc)
+
+
+def _nested(strides: Sequence[int], n_mid: int, n_inner: int) -> tuple[int, int, int, int]:
+    """(outer, middle, inner, column) strides; (row, column) is rows at one stride."""
+    if len(strides) == 4:
+        return tuple(strides)
+    row, col = strides
+    return row * n_inner * n_mid, row * n_inner, row, col
 
 
 def _error(program: Program, rc: int) -> VMError:

@@ -209,29 +209,65 @@ def test_no_cycles_through_an_opaque_op():
     check(fn, x(8, 8), x(8, 8, seed=1))
 
 
-def test_dtype_regions_and_limits():
+def test_mixed_dtypes_stay_one_fused_operator():
+    """bf16 work, a cast to fp32, fp32 work, a cast back: one cluster, the casts rounding
+    instructions inside it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyperparallel.fusion import partition
+    from hyperparallel.fusion.bytecode import WORDS, Op
+
+    def fn(t):
+        y = (t * 2 + 1).float()
+        return (torch.sigmoid(y) * y).bfloat16() * 3
+
+    gm = make_fx(fn, tracing_mode="fake")(x(8, 8).bfloat16())
+    [cluster] = partition.find_clusters(gm.graph)
+    assert {n.meta["val"].dtype for n in cluster.nodes} == {torch.bfloat16, torch.float32}
+    dvm_compile._CACHE.clear()
+    check(fn, x(8, 8), dtype=torch.bfloat16)
+    [program] = [p for p, *_ in dvm_compile._CACHE.values()]
+    ops = [program.code[i] for i in range(0, len(program.code), WORDS)]
+    # .float() is a copy (the registers are float32 already), .bfloat16() a rounding
+    assert Op.COPY in ops and ops.count(Op.ROUND_BF16) == 1
+
+
+def _long_chain(t):
+    for i in range(3 * 64):
+        t = t * 1.001 + 0.001 * i
+    return t
+
+
+def _many_inputs(*ts):
+    total = ts[0].exp()
+    for t in ts[1:]:
+        total = total + t.exp()
+    return total
+
+
+def _many_outputs(t):
+    u = t.exp()  # (a shared producer: the chains after it would otherwise be clusters of their own)
+    return tuple(torch.sigmoid(u * (i + 1)) for i in range(12))
+
+
+@pytest.mark.parametrize("limit", ["MAX_OPS", "MAX_INPUTS", "MAX_OUTPUTS"])
+def test_each_cluster_limit_binds(limit):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from hyperparallel.fusion import partition
 
-    def fn(t):
-        y = (t * 2 + 1).float()  # a bf16 region, a cast, then an fp32 region
-        return torch.sigmoid(y) * y
-
-    gm = make_fx(fn, tracing_mode="fake")(x(8, 8).bfloat16())
-    [cluster] = partition.find_clusters(gm.graph)
-    dtypes = [region[0].meta["val"].dtype for region in cluster.regions]
-    assert dtypes == [torch.bfloat16, torch.float32, torch.float32] or dtypes[:2] == [torch.bfloat16, torch.float32]
-
-    def long_chain(t):
-        for i in range(3 * partition.MAX_OPS):
-            t = t * 1.001 + 0.001 * i
-        return t
-
-    gm = make_fx(long_chain, tracing_mode="fake")(x(8, 8))
+    fn, args, size = {
+        "MAX_OPS": (_long_chain, [x(8, 8)], lambda c: len(c.nodes)),
+        "MAX_INPUTS": (_many_inputs, [x(8, 8, seed=i) for i in range(24)], lambda c: len(c.inputs())),
+        "MAX_OUTPUTS": (_many_outputs, [x(8, 8)], lambda c: len(c.outputs())),
+    }[limit]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
     clusters = partition.find_clusters(gm.graph)
-    assert len(clusters) >= 3 and all(len(c.nodes) <= partition.MAX_OPS for c in clusters)
-    check(long_chain, x(8, 8), dtype=torch.float32)
+    bound = getattr(partition, limit)
+    assert len(clusters) >= 2 and max(size(c) for c in clusters) == bound  # split, and filled to the limit
+    with torch.no_grad():
+        got, want = compiled(fn)(*args), fn(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_programs_are_cached_by_graph_signature():
@@ -276,6 +312,10 @@ def test_tiny_qwen3_training_step_matches_eager():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(fused.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    # the compiled step really ran on the VM, not on its fused operators' ATen graphs
+    calls, aten = dvm_compile.STATS["fused_calls"], dvm_compile.STATS["aten_calls"]
+    step(fused).backward()
+    assert dvm_compile.STATS["fused_calls"] > calls and dvm_compile.STATS["aten_calls"] == aten
 
 
 def test_comparisons_and_where_with_numbers():

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperparallel.fusion import vm
+from hyperparallel.fusion import reference, vm
 from hyperparallel.fusion.bytecode import BINARY, REDUCTIONS, TORCH_DTYPES, UNARY, Kind, Op, Program
 
 pytestmark = pytest.mark.skipif(vm.LIB is None, reason="hyperparallel._dvm_native is not built")
@@ -450,6 +450,66 @@ def test_strided_inputs_and_outputs():
     ref = torch.tanh(xt) * cols2
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-6)
     assert bitwise_equal(out_b, out_t.to(BF16))
+
+
+def _levels(t: torch.Tensor, shape) -> tuple[int, int, int, int]:
+    """(outer, middle, inner, col) strides of t broadcast to a 4-D `shape`."""
+    e = t.expand(shape)
+    return tuple(0 if n == 1 else st for n, st in zip(shape, e.stride(), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_nested_rows_walk_broadcast_middle_dimensions_and_transposes(dtype, isa):
+    """q [B, S, H, D] seen as [B, H, S, D], cos [1, 1, S, D], a per-row norm [B, H, S, 1]: three
+    row levels; against eager and the reference interpreter, with a ROW output and a bf16 one."""
+    g = gen(21)
+    B, H, S, D = 3, 4, 37, 24
+    q = torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2)
+    cos = torch.randn(1, 1, S, D, generator=g)
+    norm = torch.randn(B, H, S, 1, generator=g).to(dtype)
+    shape = (B, H, S, D)
+    prog = P((dtype, F32, dtype), (F32, BF16, F32))
+    y = prog.op(Op.ADD, prog.op(Op.MUL, prog.load(0), prog.load(1)), prog.load(2, Kind.ROW))
+    prog.store(y, 0)
+    prog.store(prog.op(Op.TANH, y), 1)
+    prog.store(prog.op(Op.RSUM, y), 2)
+    in_st = [_levels(q, shape), _levels(cos, shape), _levels(norm, shape)[:3] + (0,)]
+    outs = [torch.empty(B, H, D, S).transpose(2, 3), torch.empty(shape, dtype=BF16), torch.empty(B, H, S, 1)]
+    want = [torch.empty_like(o) for o in outs]
+    out_st = [_levels(outs[0], shape), _levels(outs[1], shape), _levels(outs[2], shape)[:3] + (0,)]
+    vm.run(prog.p, [q, cos, norm], outs, B * H * S, D, in_st, out_st, row_dims=(H, S))
+    reference.run(prog.p, [q, cos, norm], want, B * H * S, D, in_st, out_st, row_dims=(H, S))
+    eager = q.float() * cos + norm.float()
+    torch.testing.assert_close(outs[0], eager, rtol=1e-6, atol=1e-6)
+    assert bitwise_equal(outs[0], want[0])  # (a product and a sum: exact, so equal bitwise)
+    torch.testing.assert_close(outs[1].float(), eager.tanh(), rtol=2**-8, atol=1e-6)  # (one bf16 rounding)
+    torch.testing.assert_close(outs[2], eager.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+def test_results_computed_in_their_output_match_stored_ones():
+    """Direct stores (a result only a STORE reads, into an fp32 output) against the VM with them
+    off: bitwise equal, on a space whose tiles are and are not contiguous in the output."""
+    g = gen(22)
+    for rows, cols, out in [(64, 300, torch.empty(64, 300)), (64, 300, torch.empty(64, 310)[:, 3:303])]:
+        a, b = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+        prog = P((F32, F32), (F32,))
+        prog.store(prog.op(Op.MUL, prog.op(Op.SILU, prog.load(0)), prog.load(1)))
+        run(prog, [a, b], [out], rows, cols)
+        old = vm.LIB.hp_dvm_tune(32)
+        try:
+            off = torch.empty(rows, cols)
+            run(prog, [a, b], [off], rows, cols)
+        finally:
+            vm.LIB.hp_dvm_tune(old)
+        assert bitwise_equal(out, off)
+        torch.testing.assert_close(out, F.silu(a) * b, rtol=1e-5, atol=1e-6)
+
+
+def test_row_levels_that_do_not_divide_the_rows_are_refused():
+    prog = unary_program(Op.NEG)
+    x, out = torch.randn(10, 4), torch.empty(10, 4)
+    with pytest.raises(vm.VMError, match="negative size"):
+        vm.run(prog.p, [x], [out], 10, 4, [(4, 1)], [(4, 1)], row_dims=(3, 1))
 
 
 def test_bf16_strided_load_and_fp16_strided_store():
