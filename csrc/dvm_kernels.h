@@ -88,6 +88,7 @@ DVM_INLINE float load_one(const char *p, int dtype) {
         memcpy(&v, p, 4);
         return v;
     }
+    if (dtype == DT_BOOL) return *(const uint8_t *)p ? 1.0f : 0.0f;
     uint16_t h;
     memcpy(&h, p, 2);
     return dtype == DT_BF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
@@ -102,7 +103,7 @@ DVM_INLINE void store_one(char *p, int dtype, float v) {
     }
 }
 
-static inline int esize(int dtype) { return dtype == DT_F32 ? 4 : 2; }
+static inline int esize(int dtype) { return dtype == DT_F32 ? 4 : dtype == DT_BOOL ? 1 : 2; }
 
 /* n elements of a tensor row starting at p, col stride cs (elements), to fp32 */
 static void load_row(float *d, const char *p, int dtype, int64_t cs, int64_t n) {
@@ -112,6 +113,9 @@ static void load_row(float *d, const char *p, int dtype, int64_t cs, int64_t n) 
         } else if (dtype == DT_BF16) {
             const uint16_t *s = (const uint16_t *)p;
             SIMD for (int64_t j = 0; j < n; j++) d[j] = bf16_bits_to_f32(s[j]);
+        } else if (dtype == DT_BOOL) {
+            const uint8_t *s = (const uint8_t *)p;
+            SIMD for (int64_t j = 0; j < n; j++) d[j] = s[j] ? 1.0f : 0.0f;
         } else {
             f16_row_to_f32(d, (const uint16_t *)p, n);
         }

@@ -376,7 +376,7 @@ static int resident(const char *p, int64_t bytes) {
 
 /* bytes from a tensor's first to one past its last element over the space (strides are >= 0) */
 static int64_t extent(const dvm_tensor *t, int64_t rows, int64_t cols) {
-    int es = t->dtype == DT_F32 ? 4 : 2;
+    int es = t->dtype == DT_F32 ? 4 : t->dtype == DT_BOOL ? 1 : 2;
     return (dvm_row(t, rows - 1) + (t->linear ? 0 : (t->n_inner - 1) * t->rs + (t->n_mid - 1) * t->s_mid) +
             (cols - 1) * t->cs + 1) * es;
 }
@@ -437,7 +437,7 @@ int hp_dvm_run_nd(const int32_t *code, int n_instr, const double *imms, int n_im
         t->linear = (t->n_mid == 1 || t->s_mid == t->rs * t->n_inner) &&
                     (rows / (t->n_inner * t->n_mid) == 1 || t->s_outer == t->rs * t->n_inner * t->n_mid);
         t->stream = 0;
-        if (!valid_dtype(t->dtype)) err = DVM_E_DTYPE;
+        if (!valid_dtype(t->dtype) && !(is_in && t->dtype == DT_BOOL)) err = DVM_E_DTYPE; /* bool: inputs only */
     }
     int has_reduction = 0;
     if (!err)

@@ -27,7 +27,7 @@ enum {
 };
 
 enum { KIND_FULL = 0, KIND_ROW = 1, KIND_SCALAR = 2 }; /* a smaller number is a wider kind */
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BOOL = 3 }; /* bool: inputs only (0 / 1) */
 
 /* Error codes of hp_dvm_run (hp_dvm_strerror names them). */
 enum {

@@ -60,7 +60,7 @@ How the VM (csrc/dvm_vm.c) reads the points above that leave room, and its limit
   tests/fusion/test_vm.py samples it): EXP 1, EXPM1 1.5, LOG 0.9, LOG1P 1.5, TANH 1.5, SIGMOID 2.4,
   ERF 2.9, SIN/COS 1.6, SILU 3.4, GELU_ERF 2.7 and GELU_TANH 3.4 (x >= -1; below, the rounding of
   the float32 argument dominates a tiny result). The other operations are IEEE exact.
-- bf16 / fp16 loads are exact; stores and ROUND_* round to nearest even, overflow to inf, keep
+- A bool input (DType.BOOL, one byte, inputs only) loads as 1.0 / 0.0. bf16 / fp16 loads are exact; stores and ROUND_* round to nearest even, overflow to inf, keep
   NaN NaN (quiet, sign kept; the payload may change).
 - Memory: every element a tensor's strides address over the space must lie inside it; an output
   may overlap an input only element for element (same strides), and a LOAD after a STORE to the
@@ -135,9 +135,11 @@ class DType(IntEnum):
     FLOAT32 = 0
     BFLOAT16 = 1
     FLOAT16 = 2
+    BOOL = 3  # inputs only: a mask, loaded as 1.0 / 0.0
 
 
 TORCH_DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16}
+INPUT_DTYPES = {**TORCH_DTYPES, torch.bool: DType.BOOL}  # what a LOAD reads
 
 UNARY = {Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIP, Op.TANH, Op.SIGMOID, Op.RELU, Op.ERF, Op.SILU,
          Op.GELU_ERF, Op.GELU_TANH, Op.SIN, Op.COS, Op.LOG1P, Op.EXPM1, Op.ROUND_BF16, Op.ROUND_F16, Op.COPY}

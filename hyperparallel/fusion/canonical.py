@@ -30,6 +30,7 @@ _REFLECTED = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq", "ne": 
 _WHERE = {(True, True): aten.where.self, (True, False): aten.where.ScalarOther,
           (False, True): aten.where.ScalarSelf, (False, False): aten.where.Scalar}
 _CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
+_REDUCE = {"sum": aten.sum.dim_IntList, "mean": aten.mean.dim, "amax": aten.amax.default, "amin": aten.amin.default}
 
 
 def _name(node: Node) -> str | None:
@@ -59,8 +60,10 @@ def _tensor(value) -> bool:
 
 def _to_aten(node: Node) -> tuple | None:
     """(ATen op, args, kwargs) for a node we know, else None."""
-    name = _name(node)
-    args, kwargs = list(node.args), dict(node.kwargs)
+    return _aten_call(_name(node), list(node.args), dict(node.kwargs))
+
+
+def _aten_call(name: str | None, args: list, kwargs: dict) -> tuple | None:
     if name is None:
         return None
     if name in _UNARY and len(args) == 1 and not kwargs:
@@ -85,12 +88,11 @@ def _to_aten(node: Node) -> tuple | None:
         return aten._to_copy.default, (args[0],), {"dtype": _CASTS[name]}
     if name == "to" and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
         return aten._to_copy.default, (args[0],), {"dtype": args[1]}
-    if name in ("mean", "sum") and len(args) >= 2:
-        dim = args[1]
+    if name in _REDUCE and (len(args) >= 2 or "dim" in kwargs) and set(kwargs) <= {"dim", "keepdim"}:
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        if set(kwargs) <= {"keepdim"}:
-            op = aten.mean.dim if name == "mean" else aten.sum.dim_IntList
-            return op, (args[0], [dim] if isinstance(dim, int) else list(dim), keepdim), {}
+        if isinstance(dim, int) or (isinstance(dim, (list, tuple)) and all(isinstance(d, int) for d in dim)):
+            return _REDUCE[name], (args[0], [dim] if isinstance(dim, int) else list(dim), keepdim), {}
     if name == "softmax":
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if isinstance(dim, int) and set(kwargs) <= {"dim"}:
@@ -100,16 +102,68 @@ def _to_aten(node: Node) -> tuple | None:
     return None
 
 
+def _same_dtype_cast(node: Node) -> bool:
+    """x.float() on a float32 x (x.to(its own dtype), ...): eager returns x itself, no copy."""
+    name = _name(node)
+    cast = name in _CASTS and len(node.args) == 1 and not node.kwargs
+    to = name == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs
+    if not (cast or to) or not _tensor(node.args[0]):
+        return False
+    return node.args[0].meta["val"].dtype == (_CASTS[name] if cast else node.args[1])
+
+
+def _functional(node: Node, fresh: set[Node]) -> bool:
+    """x.exp_(), x.mul_(y), ... on a value this graph made with an ATen element-wise op (so no
+    input, view or other alias sees the write): rewritten to the out-of-place op, and every later
+    use of x to its result."""
+    if node.op != "call_method" or not node.target.endswith("_") or node.target.startswith("_"):
+        return False
+    base = node.args[0] if node.args else None
+    if base not in fresh or not isinstance(base.meta.get("val"), torch.Tensor):
+        return False
+    rewritten = _aten_call(node.target[:-1], list(node.args), dict(node.kwargs))
+    if rewritten is None:
+        return False
+    node.op, (node.target, node.args, node.kwargs) = "call_function", rewritten
+    for user in list(base.users):  # uses after the write saw the written value: they read the result now
+        if user is not node and _after(user, node):
+            user.replace_input_with(base, node)
+    return True
+
+
+def _after(a: Node, b: Node) -> bool:
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
+
+
 def canonicalize(gm: GraphModule) -> GraphModule:
-    """Give every node meta["val"] (Dynamo's example value) and rewrite known ops to ATen in place."""
-    for node in gm.graph.nodes:
+    """Give every node meta["val"] (Dynamo's example value) and rewrite known ops to ATen in place;
+    drop casts to the dtype a value has, and make in-place element-wise ops on values the graph
+    made out of place."""
+    from hyperparallel.fusion.ops import ELEMENTWISE, REDUCTIONS
+
+    fresh: set[Node] = set()  # values an ATen element-wise op or reduction of this graph made
+    for node in list(gm.graph.nodes):
         if "val" not in node.meta and "example_value" in node.meta:
             node.meta["val"] = node.meta["example_value"]
         if node.op not in ("call_function", "call_method") or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if _same_dtype_cast(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
+        if _functional(node, fresh):
+            fresh.add(node)
             continue
         rewritten = _to_aten(node)
         if rewritten is None:
             continue
         node.op, (node.target, node.args, node.kwargs) = "call_function", rewritten
+        if node.target in ELEMENTWISE or node.target in REDUCTIONS:
+            fresh.add(node)
     gm.recompile()
     return gm

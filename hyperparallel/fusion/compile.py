@@ -23,7 +23,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from hyperparallel.fusion import reference
-from hyperparallel.fusion.bytecode import TORCH_DTYPES, DType, Kind, Op, Program
+from hyperparallel.fusion.bytecode import INPUT_DTYPES, TORCH_DTYPES, DType, Kind, Op, Program
 from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
 from hyperparallel.mx.backends import host_cache
 
@@ -98,7 +98,7 @@ def lower(sub_gm: GraphModule) -> tuple[Program, list[Kind], list[Kind], tuple]:
             kind = _role(tuple(v.shape), domain)
             reg = program.register(kind)
             program.emit(Op.LOAD, reg, len(in_kinds))
-            program.input_dtypes.append(TORCH_DTYPES.get(v.dtype, DType.FLOAT32))
+            program.input_dtypes.append(INPUT_DTYPES.get(v.dtype, DType.FLOAT32))
             in_kinds.append(kind)
             env[n] = Reg(reg)
         elif n.op == "call_function":
@@ -222,7 +222,7 @@ class FusedOp(nn.Module):
     def _plan(self, inputs) -> _CallPlan | str:
         """The call plan for these inputs' layout, or _UNFUSED."""
         STATS["call_plans_built"] += 1
-        if any(t.device.type != "cpu" or TORCH_DTYPES.get(t.dtype) != want
+        if any(t.device.type != "cpu" or INPUT_DTYPES.get(t.dtype) != want
                for t, want in zip(inputs, self.program.input_dtypes, strict=True)):
             return _UNFUSED  # another device, or dtypes the program was not written for
         full = [t.shape for t, k in zip(inputs, self.in_kinds, strict=True) if k == Kind.FULL]

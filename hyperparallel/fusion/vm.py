@@ -25,7 +25,7 @@ from itertools import chain
 import torch
 
 from hyperparallel.errors import HyperparallelError
-from hyperparallel.fusion.bytecode import TORCH_DTYPES, WORDS, Op, Program
+from hyperparallel.fusion.bytecode import INPUT_DTYPES, WORDS, Op, Program
 
 _P = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -91,7 +91,7 @@ class _Native:
         self.n_regs = len(kinds)
         self.in_dtypes = (ctypes.c_int32 * max(n_in, 1))(*(int(d) for d in program.input_dtypes))
         self.out_dtypes = (ctypes.c_int32 * max(n_out, 1))(*(int(d) for d in program.output_dtypes))
-        by_code = {int(code): dtype for dtype, code in TORCH_DTYPES.items()}
+        by_code = {int(code): dtype for dtype, code in INPUT_DTYPES.items()}
         self.in_torch = tuple(by_code[int(d)] for d in program.input_dtypes)
         self.out_torch = tuple(by_code[int(d)] for d in program.output_dtypes)
         # the array types a call fills

@@ -343,3 +343,56 @@ def test_a_row_longer_than_the_vm_reduces_runs_as_aten():
     x = torch.randn(2, vm.MAX_REDUCE_COLS + 1)
     f = lambda x: torch.softmax(x * 2, dim=-1)  # noqa: E731
     torch.testing.assert_close(torch.compile(f, backend=dvm)(x), f(x), rtol=1e-5, atol=0)
+
+
+def _vm_calls():
+    return dvm_compile.STATS["fused_calls"], dvm_compile.STATS["aten_calls"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_fused_loss_chunk_runs_as_one_fused_operator(dtype):
+    """Method reductions with keyword dims, in-place exp_ / mul_ on values the graph made, a
+    .float() (on fp32 logits: no copy, as eager) and a bool mask: the loss's element-wise work
+    fused, on the VM, in float32 whatever the logits' dtype (as the function says)."""
+    from hyperparallel.models.loss import _chunk_loss_and_grad
+
+    logits, targets = x(48, 300).to(dtype), torch.randint(0, 300, (48,), generator=torch.Generator().manual_seed(1))
+    targets[::7] = -100
+    inverse = torch.tensor(1 / 41)
+    fn = compiled(_chunk_loss_and_grad)
+    before, calls = fused_count(), _vm_calls()
+    with torch.no_grad():
+        loss, grad = fn(logits, targets, inverse, torch.float32)
+    want_loss, want_grad = _chunk_loss_and_grad(logits, targets, inverse, torch.float32)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert fused_count() - before == 2  # the [48, 300] work whole, and the per-row loss
+    fused_calls, aten_calls = (b - a for a, b in zip(calls, _vm_calls(), strict=True))
+    assert fused_calls == 2 and aten_calls == 0
+
+
+def test_in_place_ops_on_inputs_keep_their_writes():
+    def fn(t, u):
+        t.mul_(2)  # an input: the caller sees the write
+        return torch.sigmoid(u) * t
+
+    t, u = x(8, 8), x(8, 8, seed=1)
+    got_t, want_t = t.clone(), t.clone()
+    with torch.no_grad():
+        got = compiled(fn)(got_t, u)
+    want = fn(want_t, u)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_t, want_t)
+
+
+def _masked(t, mask):
+    return torch.where(mask, torch.exp(t), 0.0) * 2
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_bool_mask_from_outside_the_cluster_is_loaded_by_the_vm(dtype, backward):
+    t, mask = x(16, 40), x(16, 40, seed=2) > 0
+    calls = _vm_calls()
+    check(_masked, t, mask, dtype=dtype, backward=backward)
+    assert _vm_calls()[0] > calls[0] and _vm_calls()[1] == calls[1]  # on the VM, not the ATen graph
