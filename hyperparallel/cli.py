@@ -17,8 +17,10 @@ from hyperparallel import __version__
 from hyperparallel.errors import HyperparallelError, error_lines
 
 DOCS = "docs/train.md"
+# (the kernels benchmark is not kernels.py: run as a script, a file of that name in benchmarks/
+# would be the `kernels` module transformers probes for, in every benchmark run from there)
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
-              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "kernels.py"}
+              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "fused_kernels.py"}
 
 
 def _benchmark_path(name: str) -> Path:

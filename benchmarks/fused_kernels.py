@@ -1,7 +1,7 @@
 """MegaGate and MegaMHC against transformers' modules, side by side in one run.
 
-    python benchmarks/kernels.py                       # 4096 tokens, hidden 1024, 256 experts top-6
-    python benchmarks/kernels.py --tokens 2048 --repeat 5 --json kernels.json
+    python benchmarks/fused_kernels.py                       # 4096 tokens, hidden 1024, 256 experts top-6
+    python benchmarks/fused_kernels.py --tokens 2048 --repeat 5 --json kernels.json
 
 1. The router, forward + backward, fp32: transformers' DeepseekV4TopKRouter (sqrt-softplus scores,
    correction bias, top-6 of 256), DeepseekV3TopkRouter (sigmoid, 8 groups of which 4,
@@ -22,19 +22,13 @@ saved-tensor hooks). Ratios are transformers' / ours.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this directory is sys.path[0], and this file would be the module `kernels`
-# that transformers probes for (the Hugging Face kernels package) while it imports.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import DeepseekV4Config, Qwen3MoeConfig
