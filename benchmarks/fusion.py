@@ -1,20 +1,31 @@
-"""DVM vs eager (decomposed and native ops) vs Inductor on element-wise chains, side by side.
+"""DVM vs eager (decomposed and native ops) vs Inductor on element-wise chains, side by side,
+and the compile time of the trainer's decoder layers.
 
-    python benchmarks/fusion.py                 # 16M elements (4096 x 4096), fp32 and bf16
-    python benchmarks/fusion.py --rows 1024     # smaller
+    python benchmarks/fusion.py                          # 16M elements and the trainer's 0.25M / 0.5M
+    python benchmarks/fusion.py --sizes 1024x256 --no-layer
 
-For each chain: runtime of the decomposed eager code (what a model's Python says), of eager with
-native fused ops where PyTorch has them (F.silu, F.gelu, F.rms_norm), of torch.compile with
-Inductor and with dvm; and each backend's compile time, measured the same way for both: the time
-spent inside the backend callable (Dynamo's tracing excluded), with Inductor's and our caches off.
-Also the time to build one fused operator's bytecode (DVM's "compile": the median of 200 builds
-of the chain's largest cluster), and dvm once more with its output buffer cache off (outputs from
-the allocator as it comes, as Inductor's are): the kernels alone.
+For each chain and size: runtime of the decomposed eager code (what a model's Python says), of
+eager with native fused ops where PyTorch has them (F.silu, F.gelu, F.rms_norm), of torch.compile
+with Inductor and with dvm, each under two memory regimes, every contender under both:
+- "allocator": outputs from the allocator as it comes (glibc's defaults; dvm's host buffer
+  cache off), so a large fresh output costs its page faults;
+- "reused": freed memory kept for the next output: dvm's host buffer cache on, and glibc told
+  not to give freed memory back (mallopt: blocks below its 32 MiB mmap ceiling reused from the
+  heap, no trimming). Blocks of 32 MiB and more (the 16M-element fp32 and bf16 tensors) are
+  mmapped by glibc whatever it is told: there only dvm can reuse memory.
+Then each backend's compile time, measured the same way for both: the time spent inside the
+backend callable (Dynamo's tracing excluded), with Inductor's and our caches off, and the time to
+build one fused operator's bytecode (DVM's "compile": the median of 200 builds of the chain's
+largest cluster). Last, the default config's model (configs/default.yaml) with its decoder layers
+compiled each way: the first training step's extra time over a later one (tracing, AOTAutograd,
+the backend), and the backend's own part (Inductor's code generation and C++ compilation; dvm's
+clustering and bytecode), forward and backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -101,16 +112,20 @@ def timed_backend(backend, seconds: list):
     return wrapper
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--cols", type=int, default=4096)
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def keep_freed_memory() -> None:
+    """glibc keeps freed blocks for the next allocation (no mmap below its 32 MiB ceiling, no trim)."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, (1 << 31) - 1)):
+        raise SystemExit("mallopt refused the settings")
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-bench-"))
+
+def parse_size(text: str) -> tuple[int, int]:
+    rows, cols = text.lower().split("x")
+    return int(rows), int(cols)
+
+
+def chains_table(args) -> dict:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -119,50 +134,155 @@ def main() -> int:
     from hyperparallel.mx.backends import host_cache
 
     cache_limit = host_cache.limit()
-
     inductor_config.fx_graph_cache = False
     inductor_config.autotune_local_cache = False
     torch._dynamo.config.cache_size_limit = 256
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    cases = []  # (chain, dtype name, rows, cols, inputs, {contender: fn})
+    compile_rows = {}
+    for rows, cols in sizes:
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            for name, chain in CHAINS.items():
+                xs = inputs(name, rows, cols, dtype)
+                inductor_seconds, dvm_seconds = [], []
+                # static shapes: each size its own graphs (as the trainer's fixed shapes have)
+                inductor = torch.compile(chain, backend=timed_backend(compile_fx, inductor_seconds), dynamic=False)
+                dvm_compile._CACHE.clear()
+                dvm_compile.STATS["built_graphs"].clear()
+                fused = torch.compile(chain, backend=timed_backend(dvm, dvm_seconds), dynamic=False)
+                with torch.no_grad():
+                    want = chain(*xs)
+                    for label, fn in (("Inductor", inductor), ("dvm", fused)):
+                        got = fn(*xs)
+                        err = (got.float() - want.float()).abs().max().item()
+                        limit = 1e-5 if dtype == torch.float32 else 2e-2 * max(1.0, want.float().abs().max().item())
+                        if err > limit:
+                            raise SystemExit(f"{label} differs from eager on {name} {dtype_name}: {err}")
+                if (name, dtype_name) not in compile_rows:
+                    built = list(dvm_compile.STATS["built_graphs"])
+                    build_us = 1e6 * max(build_seconds(sub) for sub in built) if built else float("nan")
+                    compile_rows[(name, dtype_name)] = (1e3 * sum(inductor_seconds), 1e3 * sum(dvm_seconds), build_us)
+                fns = {"eager decomposed": chain, "eager native": NATIVE[name], "Inductor": inductor, "dvm": fused}
+                cases.append((name, dtype_name, rows, cols, xs, fns))
 
     results = {}
-    print(f"Element-wise chains, {args.rows} x {args.cols} = {args.rows * args.cols / 2**20:.0f}M elements, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeat}")
-    print("| chain | dtype | eager decomposed | eager native | Inductor | dvm | dvm / Inductor | dvm, no buffer cache "
-          "| its / Inductor | dvm vs decomposed | compile: Inductor | compile: dvm | Inductor / dvm | bytecode build |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for name, chain in CHAINS.items():
-            xs = inputs(name, args.rows, args.cols, dtype)
-            torch._dynamo.reset()
-            inductor_seconds, dvm_seconds = [], []
-            inductor = torch.compile(chain, backend=timed_backend(compile_fx, inductor_seconds))
-            dvm_compile._CACHE.clear()
-            dvm_compile.STATS["built_graphs"].clear()
-            fused = torch.compile(chain, backend=timed_backend(dvm, dvm_seconds))
-            with torch.no_grad():
-                want = chain(*xs)
-                for label, fn in (("Inductor", inductor), ("dvm", fused)):
-                    got = fn(*xs)
-                    err = (got.float() - want.float()).abs().max().item()
-                    limit = 1e-5 if dtype == torch.float32 else 2e-2 * max(1.0, want.float().abs().max().item())
-                    if err > limit:
-                        raise SystemExit(f"{label} differs from eager on {name} {dtype_name}: {err}")
-                t = {label: median_ms(fn, xs, args.repeat) for label, fn in
-                     (("eager decomposed", chain), ("eager native", NATIVE[name]), ("Inductor", inductor), ("dvm", fused))}
-            built = list(dvm_compile.STATS["built_graphs"])
-            build_us = 1e6 * max(build_seconds(sub) for sub in built) if built else float("nan")
-            host_cache.set_limit(0)  # the same dvm kernels on freshly allocated outputs, as Inductor's
-            t["dvm, no buffer cache"] = median_ms(fused, xs, args.repeat)
+    print(f"Element-wise chains, torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+          f"{args.repeat} runs at 16M elements, more at smaller sizes (the same total work)")
+    print("| chain | dtype | elements | memory | eager decomposed | eager native | Inductor | dvm | dvm / Inductor "
+          "| dvm / eager native | dvm vs decomposed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for memory in ("allocator", "reused"):
+        if memory == "allocator":
+            host_cache.set_limit(0)
+        else:
+            keep_freed_memory()
             host_cache.set_limit(cache_limit)
-            ci, cd = 1e3 * sum(inductor_seconds), 1e3 * sum(dvm_seconds)
-            results[f"{name}/{dtype_name}"] = {**t, "compile_inductor_ms": ci, "compile_dvm_ms": cd,
-                                                "bytecode_build_us": build_us}
-            print(f"| {name} | {dtype_name} | {t['eager decomposed']:.2f} ms | {t['eager native']:.2f} ms | "
-                  f"{t['Inductor']:.2f} ms | {t['dvm']:.2f} ms | {t['dvm'] / t['Inductor']:.2f} | "
-                  f"{t['dvm, no buffer cache']:.2f} ms | {t['dvm, no buffer cache'] / t['Inductor']:.2f} | "
-                  f"{t['eager decomposed'] / t['dvm']:.2f}x faster | {ci:.0f} ms | {cd:.1f} ms | {ci / cd:.0f}x | "
-                  f"{build_us:.0f} us |")
+        for name, dtype_name, rows, cols, xs, fns in cases:
+            repeat = min(2000, max(args.repeat, args.repeat * (1 << 24) // (rows * cols)))
+            with torch.no_grad():
+                t = {label: median_ms(fn, xs, repeat) for label, fn in fns.items()}
+            results[f"{name}/{dtype_name}/{rows}x{cols}/{memory}"] = t
+            print(f"| {name} | {dtype_name} | {rows * cols / 2**20:.2f}M | {memory} | {t['eager decomposed']:.3f} ms | "
+                  f"{t['eager native']:.3f} ms | {t['Inductor']:.3f} ms | {t['dvm']:.3f} ms | "
+                  f"{t['dvm'] / t['Inductor']:.2f} | {t['dvm'] / t['eager native']:.2f} | "
+                  f"{t['eager decomposed'] / t['dvm']:.2f}x faster |")
+    rows0, cols0 = sizes[0]
+    print(f"\nCompile time, {rows0} x {cols0} (the time inside the backend callable; Inductor's first compile in "
+          "the process includes its start-up)")
+    print("| chain | dtype | compile: Inductor | compile: dvm | Inductor / dvm | bytecode build |")
+    print("|---|---|---|---|---|---|")
+    for (name, dtype_name), (ci, cd, build_us) in compile_rows.items():
+        results[f"{name}/{dtype_name}/compile"] = {"compile_inductor_ms": ci, "compile_dvm_ms": cd,
+                                                    "bytecode_build_us": build_us}
+        print(f"| {name} | {dtype_name} | {ci:.0f} ms | {cd:.1f} ms | {ci / cd:.0f}x | {build_us:.0f} us |")
+    return results
+
+
+def layer_compile_table() -> dict:
+    """The default config's model, decoder layers compiled with Inductor and with dvm: one training
+    step's extra time the first time, and the backend's own part of it."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from hyperparallel.fusion import backend as dvm_backend
+    from hyperparallel.models import build_model, install_fused_loss
+    from hyperparallel.models.compile import compile_layers
+    from hyperparallel.models.kernels import use_kernels
+    from hyperparallel.models.loss import fused_loss
+    from hyperparallel.train.build import inline_model_config
+    from hyperparallel.train.config import load_config
+
+    cfg = load_config(None)
+    ids = torch.randint(0, 4096, (cfg.training.micro_batch, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
+    own: list[float] = []  # the backend's own seconds, forward and backward graphs
+
+    def inner(gm, example_inputs, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+        finally:
+            own.append(time.perf_counter() - t0)
+
+    real_fuse = dvm_backend.fuse
+
+    def timed_fuse(gm):
+        t0 = time.perf_counter()
+        try:
+            return real_fuse(gm)
+        finally:
+            own.append(time.perf_counter() - t0)
+
+    backends = {"Inductor": lambda gm, ex: compile_fx(gm, ex, inner_compile=inner), "dvm": "dvm"}
+    out = {}
+    print("\nCompiling the decoder layers of configs/default.yaml's model (Qwen3-MoE, 4 layers, micro-batch "
+          f"{cfg.training.micro_batch} x {cfg.data.seq_len}), one training step, forward and backward")
+    print("| backend | first step | a later step | compile overhead | the backend's own part |")
+    print("|---|---|---|---|---|")
+    for label, backend in backends.items():
+        torch._dynamo.reset()
+        model = build_model(cfg.model.family, config=inline_model_config(cfg, 4096), dtype=torch.float32,
+                            attn_implementation=cfg.model.attention(), seed=0)
+        use_kernels(model, mega_gate=True, mega_mhc=True)
+        install_fused_loss(model, None)
+        compile_layers(model, "dvm" if backend == "dvm" else "none")
+        if backend != "dvm":
+            for layer in model.model.layers:
+                layer.forward = torch.compile(layer.forward, backend=backend)
+        own.clear()
+        dvm_backend.fuse = timed_fuse
+        try:
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                with fused_loss(model):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                times.append(time.perf_counter() - t0)
+        finally:
+            dvm_backend.fuse = real_fuse
+        later = statistics.median(times[1:])
+        overhead, mine = times[0] - later, sum(own)
+        out[label] = {"first_s": times[0], "later_s": later, "overhead_s": overhead, "own_s": mine}
+        print(f"| {label} | {times[0]:.2f} s | {later:.3f} s | {overhead:.2f} s | {1e3 * mine:.0f} ms |")
+    i, d = out["Inductor"], out["dvm"]
+    print(f"Inductor / dvm: compile overhead {i['overhead_s'] / d['overhead_s']:.0f}x, the backends' own part "
+          f"{i['own_s'] / d['own_s']:.0f}x")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4096x4096,1024x256,2048x256",
+                        help="rows x cols, comma-separated (the trainer's: 1024 x 256 and 2048 x 256)")
+    parser.add_argument("--repeat", type=int, default=10, help="runs at 16M elements (more at smaller sizes)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--no-layer", dest="layer", action="store_false", help="skip the decoder layers' compile")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-bench-"))
+    results = {"chains": chains_table(args)}
+    if args.layer:
+        results["layer"] = layer_compile_table()
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0

@@ -78,7 +78,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, dataset.tokenizer.vocab_size),
-                        dtype=torch.float32, attn_implementation=cfg.model.attn_implementation,
+                        dtype=torch.float32, attn_implementation=cfg.model.attention(),
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:
         model.set_experts_implementation(experts)

@@ -4,7 +4,8 @@ Registered under the name `dvm` through the `torch_dynamo_backends` entry point 
 so it works after install without importing hyperparallel first.
 
 A graph whose inputs need gradients goes through AOTAutograd (forward and backward ATen graphs,
-each fused the same way). A graph that needs none does not pay for AOTAutograd, nor for any
+each fused the same way; split by Inductor's min-cut partitioner, which recomputes cheap
+element-wise values in the backward instead of saving them). A graph that needs none does not pay for AOTAutograd, nor for any
 tracing: Dynamo's own graph is used, its element-wise nodes rewritten to ATen (canonical.py). Either way, `fuse(gm)` finds the clusters (partition.py), replaces each by
 one FusedOp (compile.py) and leaves every other node as the ATen op it was.
 """
@@ -57,11 +58,15 @@ def dvm(gm: GraphModule, example_inputs):
         if _needs_grad(example_inputs):
             from torch._dynamo.backends.common import aot_autograd
             from torch._functorch.aot_autograd import make_boxed_func
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
 
             def boxed(g, inputs):
                 return make_boxed_func(_compile_aten(g, inputs))
 
-            return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+            # Inductor's partitioner: cheap element-wise values are recomputed in the backward graph
+            # (where they fuse into its clusters) rather than saved by the forward
+            return aot_autograd(fw_compiler=boxed, bw_compiler=boxed,
+                                partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
         return _inference(gm, example_inputs)
     finally:
         STATS["backend_seconds"].append(time.perf_counter() - t0)
