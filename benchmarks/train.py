@@ -21,7 +21,9 @@ Each contender trains in a process of its own, all started together, and they ta
 optimizer step at a time (the others wait, idle, on a pipe): every contender sees the same
 machine, step for step, however its speed drifts. Each row's ratio is against hyperparallel at
 the same precision; the first steps (compilation included) are warm-up and not counted. Prints
-a table and writes JSON (--json PATH).
+a table and writes JSON (--json PATH). With --one-process, hyperparallel's contenders (no HF
+Trainer) are built in this one process from the trainer's parts and their steps called in turns:
+one allocator, OpenMP team and set of caches for all.
 """
 
 from __future__ import annotations
@@ -139,6 +141,65 @@ def _contender(kind: str, options: dict, config: str | None, overrides: list[str
         conn.send(("failed", f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"))
 
 
+def _processes(contenders: dict, results: dict, args, tmp: str) -> None:
+    """Each contender in a process of its own, taking turns one step at a time."""
+    spawn = multiprocessing.get_context("spawn")
+    pipes = {}
+    for name, (kind, options) in contenders.items():
+        mine, theirs = spawn.Pipe()
+        options = {**options, "threads": torch.get_num_threads()}
+        spawn.Process(target=_contender, args=(kind, options, args.config, args.set, args.steps, tmp, theirs),
+                      daemon=True).start()
+        pipes[name] = mine
+    for name, pipe in pipes.items():  # every set-up done before the first timed step
+        message = pipe.recv()
+        if message[0] == "failed":
+            results[name]["failed"] = message[1]
+    running = [name for name in pipes if results[name]["failed"] is None]
+    while running:
+        for name in list(running):
+            pipes[name].send("go")
+            message = pipes[name].recv()
+            if message[0] == "step":
+                results[name]["times"].append(message[1])
+                continue
+            running.remove(name)
+            if message[0] == "done":
+                results[name]["losses"] = message[1]
+            else:
+                results[name]["failed"] = message[1]
+
+
+def _one_process(cfg, contenders: dict, results: dict, steps: int) -> None:
+    """hyperparallel's contenders built in this process from the trainer's own parts (model,
+    optimizer, schedule, batches, TrainStep), their steps called in turns from this thread: one
+    allocator, OpenMP team and set of caches for all (no run directory, logging or validation)."""
+    from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
+    from hyperparallel.train.distributed import init_distributed
+    from hyperparallel.train.step import TrainStep
+
+    rt = init_distributed(cfg.training.collective_timeout_s("cpu"))
+    trainers = {}
+    for name, (_, options) in contenders.items():
+        run = cfg.model_copy(deep=True)
+        run.training.mixed_precision = "bf16" if options["precision"] == "bf16" else "none"
+        run.training.compile = options.get("compile", run.training.compile)
+        torch.manual_seed(run.training.seed)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            dataset = build_data(run, rt)
+        built = build_trained_model(run, rt, dataset.tokenizer.vocab_size)
+        optimizer, scheduler = build_optimization(run, built.model)
+        step = TrainStep(built, optimizer, scheduler, accumulation=run.grad_accumulation(1), world=1, device=rt.device,
+                         autocast_bf16=run.training.mixed_precision == "bf16", max_grad_norm=run.training.max_grad_norm)
+        trainers[name] = (step, build_batches(run, dataset, rt, built))
+    for i in range(steps):
+        for name, (step, batches) in trainers.items():
+            t0 = time.perf_counter()
+            result = step(batches.micro_batches(i))
+            results[name]["times"].append(time.perf_counter() - t0)
+            results[name]["losses"].append(result.loss)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="a trainer YAML (default: configs/default.yaml)")
@@ -150,6 +211,8 @@ def main(argv=None) -> int:
                         help="also time hyperparallel with these training.compile settings (comma-separated; '' for none)")
     parser.add_argument("--no-hf-compile", dest="hf_compile", action="store_false",
                         help="leave out the HF Trainer with torch_compile=True")
+    parser.add_argument("--one-process", action="store_true",
+                        help="hyperparallel's contenders only, in this one process, taking turns step by step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -168,33 +231,14 @@ def main(argv=None) -> int:
             contenders[(precision, "HF Trainer, torch_compile")] = ("hf", {"precision": precision, "compile": True})
         if moe and precision == "fp32":
             contenders[(precision, "HF Trainer, eager experts")] = ("hf", {"precision": precision, "experts": "eager"})
+    if args.one_process:
+        contenders = {name: c for name, c in contenders.items() if c[0] == "ours"}
     results = {name: {"times": [], "losses": [], "failed": None} for name in contenders}
-    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        pipes = {}
-        for name, (kind, options) in contenders.items():
-            mine, theirs = spawn.Pipe()
-            options = {**options, "threads": torch.get_num_threads()}
-            spawn.Process(target=_contender, args=(kind, options, args.config, args.set, args.steps, tmp, theirs),
-                          daemon=True).start()
-            pipes[name] = mine
-        for name, pipe in pipes.items():  # every set-up done before the first timed step
-            message = pipe.recv()
-            if message[0] == "failed":
-                results[name]["failed"] = message[1]
-        running = [name for name in pipes if results[name]["failed"] is None]
-        while running:
-            for name in list(running):
-                pipes[name].send("go")
-                message = pipes[name].recv()
-                if message[0] == "step":
-                    results[name]["times"].append(message[1])
-                    continue
-                running.remove(name)
-                if message[0] == "done":
-                    results[name]["losses"] = message[1]
-                else:
-                    results[name]["failed"] = message[1]
+        if args.one_process:
+            _one_process(cfg, contenders, results, args.steps)
+        else:
+            _processes(contenders, results, args, tmp)
     rows = []
     for (precision, name), result in results.items():
         times, losses, failed = result["times"][args.warmup:], result["losses"], result["failed"]
