@@ -103,8 +103,6 @@ DVM_INLINE void store_one(char *p, int dtype, float v) {
     }
 }
 
-static inline int esize(int dtype) { return dtype == DT_F32 ? 4 : dtype == DT_BOOL ? 1 : 2; }
-
 /* n elements of a tensor row starting at p, col stride cs (elements), to fp32 */
 static void load_row(float *d, const char *p, int dtype, int64_t cs, int64_t n) {
     if (cs == 1) {
@@ -123,7 +121,7 @@ static void load_row(float *d, const char *p, int dtype, int64_t cs, int64_t n) 
         float v = load_one(p, dtype);
         SIMD for (int64_t j = 0; j < n; j++) d[j] = v;
     } else {
-        int64_t step = cs * esize(dtype);
+        int64_t step = cs * dvm_esize(dtype);
         for (int64_t j = 0; j < n; j++) d[j] = load_one(p + j * step, dtype);
     }
 }
@@ -150,7 +148,7 @@ static void store_row(char *p, int dtype, int64_t cs, const float *s, int64_t n,
             f32_row_to_f16((uint16_t *)p, s, n);
         }
     } else {
-        int64_t step = cs * esize(dtype);
+        int64_t step = cs * dvm_esize(dtype);
         for (int64_t j = 0; j < n; j++) store_one(p + j * step, dtype, s[j]);
     }
 }
@@ -165,7 +163,7 @@ static void fill_row(char *p, int dtype, int64_t cs, float v, int64_t n) {
         uint16_t *d = (uint16_t *)p;
         SIMD for (int64_t j = 0; j < n; j++) d[j] = h;
     } else {
-        int64_t step = cs * esize(dtype);
+        int64_t step = cs * dvm_esize(dtype);
         for (int64_t j = 0; j < n; j++) store_one(p + j * step, dtype, v);
     }
 }
@@ -456,7 +454,7 @@ static void broadcast(float *d, int kd, const float *s, int ks, int64_t tr, int6
 /* ---------------------------------------------------------------- the interpreter */
 
 static void load(const dvm_tensor *t, float *d, int kd, int64_t r0, int64_t c0, int64_t tr, int64_t tc) {
-    int es = esize(t->dtype);
+    int es = dvm_esize(t->dtype);
     if (kd == KIND_SCALAR) {
         d[0] = load_one(t->ptr, t->dtype);
     } else if (kd == KIND_ROW) {
@@ -476,7 +474,7 @@ static void load(const dvm_tensor *t, float *d, int kd, int64_t r0, int64_t c0, 
 }
 
 static void store(const dvm_tensor *t, const float *s, int ks, int64_t r0, int64_t c0, int64_t tr, int64_t tc) {
-    int es = esize(t->dtype);
+    int es = dvm_esize(t->dtype);
     char *p = t->ptr + (dvm_row(t, r0) + c0 * t->cs) * es;
     if (ks == KIND_FULL) {
         for (int64_t i = 0; i < tr; i++)
@@ -523,9 +521,9 @@ static void pf_plan(const dvm_plan *p, const int64_t *next, int steps, pf_cursor
         const dvm_tensor *t = &p->in[I->idx];
         if (t->cs != 1 || !t->linear) continue;
         int dup = 0;
-        for (int j = 0; j < c->n; j++) dup |= c->base[j] == t->ptr + (next[0] * t->rs + next[1]) * esize(t->dtype);
+        for (int j = 0; j < c->n; j++) dup |= c->base[j] == t->ptr + (next[0] * t->rs + next[1]) * dvm_esize(t->dtype);
         if (dup) continue; /* an input loaded twice */
-        int es = esize(t->dtype);
+        int es = dvm_esize(t->dtype);
         c->base[c->n] = t->ptr + (next[0] * t->rs + next[1]) * es;
         c->row_step[c->n] = t->rs * es;
         c->rows[c->n] = t->rs == 0 ? 1 : next[2];

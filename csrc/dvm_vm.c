@@ -376,7 +376,7 @@ static int resident(const char *p, int64_t bytes) {
 
 /* bytes from a tensor's first to one past its last element over the space (strides are >= 0) */
 static int64_t extent(const dvm_tensor *t, int64_t rows, int64_t cols) {
-    int es = t->dtype == DT_F32 ? 4 : t->dtype == DT_BOOL ? 1 : 2;
+    int es = dvm_esize(t->dtype);
     return (dvm_row(t, rows - 1) + (t->linear ? 0 : (t->n_inner - 1) * t->rs + (t->n_mid - 1) * t->s_mid) +
             (cols - 1) * t->cs + 1) * es;
 }
@@ -395,12 +395,13 @@ static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static int valid_dtype(int d) { return d == DT_F32 || d == DT_BF16 || d == DT_F16; }
 
-/* As hp_dvm_run, with rows nested up to three deep (dvm_tensor): strides are 4 per tensor
- * (outer, middle and inner row strides, column stride), and rows = n_outer * n_mid * n_inner. */
-int hp_dvm_run_nd(const int32_t *code, int n_instr, const double *imms, int n_imms, const int32_t *reg_kinds,
-                  int n_regs, int n_inputs, void *const *in_ptrs, const int32_t *in_dtypes, const int64_t *in_strides,
-                  int n_outputs, void *const *out_ptrs, const int32_t *out_dtypes, const int64_t *out_strides,
-                  int64_t rows, int64_t cols, int64_t n_mid, int64_t n_inner, int n_threads) {
+/* Runs the program over rows x cols. Rows may nest up to three deep (dvm_tensor): rows =
+ * n_outer * n_mid * n_inner, and each tensor has 4 strides (outer, middle and inner row strides,
+ * column stride). */
+int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms, const int32_t *reg_kinds,
+               int n_regs, int n_inputs, void *const *in_ptrs, const int32_t *in_dtypes, const int64_t *in_strides,
+               int n_outputs, void *const *out_ptrs, const int32_t *out_dtypes, const int64_t *out_strides,
+               int64_t rows, int64_t cols, int64_t n_mid, int64_t n_inner, int n_threads) {
     last_error_instr = -1;
     if (n_instr < 0 || n_imms < 0 || n_regs < 0 || n_inputs < 0 || n_outputs < 0 || rows < 0 || cols < 0 ||
         n_mid < 1 || n_inner < 1 || (rows > 0 && rows % (n_mid * n_inner) != 0))
@@ -470,7 +471,7 @@ int hp_dvm_run_nd(const int32_t *code, int n_instr, const double *imms, int n_im
     /* Outputs too large for the caches are streamed. An fp32 LOAD register written by nothing
      * else may read its contiguous input in place, unless an output overlaps that input. */
     for (int j = 0; j < n_outputs; j++) {
-        int64_t bytes = rows * cols * (out[j].dtype == DT_F32 ? 4 : 2);
+        int64_t bytes = rows * cols * dvm_esize(out[j].dtype);
         out[j].stream = !(tune_flags & 2) && out[j].cs == 1 && bytes >= STREAM_MIN_BYTES &&
                         resident(out[j].ptr, extent(&out[j], rows, cols));
     }
@@ -600,24 +601,4 @@ int hp_dvm_run_nd(const int32_t *code, int n_instr, const double *imms, int n_im
     }
     free(mem);
     return err;
-}
-
-int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms, const int32_t *reg_kinds, int n_regs,
-               int n_inputs, void *const *in_ptrs, const int32_t *in_dtypes, const int64_t *in_strides, int n_outputs,
-               void *const *out_ptrs, const int32_t *out_dtypes, const int64_t *out_strides, int64_t rows, int64_t cols,
-               int n_threads) {
-    if (n_inputs < 0 || n_outputs < 0) return DVM_E_SHAPE;
-    int64_t *strides = malloc(((size_t)n_inputs + (size_t)n_outputs + 1) * 4 * sizeof(int64_t));
-    if (!strides) return DVM_E_NOMEM;
-    for (int i = 0; i < n_inputs + n_outputs; i++) {
-        const int64_t *st = i < n_inputs ? in_strides + 2 * i : out_strides + 2 * (i - n_inputs);
-        int64_t *d = strides + 4 * i;
-        d[0] = d[1] = d[2] = st[0]; /* one row level (n_mid = n_inner = 1): the outer stride is used */
-        d[3] = st[1];
-    }
-    int rc = hp_dvm_run_nd(code, n_instr, imms, n_imms, reg_kinds, n_regs, n_inputs, in_ptrs, in_dtypes, strides,
-                           n_outputs, out_ptrs, out_dtypes, strides + 4 * (size_t)n_inputs, rows, cols, 1, 1,
-                           n_threads);
-    free(strides);
-    return rc;
 }

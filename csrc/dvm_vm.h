@@ -79,6 +79,9 @@ typedef struct {
     int stream; /* output: written with non-temporal stores (too large to stay in cache) */
 } dvm_tensor;
 
+/* Bytes per element of a dtype. */
+static inline int dvm_esize(int dtype) { return dtype == DT_F32 ? 4 : dtype == DT_BOOL ? 1 : 2; }
+
 /* Element offset of row r of t. */
 static inline int64_t dvm_row(const dvm_tensor *t, int64_t r) {
     if (t->linear) return r * t->rs;

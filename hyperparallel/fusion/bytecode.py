@@ -147,6 +147,16 @@ BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.MIN, Op.POW, Op.GT, Op.GE, 
 REDUCTIONS = {Op.RSUM, Op.RMAX, Op.RMIN}
 
 
+def nested_strides(strides, row_dims: tuple[int, int]) -> tuple[int, int, int, int]:
+    """A tensor's (outer, middle, inner row, column) strides over rows nested as
+    [rows / (n_mid * n_inner), n_mid, n_inner]; given (row, column), rows at one stride."""
+    if len(strides) == 4:
+        return tuple(strides)
+    n_mid, n_inner = row_dims
+    row, col = strides
+    return row * n_inner * n_mid, row * n_inner, row, col
+
+
 @dataclass
 class Program:
     """A fused operator: its code, constants, register kinds, and what it reads and writes."""

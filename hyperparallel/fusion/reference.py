@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperparallel.fusion.bytecode import WORDS, DType, Kind, Op, Program
+from hyperparallel.fusion.bytecode import WORDS, DType, Kind, Op, Program, nested_strides
 
 _DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 _UNARY = {
@@ -30,11 +30,8 @@ def _view(t: torch.Tensor, rows: int, cols: int, strides, row_dims) -> torch.Ten
     """t as [rows / (n_mid * n_inner), n_mid, n_inner, cols] through strides (row, col) or
     (outer, middle, inner, col); reshape it to [rows, cols] to read it."""
     n_mid, n_inner = row_dims
-    if len(strides) == 2:
-        row, col = strides
-        strides = (row * n_inner * n_mid, row * n_inner, row, col)
     shape = (rows // (n_mid * n_inner), n_mid, n_inner, cols)
-    return torch.as_strided(t, shape, strides, t.storage_offset())
+    return torch.as_strided(t, shape, nested_strides(strides, row_dims), t.storage_offset())
 
 
 def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, output_strides, row_dims=(1, 1)) -> None:

@@ -25,17 +25,16 @@ from itertools import chain
 import torch
 
 from hyperparallel.errors import HyperparallelError
-from hyperparallel.fusion.bytecode import INPUT_DTYPES, WORDS, Op, Program
+from hyperparallel.fusion.bytecode import INPUT_DTYPES, WORDS, Op, Program, nested_strides
 
 _P = ctypes.c_void_p
 _INT = ctypes.c_int
 _I64 = ctypes.c_int64
-# hp_dvm_run has no argtypes: ctypes' conversion of 17 declared arguments costs more than the
+# hp_dvm_run has no argtypes: ctypes' conversion of 19 declared arguments costs more than the
 # call itself, so run() passes ctypes objects of the exact C types (arrays for pointers, c_int64
 # for rows and cols, Python ints only where the C type is int).
 _SIGNATURES = {
     "hp_dvm_run": (None, _INT),
-    "hp_dvm_run_nd": (None, _INT),
     "hp_dvm_strerror": ([_INT], ctypes.c_char_p),
     "hp_dvm_error_instr": ([], _INT),
     "hp_dvm_set_isa": ([_INT], ctypes.c_char_p),
@@ -113,16 +112,12 @@ def _native(program: Program) -> _Native:
     return native
 
 
-def _pointers(kind: str, tensors: Sequence[torch.Tensor], dtypes: tuple[torch.dtype, ...]) -> list[int]:
+def _check(kind: str, tensors: Sequence[torch.Tensor], dtypes: tuple[torch.dtype, ...]) -> None:
     if len(tensors) != len(dtypes):
         raise ValueError(f"the program has {len(dtypes)} {kind}s, got {len(tensors)} tensors")
-    ptrs = []
-    for t, dtype in zip(tensors, dtypes, strict=True):
+    for i, (t, dtype) in enumerate(zip(tensors, dtypes, strict=True)):
         if t.dtype is not dtype or not t.is_cpu:
-            raise ValueError(f"{kind} {len(ptrs)} of the program is a cpu {dtype} tensor, "
-                             f"got {t.device.type} {t.dtype}")
-        ptrs.append(t.data_ptr())
-    return ptrs
+            raise ValueError(f"{kind} {i} of the program is a cpu {dtype} tensor, got {t.device.type} {t.dtype}")
 
 
 def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], rows: int, cols: int,
@@ -140,17 +135,9 @@ def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torc
     if LIB is None:
         raise RuntimeError("the native library hyperparallel._dvm_native is not built (run `make setup`)")
     native = _native(program)
-    in_ptrs = _pointers("input", inputs, native.in_torch)
-    out_ptrs = _pointers("output", outputs, native.out_torch)
-    n_mid, n_inner = row_dims
-    rc = LIB.hp_dvm_run_nd(native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs,
-                           len(in_ptrs), native.in_ptrs(*in_ptrs), native.in_dtypes,
-                           native.in_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in input_strides)),
-                           len(out_ptrs), native.out_ptrs(*out_ptrs), native.out_dtypes,
-                           native.out_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in output_strides)),
-                           _I64(rows), _I64(cols), _I64(n_mid), _I64(n_inner), int(n_threads))
-    if rc:
-        raise _error(program, rc)
+    _check("input", inputs, native.in_torch)
+    _check("output", outputs, native.out_torch)
+    Call(program, rows, cols, row_dims, input_strides, output_strides, n_threads)(inputs, outputs)
 
 
 class Call:
@@ -173,24 +160,16 @@ class Call:
         self.n_in, self.n_out = len(input_strides), len(output_strides)
         self.in_ptrs, self.out_ptrs = native.in_ptrs, native.out_ptrs
         self.in_dtypes, self.out_dtypes = native.in_dtypes, native.out_dtypes
-        self.in_strides = native.in_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in input_strides))
-        self.out_strides = native.out_strides(*chain.from_iterable(_nested(s, n_mid, n_inner) for s in output_strides))
+        self.in_strides = native.in_strides(*chain.from_iterable(nested_strides(s, row_dims) for s in input_strides))
+        self.out_strides = native.out_strides(*chain.from_iterable(nested_strides(s, row_dims) for s in output_strides))
         self.tail = (_I64(rows), _I64(cols), _I64(n_mid), _I64(n_inner), int(n_threads))
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        rc = LIB.hp_dvm_run_nd(*self.head, self.n_in, self.in_ptrs(*[t.data_ptr() for t in inputs]), self.in_dtypes,
-                               self.in_strides, self.n_out, self.out_ptrs(*[t.data_ptr() for t in outputs]),
-                               self.out_dtypes, self.out_strides, *self.tail)
+        rc = LIB.hp_dvm_run(*self.head, self.n_in, self.in_ptrs(*[t.data_ptr() for t in inputs]), self.in_dtypes,
+                            self.in_strides, self.n_out, self.out_ptrs(*[t.data_ptr() for t in outputs]),
+                            self.out_dtypes, self.out_strides, *self.tail)
         if rc:
             raise _error(self.program, rc)
-
-
-def _nested(strides: Sequence[int], n_mid: int, n_inner: int) -> tuple[int, int, int, int]:
-    """(outer, middle, inner, column) strides; (row, column) is rows at one stride."""
-    if len(strides) == 4:
-        return tuple(strides)
-    row, col = strides
-    return row * n_inner * n_mid, row * n_inner, row, col
 
 
 def _error(program: Program, rc: int) -> VMError:
