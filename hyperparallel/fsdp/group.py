@@ -1,11 +1,12 @@
 """FSDPGroup: the parameters of one sharded module, which travel together, and its lifecycle.
 
 All of a group's parameters share one flat buffer in which every rank has a slot of the same
-padded length: the local shards are copied into this rank's slot, one all-gather fills every
-rank's, and views of it with the padding stripped are copied into the full parameters.
-Gradients go the other way: zero-padded into one [world, slot] buffer, one reduce-scatter (sum,
-then a divide by gradient_divide_factor: gloo's AVG is unreliable), and each rank keeps its
-valid rows as its shards' `.grad`. Every copy is one foreach op over the whole group.
+padded length (collectives.py): the local shards are copied into this rank's slot, one
+all-gather fills every rank's, and views of it with the padding stripped are copied into the
+full parameters. Gradients go the other way: zero-padded into one [world, slot] buffer, one
+reduce-scatter (sum, then a divide by gradient_divide_factor: gloo's AVG is unreliable), and
+each rank keeps its valid rows as its shards' `.grad`. Every copy is one foreach op over the
+whole group, over views made once ([Note: views made once per group], collectives.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperparallel import versions
+from hyperparallel.fsdp.collectives import FlatLayout, GatherViews, ReduceViews, all_gather, reduce_scatter
 from hyperparallel.fsdp.param import MixedPrecision, ShardedParam
 
 if TYPE_CHECKING:
@@ -73,36 +75,6 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
 _UNSHARDED = frozenset({_S.UNSHARDED, _S.UNSHARDED_FOR_BACKWARD})
 
 
-class _FlatLayout:
-    """Where each parameter's elements sit in a flat [world, slot] communication buffer: rank r's
-    slot holds, parameter after parameter, that parameter's rows on rank r followed by zeros up
-    to its padded length. Splitting the buffer by `sizes` gives (rows, padding) pieces, rank-major.
-    Shapes and ranks never change, so a group builds this once."""
-
-    def __init__(self, params: list[ShardedParam], world: int, rank: int):
-        self.params = params
-        self.slot = sum(p.slot_numel for p in params)
-        per_rank = [[n for p in params for n in (p.rank_numels[r], p.slot_numel - p.rank_numels[r])]
-                    for r in range(world)]
-        self.sizes = [n for sizes in per_rank for n in sizes]
-        self.local_sizes = per_rank[rank]  # this rank's slot alone: the all-gather's input, the reduce's output
-        count = len(params)
-        self.rows = [[2 * (r * count + i) for r in range(world)] for i in range(count)]  # param i's, by rank
-        self.rows_in_order = [j for rows in self.rows for j in rows]
-        self.padding = [j for j in range(1, len(self.sizes), 2) if self.sizes[j]]
-        self.local_padding = [j for j in range(1, len(self.local_sizes), 2) if self.local_sizes[j]]
-
-
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    return fn(out, flat, group=group, async_op=True)
-
-
-def _all_gather(gathered: torch.Tensor, local: torch.Tensor, group):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(gathered, local, group=group, async_op=True)
-
-
 class FSDPGroup:
     def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
                  mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None):
@@ -115,10 +87,14 @@ class FSDPGroup:
         self.gradient_sync = True  # a user setting (set_requires_gradient_sync), not lifecycle state
         self.params: list[ShardedParam] = []
         self.state = GroupState.SHARDED
-        self._gather = None  # (work, gathered, local) of a launched all-gather: a prefetch in flight
-        self._reduce = None  # (work, out, flat, layout) of a launched reduce-scatter
-        self._gather_layout: _FlatLayout | None = None
-        self._reduce_layout: _FlatLayout | None = None  # over the trainable parameters only
+        self._gather = None  # the work of a launched all-gather: a prefetch in flight
+        self._reduce = None  # (work, out) of a launched reduce-scatter
+        self._gather_layout: FlatLayout | None = None
+        self._reduce_layout: FlatLayout | None = None  # over the trainable parameters only
+        self._gather_views: GatherViews | None = None  # made on first use
+        self._reduce_views: ReduceViews | None = None
+        self._shards: list[nn.Parameter] = []  # the copy-in's sources, in the layout's order
+        self._copy_out: list[torch.Tensor] = []  # the full parameters' run views, in the layout's order
         # Per backward pass, not lifecycle: the end-of-backward callback must be queued once per
         # pass, on the first gradient, whichever state the group is in by then (a group can be
         # done with its gradients, or still gathered, when the callback runs).
@@ -149,10 +125,11 @@ class FSDPGroup:
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
             if sharded.full.requires_grad:
                 sharded.full.register_post_accumulate_grad_hook(self._on_grad)
-        self._gather_layout = _FlatLayout(self.params, self.world, self.rank)
+        self._gather_layout = FlatLayout(self.params, self.world, self.rank)
+        self._shards = [p.shard for p in self.params]
         # Which parameters get gradients is fixed here, as is the count _on_grad waits for.
         trainable = [p for p in self.params if p.full.requires_grad]
-        self._reduce_layout = _FlatLayout(trainable, self.world, self.rank) if trainable else None
+        self._reduce_layout = FlatLayout(trainable, self.world, self.rank) if trainable else None
 
     # -------------------------------------------------------------------------- all-gather
 
@@ -160,17 +137,14 @@ class FSDPGroup:
         """Launch this group's all-gather without waiting for it (a prefetch); unshard() finishes it."""
         if self.is_unsharded or self._gather is not None:
             return
-        layout = self._gather_layout
         ref = self.params[0].full  # gathered in the full parameters' (compute) dtype
-        local = torch.empty(layout.slot, dtype=ref.dtype, device=ref.device)
-        pieces = local.split_with_sizes(layout.local_sizes)
-        torch._foreach_copy_(pieces[0::2], [p.shard.detach().reshape(-1) for p in self.params])
-        if layout.local_padding:  # never read, but never uninitialized bytes on the wire
-            torch._foreach_zero_([pieces[j] for j in layout.local_padding])
+        views = self._gather_views
+        if views is None or views.key != (ref.dtype, ref.device):
+            views = self._gather_views = GatherViews(self._gather_layout, ref.dtype, ref.device)
+        views.copy_in(self._shards)
         for p in self.params:
             p.sent_version = (p.shard._version, versions.generation(p.shard))
-        gathered = torch.empty(self.world * layout.slot, dtype=ref.dtype, device=ref.device)
-        self._gather = (_all_gather(gathered, local, self.group), gathered, local)
+        self._gather = all_gather(views.gathered.flat, views.local.tensor, self.group)
 
     def unshard(self, for_backward: bool = False) -> None:
         """Fill the full parameters and put them in the module (a no-op if they are there)."""
@@ -179,17 +153,16 @@ class FSDPGroup:
                 self._become(GroupState.UNSHARDED_FOR_BACKWARD)
             return
         self.start_unshard()
-        work, gathered, _ = self._gather
+        work, views = self._gather, self._gather_views
         self._gather = None
         work.wait()
-        pieces = gathered.split_with_sizes(self._gather_layout.sizes)
-        rows, same = [], []
+        same, moved = [], False
         for p in self.params:
             full = p.full
             storage = full.untyped_storage()
-            if storage.size() == 0:
-                storage.resize_(full.numel() * full.element_size())
-            rows.extend(p.full_rows())
+            if storage.nbytes() == 0:
+                storage.resize_(p.full_nbytes)
+            moved |= storage._cdata != p._full_storage
             # Gathering the same values again (for backward, or the next micro-batch) must not look
             # like an in-place change to autograd: saved tensors of an earlier forward refer to this
             # storage and are meant to see them. New values (after an optimizer step or a
@@ -197,9 +170,11 @@ class FSDPGroup:
             # weight copies) start over.
             if p.sent_version == p.gathered_version:
                 same.append(full)
+        if moved or not self._copy_out:
+            self._copy_out = [view for p in self.params for view in p.full_runs()]
         keep_versions = torch.autograd._unsafe_preserve_version_counter(tuple(same)) if same else nullcontext()
-        with torch.no_grad(), keep_versions:
-            torch._foreach_copy_(rows, [pieces[j] for j in self._gather_layout.rows_in_order])
+        with keep_versions:
+            views.copy_out(self._copy_out)
         for p in self.params:
             if p.sent_version != p.gathered_version:
                 versions.bump(p.full)
@@ -210,8 +185,9 @@ class FSDPGroup:
     def drop_prefetch(self) -> None:
         """Forget an all-gather that was prefetched but not used: the shards may change before the next use."""
         if self._gather is not None:
-            self._gather[0].wait()
+            self._gather.wait()
             self._gather = None
+            self._gather_views.free()
 
     def _free_full(self) -> None:
         for p in self.params:
@@ -276,42 +252,38 @@ class FSDPGroup:
             return
         ref = layout.params[0].full
         reduce_dtype = self.mp.reduce_dtype or ref.dtype
-        flat = torch.empty(self.world, layout.slot, dtype=reduce_dtype, device=ref.device)
-        pieces = flat.view(-1).split_with_sizes(layout.sizes)
-        into, grads = [], []
-        zeros = [pieces[j] for j in layout.padding]
-        for p, rows in zip(layout.params, layout.rows, strict=True):
+        views = self._reduce_views
+        if views is None or views.key != (reduce_dtype, ref.device):
+            views = self._reduce_views = ReduceViews(layout, reduce_dtype, ref.device)
+        grads = []
+        for p in layout.params:
             grad = p.full.grad
             if p.accumulated is not None:
                 grad = p.accumulated if grad is None else grad + p.accumulated
                 p.accumulated = None
-            if grad is None:
-                zeros.extend(pieces[j] for j in rows)
-            else:
-                into.extend(pieces[j] for j in rows)
-                grads.extend(grad.reshape(-1).split_with_sizes(p.rank_numels))
+            grads.append(grad)
             p.full.grad = None
-        if into:
-            torch._foreach_copy_(into, grads)
-        if zeros:
-            torch._foreach_zero_(zeros)
+        flat = views.copy_in(grads)
+        # (a fresh output every time: the shards' grads are views of it until the optimizer is done)
         out = torch.empty(layout.slot, dtype=reduce_dtype, device=ref.device)
-        work = _reduce_scatter(out, flat.view(-1), self.group)
-        self._reduce = (work, out, flat, layout)
+        self._reduce = (reduce_scatter(out, flat, self.group), out)
 
     def _finish_reduce(self) -> None:
         if self._reduce is None:
             return
-        work, out, _, layout = self._reduce
+        work, out = self._reduce
         self._reduce = None
         work.wait()
         out.div_(self.gradient_divide_factor)
-        pieces = out.split_with_sizes(layout.local_sizes)
+        layout = self._reduce_layout
+        dtype = layout.params[0].shard.dtype  # (the group's shards share one: fully_shard checks)
+        if out.dtype != dtype:
+            out = out.to(dtype)
         into, adds = [], []
-        for p, piece in zip(layout.params, pieces[0::2], strict=True):
-            g = piece.view_as(p.shard)  # a view: `out` is the grads plus short-shard padding only
+        # views: `out` is the grads plus short-shard padding only
+        for p, g in zip(layout.params, self._reduce_views.shard_grads(out), strict=True):
             if p.shard.grad is None:
-                p.shard.grad = g if g.dtype == p.shard.dtype else g.to(p.shard.dtype)
+                p.shard.grad = g
             else:
                 into.append(p.shard.grad)
                 adds.append(g)

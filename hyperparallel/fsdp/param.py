@@ -9,6 +9,7 @@ that refer to it keep working.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -53,13 +54,14 @@ class ShardedParam:
     slot_rows: int  # rows of every rank's slot in the group's flat buffers: the longest shard
     placement: ShardPlacement
     rank_numels: list[int]  # elements of every rank's shard, rank 0 first: they tile the flattened parameter
+    full_nbytes: int  # the full parameter's storage when allocated
     accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
     # the shard's (_version, generation) when its rows last went into an all-gather, and when the
     # full parameter was last filled: equal means the gather brings the same values again
     sent_version: tuple | None = None
     gathered_version: tuple | None = ()
-    # views of `full`'s rows, one per rank, for the all-gather's copy-out (see full_rows)
-    _full_rows: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    # views of `full`'s elements, one per run of ranks, for the all-gather's copy-out (see full_runs)
+    _full_runs: list[torch.Tensor] = field(default_factory=list, repr=False)
     _full_storage: int | None = field(default=None, repr=False)
 
     @classmethod
@@ -84,7 +86,7 @@ class ShardedParam:
         full.untyped_storage().resize_(0)
         row_numel = full_2d.shape[1]
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
-                   [length * row_numel for _, length in placement.ranges])
+                   [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size())
 
     def put(self, param: nn.Parameter) -> None:
         for owner, name in self.places:
@@ -94,8 +96,14 @@ class ShardedParam:
     def slot_numel(self) -> int:
         return self.slot_rows * self.row_numel
 
-    def full_rows(self) -> tuple[torch.Tensor, ...]:
-        """Every rank's rows of the full parameter, as views that the all-gather copies into.
+    @functools.cached_property
+    def runs(self) -> list[Run]:
+        """The ranks' shards as runs of consecutive ranks holding the same number of elements."""
+        return runs_of(self.rank_numels)
+
+    def full_runs(self) -> list[torch.Tensor]:
+        """The full parameter's elements as views that the all-gather copies into: per run of ranks
+        holding elements, a view of the flattened parameter shaped `run.shape`.
 
         [Note: views of a freed storage] `full` keeps one storage object whose bytes are freed
         (resize to 0) and allocated again (resize to its size) around every use; views share
@@ -104,10 +112,45 @@ class ShardedParam:
         something to rely on), of `full.detach()` so that they share its version counter (the
         gather's writes count as writes to `full`, and _unsafe_preserve_version_counter undoes
         them) without carrying autograd history, and made again should anything have put
-        another storage under `full`."""
+        another storage under `full`. The group's own communication buffers are kept the same
+        way (collectives.py, CommBuffer)."""
         storage = self.full.untyped_storage()
         # (the cached views hold the storage they were made of, so its address is not reused)
         if storage._cdata != self._full_storage:
-            self._full_rows = self.full.detach().view(-1).split_with_sizes(self.rank_numels)
+            flat = self.full.detach().view(-1)
+            self._full_runs = [flat[run.start: run.start + run.count * run.numel].view(run.shape)
+                               for run in self.runs if run.numel]
             self._full_storage = storage._cdata
-        return self._full_rows
+        return self._full_runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive ranks that hold the same number of one parameter's elements. In a [world, slot]
+    communication buffer their pieces form one strided [count, numel] view; in the flattened
+    parameter, one contiguous block. A parameter has one run when its rows divide evenly, and
+    otherwise at most three that hold elements (the longer shards, shorter ones, a last short
+    one; tests/fsdp/test_views.py) and perhaps one of empty shards, whatever the number of
+    ranks: what the group's copies are counted in."""
+
+    first: int  # the first rank of the run
+    count: int  # ranks in the run
+    numel: int  # elements each of them holds
+    start: int  # where the first rank's elements begin in the flattened parameter
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Of the run's views in the copies: [ranks, elements], or [elements] for one rank."""
+        return (self.numel,) if self.count == 1 else (self.count, self.numel)
+
+
+def runs_of(rank_numels: list[int]) -> list[Run]:
+    runs, start, rank = [], 0, 0
+    while rank < len(rank_numels):
+        numel, count = rank_numels[rank], 1
+        while rank + count < len(rank_numels) and rank_numels[rank + count] == numel:
+            count += 1
+        runs.append(Run(rank, count, numel, start))
+        start += count * numel
+        rank += count
+    return runs
