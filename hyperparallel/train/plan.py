@@ -24,7 +24,7 @@ recording gives the same bytes, tested). From that timeline:
   for every finished group its reduce-scatter input ([ranks x slot]; fsdp waits for them all at
   the end of backward, and gloo works on a copy of it) and output (the gradient shard);
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
-  buffers, or fsdp's clipping in float64.
+  buffers (clipping, fsdp's or torch's, makes foreach norms only).
 
 The total is the largest sum over that timeline and the optimizer step, not the sum of each
 part's own maximum. On the CPU the trainer's peak is the process's peak resident set, so the
@@ -395,12 +395,9 @@ def _orthogonalize_workspace(p: torch.Tensor) -> int:
 def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], sharded: bool,
                               muon_buffers: int) -> int:
     """Bytes the optimizer step (and clipping) makes on top of parameters, gradients and state."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    largest_grad = max((shard[id(p)] for p in params), default=0)
-    # fsdp's clip: each gradient squared in float64, one at a time; torch's foreach clip: norms only
-    clip = 4 * largest_grad if sharded and cfg.training.max_grad_norm else 0
+    # (clipping, fsdp's or torch's: foreach norms of the gradients, scalars only)
     if cfg.optimizer.name != "muon":
-        return clip  # fused AdamW updates in place
+        return 0  # fused AdamW updates in place
     muon = [p for _, p in split_for_muon(model)[0]]
     # Nesterov's direction (a gradient-sized tensor) and Newton-Schulz on one matrix (or stack) at a
     # time; matrices fsdp splits by rows keep their directions until all are exchanged at once
@@ -413,7 +410,7 @@ def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[in
         return full if p.dim() == 2 else full * shard[id(p)] // max(_nbytes(p), 1)
 
     workspace = max(map(workspace, muon), default=0)
-    return max(clip, directions + workspace + muon_buffers)
+    return directions + workspace + muon_buffers
 
 
 # --------------------------------------------------------------------------------- the planner

@@ -48,6 +48,8 @@ class TrainStep:
         self.autocast_bf16 = autocast_bf16
         self.max_norm = max_grad_norm or math.inf
         self.params = [p for p in built.model.parameters() if p.requires_grad]
+        # (by parameter name, which sharding and checkpoint loads keep: made once)
+        self.replicas = grad_replicas(built.model)
 
     def _sync(self, last_micro: bool):
         """Gradients are reduced over the ranks on the step's last micro-batch only."""
@@ -74,7 +76,7 @@ class TrainStep:
             loss_sum += loss.detach().double().cpu()
         sync_partial_grads(model)  # (tensor parallelism: replicated weights' partial gradients)
         if self.built.sharded:
-            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=grad_replicas(model)).item()
+            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=self.replicas).item()
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).item()
         lr = self.optimizer.param_groups[0]["lr"]
