@@ -28,8 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from hyperparallel.fsdp import shard_info, shard_placement
-from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
+from hyperparallel.fsdp import column_shards, shard_info, shard_placement
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,7 @@ def shard_chunks(model: nn.Module, model_sd: dict, optim_state: dict | None) -> 
     """The chunk of every sharded entry, by the flattened key DCP gives it (`model.NAME`,
     `optim.NAME.STATE`): the parameters themselves and the optimizer states shaped like them."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    tp = tensor_parallel_state(model)
-    columns = tp.columns if tp is not None else {}
+    columns = column_shards(model)
 
     def chunk_named(name: str) -> Chunk | None:
         param = params.get(name)

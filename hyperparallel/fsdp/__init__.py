@@ -6,7 +6,15 @@ group's lifecycle; schedule.py: the forward/backward hooks and prefetching; api.
 and the calls around it.
 """
 
-from hyperparallel.fsdp.api import clip_grad_norm_, fully_shard, set_requires_gradient_sync, shard_info, shard_placement
+from hyperparallel.fsdp.api import (
+    clip_grad_norm_,
+    column_shards,
+    fully_shard,
+    set_column_shards,
+    set_requires_gradient_sync,
+    shard_info,
+    shard_placement,
+)
 from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_of, shard_ranges
 from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement
 
@@ -16,8 +24,10 @@ __all__ = [
     "ShardInfo",
     "ShardPlacement",
     "clip_grad_norm_",
+    "column_shards",
     "fully_shard",
     "padded_rows",
+    "set_column_shards",
     "set_requires_gradient_sync",
     "shard_of",
     "shard_info",

@@ -115,6 +115,20 @@ def shard_placement(param: nn.Parameter) -> ShardPlacement | None:
     return getattr(param, "_hp_shard_placement", None)
 
 
+_COLUMN_SHARDS = "_hp_column_shards"  # on a model: its weights split along dim 1, by parameter name
+
+
+def column_shards(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per parameter name, (global columns, first column) of each weight whose dim 1 is split over
+    ranks (a row-parallel TP projection, set by `parallel`); empty for a model with none. Names, not
+    Parameter objects: they survive fully_shard, which replaces each parameter by its shard."""
+    return getattr(model, _COLUMN_SHARDS, {})
+
+
+def set_column_shards(model: nn.Module, shards: dict[str, tuple[int, int]]) -> None:
+    setattr(model, _COLUMN_SHARDS, shards)
+
+
 def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
     for sub in module.modules():
         group = getattr(sub, _GROUP, None)

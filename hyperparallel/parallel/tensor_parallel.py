@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp import set_column_shards
 from hyperparallel.fsdp.geometry import ShardInfo
 from hyperparallel.models.loss import FusedLossHead, VocabShard
 from hyperparallel.parallel.recompute import decoder_layers
@@ -301,6 +302,7 @@ def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool) -
             if name not in state.replicas:
                 state.partial.setdefault(name, None)
     setattr(model, TP_STATE, state)
+    set_column_shards(model, state.columns)  # where checkpoints place them
     return state
 
 
