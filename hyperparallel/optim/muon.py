@@ -26,7 +26,7 @@ from torch import Tensor
 from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.fsdp import ShardPlacement, shard_placement
 from hyperparallel.optim import bounds
-from hyperparallel.optim.sharded_muon import ShardedMatrix, orthogonalize_sharded
+from hyperparallel.optim.sharded_muon import ExchangePlans, ShardedMatrix, orthogonalize_sharded
 
 # Defaults of torch.optim.Muon (Keller Jordan's quintic Newton–Schulz coefficients).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -207,7 +207,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 self._adamw_group_step(group)
         if row_sharded:
-            updates = orthogonalize_sharded([matrix for _, _, matrix in row_sharded])
+            updates = orthogonalize_sharded([matrix for _, _, matrix in row_sharded], self._exchange_plans())
             for (param, group, matrix), update in zip(row_sharded, updates, strict=True):
                 apply_muon_update(
                     param,
@@ -218,6 +218,13 @@ class Muon(torch.optim.Optimizer):
                     matrix_shape=matrix.shape,
                 )
         return loss
+
+    def _exchange_plans(self) -> ExchangePlans:
+        # made on first use, not in __init__: an optimizer restored by __setstate__ has none
+        plans = self.__dict__.get("_plans")
+        if plans is None:
+            plans = self._plans = ExchangePlans()
+        return plans
 
     def _muon_group_step(
         self, group: dict[str, Any], group_index: int
