@@ -9,7 +9,7 @@ from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm, native_g
 from hyperparallel.moe.megamoe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from hyperparallel.moe.megamoe import MegaMoE
 from hyperparallel.moe.megamoe_graphs import MoEShape, default_waves, plan_graphs
-from hyperparallel.moe.permutation import padded_slots, sort_by_expert
+from hyperparallel.moe.permutation import add_rows_to_tokens, gather_rows, padded_slots, sort_by_expert
 from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter, switch_aux_loss
 
 __all__ = [
@@ -22,8 +22,10 @@ __all__ = [
     "MoEShape",
     "MoEBlock",
     "TopKRouter",
+    "add_rows_to_tokens",
     "compute_dtype",
     "default_waves",
+    "gather_rows",
     "grouped_mm",
     "native_grouped_mm_supported",
     "padded_slots",

@@ -28,7 +28,7 @@ from torch import nn
 from hyperparallel.errors import ShapeError
 from hyperparallel.lowp.grouped import gated
 from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm
-from hyperparallel.moe.permutation import add_rows_to_tokens, padded_slots, sort_by_expert
+from hyperparallel.moe.permutation import add_rows_to_tokens, gather_rows, padded_slots, sort_by_expert
 from hyperparallel.moe.stages import HighPrecisionStages
 
 # Rows per padded group for bf16/fp16 grouped matmuls on the CPU: oneDNN builds (and caches) one
@@ -143,15 +143,16 @@ class GroupedExperts(nn.Module):
             token_of_slot, row_slot, offsets = padded_slots(token_of_row, top_k_index.reshape(-1)[order], offsets,
                                                             num_tokens, align)
             padded_input = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])
-            rows = padded_input.index_select(0, token_of_slot).to(dtype)
+            rows = gather_rows(padded_input, token_of_slot).to(dtype)
         else:
-            # index_select, not hidden_states[token_of_row]: its backward is an index_add, several
-            # times faster on the CPU than the accumulating index_put that indexing's backward runs
-            rows = hidden_states.index_select(0, token_of_row).to(dtype)
+            # a gather, not hidden_states[token_of_row]: its backward is an index_add, several times
+            # faster on the CPU than the accumulating index_put that indexing's backward runs (and
+            # kept from Inductor: [Note: row gathers as custom ops])
+            rows = gather_rows(hidden_states, token_of_row).to(dtype)
         rows = self.recipe.products(self, rows, offsets)
         if align > 1:
-            rows = rows.index_select(0, row_slot)
-        rows = (rows * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(hidden_states.dtype)
+            rows = gather_rows(rows, row_slot)
+        rows = (rows * gather_rows(top_k_weights.reshape(-1), order).unsqueeze(-1)).to(hidden_states.dtype)
         return add_rows_to_tokens(rows, token_of_row, num_tokens)
 
     def run_sorted(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -167,8 +168,8 @@ class GroupedExperts(nn.Module):
             torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long)), output_size=num_rows)
         token_of_slot, row_slot, padded = padded_slots(torch.arange(num_rows, device=rows.device), expert_of_row,
                                                        offsets, num_rows, align)
-        slots = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])]).index_select(0, token_of_slot).to(dtype)
-        return self.recipe.products(self, slots, padded).index_select(0, row_slot).to(rows.dtype)
+        slots = gather_rows(torch.cat([rows, rows.new_zeros(1, rows.shape[-1])]), token_of_slot).to(dtype)
+        return gather_rows(self.recipe.products(self, slots, padded), row_slot).to(rows.dtype)
 
     def extra_repr(self) -> str:
         limit = f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else ""

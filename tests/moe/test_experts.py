@@ -22,6 +22,8 @@ from hyperparallel.moe import (
     GroupedExperts,
     HighPrecision,
     MoEBlock,
+    add_rows_to_tokens,
+    gather_rows,
     grouped_mm,
     native_grouped_mm_supported,
     padded_slots,
@@ -296,6 +298,63 @@ def test_padded_layout_has_a_fixed_length_under_compile():
         got = run(compiled, hidden, index, weights)
     for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
         assert_close_bf16(g.float(), w.float())
+
+
+
+def test_row_gathers_and_sums_are_checked_custom_ops():
+    """gather_rows and add_rows_to_tokens: schemas, fake kernels and autograd as torch.library
+    checks them, and each other's backward (index_select's and index_add's gradients)."""
+    torch.manual_seed(7)
+    source = torch.randn(6, 5, requires_grad=True)
+    index = torch.tensor([4, 0, 0, 5, 2, 4, 1])
+    torch.library.opcheck(torch.ops.hyperparallel.gather_rows, (source, index))
+    torch.library.opcheck(torch.ops.hyperparallel.sum_rows_into, (torch.randn(7, 5, requires_grad=True), index, 6))
+    rows = torch.randn(7, 5, requires_grad=True)
+    grad = torch.randn(6, 5)
+    want = torch.autograd.grad(source.index_select(0, index), source, rows.detach())
+    torch.testing.assert_close(torch.autograd.grad(gather_rows(source, index), source, rows.detach()), want,
+                               rtol=0, atol=0)
+    summed = add_rows_to_tokens(rows, index, 6)
+    torch.testing.assert_close(summed, torch.zeros(6, 5).index_add(0, index, rows), rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(summed, rows, grad)[0], grad.index_select(0, index), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_compiled_experts_leave_row_gathers_and_sums_to_aten(autocast):
+    """Under Inductor's decompositions, the experts' forward and backward graphs hold no index_add
+    and no accumulating index_put (which Inductor's CPU code runs as an atomic add per element):
+    the permutation's gathers and sums are the custom ops, run by ATen's kernels."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    experts, config = hf_experts("qwen3_moe", "qwen3_moe_tiny.yaml")
+    grouped = GroupedExperts.from_hf(experts)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        calls = [node for node in gm.graph.nodes if node.op == "call_function"]
+        accumulating = {"index_put(accumulate)" for node in calls if "index_put" in str(node.target)
+                        and (node.kwargs.get("accumulate") or (len(node.args) > 3 and node.args[3]))}
+        graphs.append({str(node.target) for node in calls} | accumulating)
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep,
+                                     decompositions=select_decomp_table())
+
+    torch.manual_seed(8)
+    hidden = torch.randn(33, config.hidden_size, requires_grad=True)
+    index, weights = routing(33, experts.num_experts, config.num_experts_per_tok, idle=1, weight_dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = run(grouped, hidden, index, weights)
+        got = run(torch.compile(grouped, backend=backend, fullgraph=True), hidden, index, weights)
+    assert len(graphs) == 2  # forward and backward
+    for ops in graphs:
+        assert not {op for op in ops if "index_add" in op or "accumulate" in op}  # (padded_slots' index_put is a store)
+        assert "hyperparallel.gather_rows.default" in ops and "hyperparallel.sum_rows_into.default" in ops
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):  # (the decompositions round otherwise)
+        assert_close_bf16(g.float(), w.float()) if autocast else torch.testing.assert_close(g, w, **FP32)
 
 
 # -- run_sorted: the products alone, on rows already ordered by expert --
