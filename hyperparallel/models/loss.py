@@ -19,10 +19,9 @@ the mean over the counted tokens (or the sum over `num_items_in_batch`), compute
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -68,37 +67,18 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(counted, torch.logsumexp(logits, dim=1) - picked, 0.0).sum()
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """A vocab-parallel head: this rank holds rows [start, start + rows) of the output head, and
-    the ranks of `group` together hold the whole vocabulary."""
+class VocabSplit(Protocol):
+    """A vocab-parallel head's part of the loss: the head's weight is this rank's rows of the
+    whole (tensor parallelism's `parallel.vocab_loss.VocabShard` implements it)."""
 
-    group: object
-    start: int
+    def loss_and_grad(self, logits: torch.Tensor, targets: torch.Tensor, inverse_denominator: torch.Tensor,
+                      grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_chunk_loss_and_grad` on this rank's columns of the logits, completed over the ranks."""
+        ...
 
-
-def _vocab_parallel_chunk(logits: torch.Tensor, targets: torch.Tensor, inverse_denominator: torch.Tensor,
-                          grad_dtype: torch.dtype, vocab: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_chunk_loss_and_grad` on this rank's columns of the logits: the row maxima, the sums of
-    exponentials and the target logits are completed over the group (two all-reduces per chunk),
-    so the loss is the whole vocabulary's on every rank and each rank's gradient is its columns'."""
-    logits = logits.float()
-    columns = logits.shape[1]
-    counted = targets != IGNORE_INDEX
-    local = targets - vocab.start
-    mine = counted & (local >= 0) & (local < columns)
-    safe = torch.where(mine, local, 0).unsqueeze(1)
-    peak = logits.amax(dim=1, keepdim=True)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=vocab.group)
-    exp = (logits - peak).exp_()
-    sums_and_picked = torch.stack([exp.sum(dim=1), torch.where(mine, logits.gather(1, safe).squeeze(1), 0.0)])
-    dist.all_reduce(sums_and_picked, group=vocab.group)
-    sums, picked = sums_and_picked[0].unsqueeze(1), sums_and_picked[1]
-    lse = sums.log() + peak
-    loss = torch.where(counted, lse.squeeze(1) - picked, 0.0).sum()
-    scale = torch.where(counted.unsqueeze(1), inverse_denominator, 0.0)
-    grad = exp.mul_(scale / sums).scatter_add_(1, safe, -torch.where(mine.unsqueeze(1), scale, 0.0))
-    return loss, grad.to(grad_dtype)
+    def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's columns side by side (generation only)."""
+        ...
 
 
 _compiled: dict[str, object] = {}
@@ -132,8 +112,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h = hidden[lo : lo + step].to(dtype)
                 logits = h @ w.t()
                 if vocab_shard is not None:  # (the collectives run eagerly: no compiled chunk function)
-                    loss, grad_logits = _vocab_parallel_chunk(logits, targets[lo : lo + step], inverse_denominator,
-                                                              dtype, vocab_shard)
+                    loss, grad_logits = vocab_shard.loss_and_grad(logits, targets[lo : lo + step],
+                                                                  inverse_denominator, dtype)
                     total += loss
                     if not want_grads:
                         continue
@@ -172,7 +152,7 @@ def linear_cross_entropy(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     compile: str | None = None,
-    vocab_shard: VocabShard | None = None,
+    vocab_shard: VocabSplit | None = None,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, shifted labels) as HF's ForCausalLMLoss, without the logits.
 
@@ -209,7 +189,7 @@ class FusedLossHead(nn.Module):
         self.weight = head.weight  # the same Parameter object: tying, optimizers, checkpoints see no change
         self.deferred = False
         self._handed_out: torch.Tensor | None = None
-        self.vocab_shard: VocabShard | None = None  # set by tensor parallelism: the head is vocab-parallel
+        self.vocab_shard: VocabSplit | None = None  # set by tensor parallelism: the head is vocab-parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.deferred:
@@ -219,9 +199,7 @@ class FusedLossHead(nn.Module):
             if torch.is_grad_enabled() and hidden.requires_grad:
                 raise RuntimeError("a vocab-parallel lm_head makes whole logits only without gradients (generation); "
                                    "training computes its loss inside fused_loss(model)")
-            from hyperparallel.parallel.tp_collectives import gather_last_dim  # (parallel imports models)
-
-            return gather_last_dim(logits, self.vocab_shard.group)  # whole logits: generation only, no autograd
+            return self.vocab_shard.whole_logits(logits)  # generation only, no autograd
         self._handed_out = hidden
         return hidden
 

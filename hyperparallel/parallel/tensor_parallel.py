@@ -15,7 +15,7 @@ The plans (docs/parallel.md has them as tables):
 - dense MLPs and shared experts: gate / up column-parallel, down row-parallel.
 - routed experts: not split by TP (expert parallelism splits them); the router replicated.
 - the embedding and the output head vocab-parallel, the loss vocab-parallel
-  (`models.loss.VocabShard`): logits are never whole on any rank.
+  (`vocab_loss.VocabShard`): logits are never whole on any rank.
 
 Communication sits at the attention / MLP boundaries (`tp_collectives`): without SP the residual
 stream is whole on every TP rank, each block's input enters as is and its output is all-reduced;
@@ -24,8 +24,9 @@ sequence, a block's input is all-gathered and its output reduce-scattered.
 
 Gradients: a TP-split weight's gradient is exact on its rank. A replicated weight that works on
 every rank's part of a computation gets a partial gradient that is summed over the TP group
-after backward (`sync_partial_grads`): the weights inside an attention or MLP block (q_norm,
-the MLA a-projections), and with SP every replicated weight (norms, routers, experts).
+after backward (`sync_partial_grads`, partial_grads.py: one all-reduce per dtype): the weights
+inside an attention or MLP block (q_norm, the MLA a-projections), and with SP every replicated
+weight (norms, routers, experts).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ from torch import nn
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import set_column_shards
 from hyperparallel.fsdp.geometry import ShardInfo
-from hyperparallel.models.loss import FusedLossHead, VocabShard
+from hyperparallel.models.loss import FusedLossHead
+from hyperparallel.parallel.partial_grads import PartialGradSum
 from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.parallel.tp_collectives import enter_tp, exit_tp, reduce_tp, split_sequence
+from hyperparallel.parallel.vocab_loss import VocabShard
 
 TP_STATE = "_hp_tensor_parallel"
 
@@ -61,6 +64,7 @@ class TensorParallelState:
     partial: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     replicas: dict[str, int] = field(default_factory=dict)  # TP ranks holding the same values (default: tp)
     plan: list[tuple[str, str]] = field(default_factory=list)  # (module, placement), for the run summary and docs
+    partial_sum: PartialGradSum | None = field(default=None, repr=False)  # made by the first sync_partial_grads
 
     def replicas_of(self, name: str) -> int:
         return self.replicas.get(name, self.tp)
@@ -335,29 +339,17 @@ def make_head_vocab_parallel(model: nn.Module) -> None:
     head.register_forward_pre_hook(before)
 
 
-@torch.no_grad()
 def sync_partial_grads(model: nn.Module) -> None:
     """Sum over the TP group the gradients that are partial on each rank (after backward, before
-    clipping): one all-reduce for all of them, plus one per replicated key/value weight shape."""
+    clipping): one all-reduce per dtype and device for all of them, replicated key/value weights
+    included (partial_grads.py). Which parameters those are is found on the first call and kept
+    while the model holds the same Parameter objects."""
     state = tensor_parallel_state(model)
     if state is None or not state.partial:
         return
-    whole, slotted = [], []
-    for name, p in model.named_parameters():
-        if name in state.partial and p.grad is not None:
-            (whole if state.partial[name] is None else slotted).append((p.grad, state.partial[name]))
-    if whole:
-        flat = torch.cat([g.reshape(-1) for g, _ in whole])
-        dist.all_reduce(flat, group=state.group)
-        parts = flat.split([g.numel() for g, _ in whole])
-        torch._foreach_copy_([g for g, _ in whole], [part.view_as(g) for (g, _), part in zip(whole, parts, strict=True)])
-    for grad, (slot, slots) in slotted:
-        # each rank puts its gradient in its key/value head's slot; the sum over the group is, per
-        # slot, the sum over the ranks sharing it
-        buffer = grad.new_zeros((slots, grad.numel()))
-        buffer[slot] = grad.reshape(-1)
-        dist.all_reduce(buffer, group=state.group)
-        grad.copy_(buffer[slot].view_as(grad))
+    if state.partial_sum is None or not state.partial_sum():
+        state.partial_sum = PartialGradSum.of(model, state.partial, state.group)
+        state.partial_sum()
 
 
 def grad_replicas(model: nn.Module) -> dict[str, int] | None:
