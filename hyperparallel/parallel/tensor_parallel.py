@@ -64,7 +64,7 @@ class TensorParallelState:
     partial: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     replicas: dict[str, int] = field(default_factory=dict)  # TP ranks holding the same values (default: tp)
     plan: list[tuple[str, str]] = field(default_factory=list)  # (module, placement), for the run summary and docs
-    partial_sum: PartialGradSum | None = field(default=None, repr=False)  # made by the first sync_partial_grads
+    partial_sum: PartialGradSum | None = field(default=None, repr=False, compare=False)  # made by the first sync_partial_grads
 
     def replicas_of(self, name: str) -> int:
         return self.replicas.get(name, self.tp)
