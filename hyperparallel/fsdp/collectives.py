@@ -14,6 +14,9 @@ must be: the gradients' reshapes (autograd gives new tensors) and the shards' `.
 a fresh reduce-scatter output (the optimizer keeps them until the next step). The views are made
 again only when what they depend on changes: the dtype or device a buffer is wanted in, or
 another storage under a full parameter (param.py, [Note: views of a freed storage]).
+
+Every buffer is on the full parameters' device, so the collectives run where the group's
+backend can ([Note: device-correct collectives], train/distributed.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Which parameters these are, the buffer and every view into it are found once per
 at the same places (a sharded model holds its shards there between steps), and only then reads
 their gradients: one dict lookup per parameter, no walk over the model. The buffer's bytes exist
 only during the all-reduce (its storage freed and refilled, the views kept: fsdp's [Note: views
-of a freed storage]).
+of a freed storage]), on the parameters' device ([Note: device-correct collectives],
+train/distributed.py).
 """
 
 from __future__ import annotations
