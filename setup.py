@@ -1,11 +1,13 @@
 """Builds the native CPU kernels (plain C, OpenMP) next to the Python package.
 
-Libraries with no Python entry point, loaded with ctypes: _mx_native (MX quantization,
-hyperparallel.mx.backends.native), _dvm_native (the DVM bytecode interpreter,
+Libraries with no Python entry point, loaded with ctypes by hyperparallel.kernels.native: _mx_native
+(MX quantization, hyperparallel.mx.backends.native; and the host buffer cache,
+hyperparallel.kernels.host_cache), _dvm_native (the DVM bytecode interpreter,
 hyperparallel.fusion.vm), _mega_gate_native (MegaGate, the fused MoE router,
-hyperparallel.moe.mega_gate) and _mega_mhc_native (MegaMHC, DeepSeek-V4's fused
-hyper-connections, hyperparallel.models.mega_mhc). The build is portable: AVX-512 and AVX2 code paths are chosen at run
-time, never -march=native.
+hyperparallel.kernels.mega_gate) and _mega_mhc_native (MegaMHC, DeepSeek-V4's fused
+hyper-connections, hyperparallel.kernels.mega_mhc). The build is portable: AVX-512 and AVX2 code
+paths are chosen at run time, never -march=native, every library at the level csrc/hp_isa.h
+decides (hyperparallel.kernels.use_isa).
 """
 
 import platform
@@ -34,6 +36,7 @@ setup(
             "hyperparallel._mx_native",
             sources=["csrc/mx_quant.c", "csrc/mx_generic.c", "csrc/mx_avx512.c", "csrc/mx_cache.c"],
             include_dirs=["csrc"],
+            depends=["csrc/mx_common.h", "csrc/hp_isa.h"],
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
         ),
@@ -41,7 +44,7 @@ setup(
             "hyperparallel._dvm_native",
             sources=["csrc/dvm_vm.c", "csrc/dvm_generic.c", "csrc/dvm_avx2.c", "csrc/dvm_avx512.c"],
             include_dirs=["csrc"],
-            depends=["csrc/dvm_vm.h", "csrc/dvm_kernels.h", "csrc/dvm_math.h"],
+            depends=["csrc/dvm_vm.h", "csrc/dvm_kernels.h", "csrc/dvm_math.h", "csrc/hp_isa.h"],
             # sqrtf without errno is one instruction, and FP operations may be computed ahead of a
             # select (both sides of `c ? a : b`): what lets GCC vectorize the interpreter's loops.
             # Neither changes a result (no -ffast-math).
@@ -53,6 +56,7 @@ setup(
             "hyperparallel._mega_gate_native",
             sources=["csrc/mega_gate.c"],
             include_dirs=["csrc"],
+            depends=["csrc/dvm_math.h", "csrc/hp_isa.h"],
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
             libraries=["m"],
@@ -61,6 +65,7 @@ setup(
             "hyperparallel._mega_mhc_native",
             sources=["csrc/mega_mhc.c"],
             include_dirs=["csrc"],
+            depends=["csrc/hp_isa.h"],
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
             libraries=["m"],

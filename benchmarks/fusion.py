@@ -131,7 +131,7 @@ def chains_table(args) -> dict:
 
     from hyperparallel.fusion import compile as dvm_compile
     from hyperparallel.fusion.backend import dvm
-    from hyperparallel.mx.backends import host_cache
+    from hyperparallel.kernels import host_cache
 
     cache_limit = host_cache.limit()
     inductor_config.fx_graph_cache = False

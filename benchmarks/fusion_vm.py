@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hyperparallel import kernels
 from hyperparallel.fusion import vm
 from hyperparallel.fusion.bytecode import TORCH_DTYPES, Kind, Op, Program
 
@@ -159,7 +160,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-inductor", action="store_true")
     args = ap.parse_args()
-    print(f"{args.rows} x {args.cols}, {torch.get_num_threads()} threads, DVM isa {vm.isa()}, "
+    print(f"{args.rows} x {args.cols}, {torch.get_num_threads()} threads, DVM isa {kernels.isa()}, "
           f"tiles {vm.tile_elems() or 'sized for L1'}; best of {args.reps}, ms")
     print(f"{'':17}|{'output allocated per call':^57}|{'into a preallocated output':^32}")
     print(f"{'case':17}|{'eager op':>9}{'eager chain':>12}{'inductor':>9}{'dvm':>7}{'/inductor':>10}{'/chain':>8} |"

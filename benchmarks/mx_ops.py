@@ -12,7 +12,7 @@ Every contender runs under the same allocator setting (--allocator):
            tensors then cost no page faults (the default: the strongest setting for the others)
   thp      PyTorch's own THP_MEM_ALLOC_ENABLE=1: 2 MiB pages for large tensors
   default  glibc as it comes: every large tensor is a fresh mmap, ~8k page faults per 32 MiB
-hyperparallel's CPU outputs come from its own buffer cache (hyperparallel.mx.backends.host_cache),
+hyperparallel's CPU outputs come from its own buffer cache (hyperparallel.kernels.host_cache),
 so the setting changes what the other contenders cost, not what the MX operators cost.
 """
 
@@ -47,8 +47,7 @@ elif ALLOCATOR == "cached":
 
 import torch  # noqa: E402
 
-from hyperparallel import mx  # noqa: E402
-from hyperparallel.mx.backends import cpu  # noqa: E402
+from hyperparallel import kernels, mx  # noqa: E402
 
 _SETTLE = None
 
@@ -142,16 +141,17 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--isa", choices=["best", "generic"], default="best",
-                        help="CPU kernels: the best for this processor, or the portable ones")
+    parser.add_argument("--isa", choices=["best", *kernels.LEVELS], default="best",
+                        help="CPU kernels: the best for this processor, or those of a lower level (avx2: the "
+                             "portable C compiled for x86-64-v3; generic: for baseline x86-64)")
     parser.add_argument("--allocator", choices=["cached", "thp", "default"], default="cached",
                         help="process allocator setting for every contender (see the module docstring)")
     args = parser.parse_args(argv)
-    cpu.use_best_isa(args.isa == "best")
+    kernels.use_isa("avx512" if args.isa == "best" else args.isa)
     rows = run(args.m, args.k, args.n, args.repeat)
     header = (
         f"MX ops, bf16 input {args.m}x{args.k} (mm N={args.n}), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, cpu kernels: {cpu.isa()}, "
+        f"{torch.get_num_threads()} threads, cpu kernels: {kernels.isa()}, "
         f"allocator: {ALLOCATOR}"
     )
     print_table(rows, header)

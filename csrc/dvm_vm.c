@@ -50,43 +50,15 @@
 
 static int64_t tile_elems_setting = 0; /* 0: from L1_TILE_BYTES */
 static int tune_flags = 0;
-static const dvm_isa *chosen = 0;
 static _Thread_local int last_error_instr = -1;
 
-static const dvm_isa *best_available(void) {
-#ifdef HP_DVM_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return &DVM_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return &DVM_AVX2;
-#endif
-    return &DVM_GENERIC;
-}
+HP_ISA_LIBRARY(dvm)
 
+/* The interpreter of the level in force ([Note: one ISA choice]; hp_dvm_set_isa: 0 the portable
+ * one, 1 AVX2, 2 AVX-512, each where the processor has it; for tests and benchmarks). */
 static const dvm_isa *active(void) {
-    if (!chosen) chosen = best_available();
-    return chosen;
+    return HP_ISA_PICK(&DVM_GENERIC, &DVM_AVX2, &DVM_AVX512);
 }
-
-/* 0: the portable interpreter, 1: AVX2 if the processor has it, 2 (or more): the best the
- * processor has. Returns the name of the active one. For tests and benchmarks. */
-const char *hp_dvm_set_isa(int level) {
-    const dvm_isa *best = best_available();
-    chosen = &DVM_GENERIC;
-#ifdef HP_DVM_X86
-    if (level >= 2) chosen = best;
-    else if (level == 1 && best != &DVM_GENERIC) chosen = &DVM_AVX2;
-#else
-    (void)level;
-    (void)best;
-#endif
-    return chosen->name;
-}
-
-const char *hp_dvm_isa(void) { return active()->name; }
 
 /* Floats per FULL register of a tile: elems > 0 fixes it (rounded to a multiple of 16), elems < 0
  * goes back to the default (sized for L1 from the program's buffers), 0 leaves it. Returns the

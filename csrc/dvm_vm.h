@@ -3,12 +3,15 @@
  *
  * dvm_vm.c checks a program and its tensors, plans registers and tiles (a dvm_plan) and splits
  * the tiles over OpenMP threads; dvm_kernels.h runs tiles, compiled once per instruction set
- * (dvm_generic.c, dvm_avx2.c, dvm_avx512.c) and chosen at run time.
+ * (dvm_generic.c, dvm_avx2.c, dvm_avx512.c), one table per level of [Note: one ISA choice]
+ * (hp_isa.h).
  */
 #ifndef HP_DVM_VM_H
 #define HP_DVM_VM_H
 #include <stddef.h>
 #include <stdint.h>
+
+#include "hp_isa.h"
 
 enum {
     OP_LOAD = 0, OP_CONST = 1, OP_STORE = 2,
@@ -109,8 +112,7 @@ typedef struct {
 } dvm_isa;
 
 extern const dvm_isa DVM_GENERIC;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(HP_NO_AVX512)
-#define HP_DVM_X86 1
+#ifdef HP_ISA_X86
 extern const dvm_isa DVM_AVX2;
 extern const dvm_isa DVM_AVX512;
 #endif

@@ -16,8 +16,8 @@
  * 1.5 ulp, branch-free), not libm's: libm's calls do not vectorize without -ffast-math, and a
  * scalar log1pf per element made the sqrt-softplus forward slower than PyTorch's vectorized ops.
  * No fused multiply-adds (DVM_HAVE_FMA is left undefined, and -std=c11 does not contract), so
- * every ISA clone below rounds every element the same way; only the order of the row sums
- * (softmax's denominator) follows the vector width.
+ * every level's copy of the row loops rounds every element the same way; only the order of the
+ * row sums (softmax's denominator) follows the vector width.
  */
 /* What the DVM build gets from -fno-trapping-math (setup.py), for this file alone: FP operations
  * may be computed ahead of a select (both sides of `c ? a : b`, as dvm_math.h's functions are
@@ -32,16 +32,17 @@
 
 #include "dvm_math.h"
 
+/* The row loops are compiled once per level of [Note: one ISA choice] (HP_ISA_CLONES), for these
+ * targets at AVX-512 and AVX2, baseline x86-64 at the generic level: a portable build that still
+ * uses the widest vectors. */
+#define HP_ISA_AVX512_TARGET "avx512f"
+#define HP_ISA_AVX2_TARGET "avx2"
+#include "hp_isa.h"
+
+HP_ISA_LIBRARY(mega_gate)
+
 enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
 enum { MG_OK = 0, MG_BAD_HASH_INDEX = -1, MG_NO_MEMORY = -2 };
-
-/* The row loops are compiled for AVX-512, AVX2 and baseline x86-64, picked by the loader (ifunc)
- * on the processor at hand: a portable build that still uses the widest vectors. */
-#if defined(__x86_64__) && !defined(HP_NO_AVX512)
-#define MG_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MG_CLONES
-#endif
 
 /* PyTorch's softplus threshold (beta 1): above it softplus(x) is x. */
 #define SOFTPLUS_THRESHOLD 20.0f
@@ -59,7 +60,7 @@ static inline float elementwise_score(int score, float x) {
 
 /* v = sqrt(v), IEEE-rounded as sqrtf. GCC keeps sqrtf scalar where it must set errno, and only
  * the command line can say it need not (-fno-math-errno; not a pragma): the vector instructions
- * are spelled out here, AVX-512 where the processor has it, else SSE2 (every x86-64). */
+ * are spelled out here, AVX-512 at that level, else SSE2 (every x86-64). */
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -76,8 +77,8 @@ static void sqrt_row_sse2(float *v, int64_t n) {
 }
 
 static void sqrt_row(float *v, int64_t n) {
-#ifndef HP_NO_AVX512
-    if (__builtin_cpu_supports("avx512f")) { /* a flag libgcc set at load time */
+#ifdef HP_ISA_X86
+    if (hp_isa_level() == HP_ISA_AVX512) {
         sqrt_row_avx512(v, n);
         return;
     }
@@ -92,7 +93,7 @@ static void sqrt_row(float *v, int64_t n) {
 
 /* p = the scores of one row of logits x[E]. Softmax as PyTorch computes it: exp(x - max), times
  * the reciprocal of their sum. */
-MG_CLONES static void row_scores(const float *restrict x, int64_t E, int score, float *restrict p) {
+HP_ISA_BODY void row_scores_body(const float *restrict x, int64_t E, int score, float *restrict p) {
     if (score == SCORE_SOFTMAX) {
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -121,21 +122,30 @@ MG_CLONES static void row_scores(const float *restrict x, int64_t E, int score, 
         sqrt_row(p, E);
     }
 }
+HP_ISA_CLONES(void, row_scores,
+              (const float *restrict x, int64_t E, int score, float *restrict p),
+              (x, E, score, p))
 
-MG_CLONES static void add_bias(const float *restrict p, const float *restrict bias, int64_t E, float *restrict choice) {
+HP_ISA_BODY void add_bias_body(const float *restrict p, const float *restrict bias, int64_t E, float *restrict choice) {
 #pragma omp simd
     for (int64_t e = 0; e < E; e++) choice[e] = p[e] + bias[e];
 }
+HP_ISA_CLONES(void, add_bias,
+              (const float *restrict p, const float *restrict bias, int64_t E, float *restrict choice),
+              (p, bias, E, choice))
 
-MG_CLONES static float row_sum(const float *restrict v, int64_t E) {
+HP_ISA_BODY float row_sum_body(const float *restrict v, int64_t E) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int64_t e = 0; e < E; e++) s += v[e];
     return s;
 }
+HP_ISA_CLONES(float, row_sum,
+              (const float *restrict v, int64_t E),
+              (v, E))
 
 /* acc += v (softmax) or acc += v / sum(v) (the others: a distribution over the experts). */
-MG_CLONES static void accumulate_distribution(const float *restrict p, int64_t E, int normalize, double *restrict acc) {
+HP_ISA_BODY void accumulate_distribution_body(const float *restrict p, int64_t E, int normalize, double *restrict acc) {
     if (!normalize) {
 #pragma omp simd
         for (int64_t e = 0; e < E; e++) acc[e] += (double)p[e];
@@ -145,6 +155,9 @@ MG_CLONES static void accumulate_distribution(const float *restrict p, int64_t E
 #pragma omp simd
     for (int64_t e = 0; e < E; e++) acc[e] += (double)(p[e] / total);
 }
+HP_ISA_CLONES(void, accumulate_distribution,
+              (const float *restrict p, int64_t E, int normalize, double *restrict acc),
+              (p, E, normalize, acc))
 
 /* ------------------------------------------------------------------------------- selection */
 /*
@@ -158,16 +171,19 @@ MG_CLONES static void accumulate_distribution(const float *restrict p, int64_t E
  * and the groups leave at least k experts eligible (checked in Python).
  */
 
-MG_CLONES static int has_nan(const float *restrict v, int64_t n) {
+HP_ISA_BODY int has_nan_body(const float *restrict v, int64_t n) {
     int nan = 0;
 #pragma omp simd reduction(| : nan)
     for (int64_t e = 0; e < n; e++) nan |= v[e] != v[e];
     return nan;
 }
+HP_ISA_CLONES(int, has_nan,
+              (const float *restrict v, int64_t n),
+              (v, n))
 
 /* The k largest of c[0..n) by rounds; c's winners are left at -inf. c holds no NaN, so the
  * max is one of its values and the index search finds it. */
-MG_CLONES static void top_k_rounds(float *restrict c, int n, int k, int64_t *restrict idx) {
+HP_ISA_BODY void top_k_rounds_body(float *restrict c, int n, int k, int64_t *restrict idx) {
     for (int j = 0; j < k; j++) {
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -182,6 +198,9 @@ MG_CLONES static void top_k_rounds(float *restrict c, int n, int k, int64_t *res
         c[first] = -INFINITY;
     }
 }
+HP_ISA_CLONES(void, top_k_rounds,
+              (float *restrict c, int n, int k, int64_t *restrict idx),
+              (c, n, k, idx))
 
 /* Ordering of torch.topk: larger first, NaN above every number. */
 static inline int ranks_above(float a, float b) { return a > b || (a != a && b == b); }
@@ -205,7 +224,7 @@ static void top_k_insertion(const float *v, int64_t n, int k, float *val, int64_
 
 /* What torch.topk(v, 2)[0].sum() gives for a NaN-free v: the max plus the second largest (the
  * max again when it occurs twice). */
-MG_CLONES static float top_two_sum(const float *restrict v, int64_t n) {
+HP_ISA_BODY float top_two_sum_body(const float *restrict v, int64_t n) {
     float m = -INFINITY, below = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t e = 0; e < n; e++) m = v[e] > m ? v[e] : m;
@@ -217,6 +236,9 @@ MG_CLONES static float top_two_sum(const float *restrict v, int64_t n) {
     }
     return m + (at_max > 1 ? m : below);
 }
+HP_ISA_CLONES(float, top_two_sum,
+              (const float *restrict v, int64_t n),
+              (v, n))
 
 /* Group-limited choice: every group of E / groups consecutive experts is scored by the sum of its
  * two best choice values, and the experts outside the top_groups best groups are set to -inf. */
@@ -385,14 +407,18 @@ static inline float score_backward(int score, float g, float x, float y) {
     return h * z / (z + 1.0f);
 }
 
-MG_CLONES static void elementwise_backward(const float *restrict x, const float *restrict p, const float *restrict g,
+HP_ISA_BODY void elementwise_backward_body(const float *restrict x, const float *restrict p, const float *restrict g,
                                            int64_t E, int score, float *restrict dx) {
 #pragma omp simd
     for (int64_t e = 0; e < E; e++) dx[e] = score_backward(score, g[e], x[e], p[e]);
 }
+HP_ISA_CLONES(void, elementwise_backward,
+              (const float *restrict x, const float *restrict p, const float *restrict g, int64_t E,
+               int score, float *restrict dx),
+              (x, p, g, E, score, dx))
 
 /* softmax: dx = (g - sum(g p)) p */
-MG_CLONES static void softmax_backward(const float *restrict p, const float *restrict g, int64_t E,
+HP_ISA_BODY void softmax_backward_body(const float *restrict p, const float *restrict g, int64_t E,
                                        float *restrict dx) {
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -400,10 +426,13 @@ MG_CLONES static void softmax_backward(const float *restrict p, const float *res
 #pragma omp simd
     for (int64_t e = 0; e < E; e++) dx[e] = (g[e] - dot) * p[e];
 }
+HP_ISA_CLONES(void, softmax_backward,
+              (const float *restrict p, const float *restrict g, int64_t E, float *restrict dx),
+              (p, g, E, dx))
 
 /* g = the gradient w.r.t. the per-token distribution p / sum(p), taken back to p:
  * gs / P - sum(gs * (p / P) / P), P = sum(p) (division's backward, as PyTorch computes it). */
-MG_CLONES static void distribution_backward(const float *restrict p, const float *restrict gs, int64_t E,
+HP_ISA_BODY void distribution_backward_body(const float *restrict p, const float *restrict gs, int64_t E,
                                             float *restrict g) {
     float total = row_sum(p, E), through_total = 0.0f;
 #pragma omp simd reduction(+ : through_total)
@@ -411,6 +440,9 @@ MG_CLONES static void distribution_backward(const float *restrict p, const float
 #pragma omp simd
     for (int64_t e = 0; e < E; e++) g[e] = gs[e] / total + through_total;
 }
+HP_ISA_CLONES(void, distribution_backward,
+              (const float *restrict p, const float *restrict gs, int64_t E, float *restrict g),
+              (p, gs, E, g))
 
 /* The gradient w.r.t. the k gathered scores w = p[idx] from the one w.r.t. the weights (gw, or
  * NULL for none): scale's, then (when normalizing) the division by sum(w) + eps. */

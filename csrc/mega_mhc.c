@@ -36,9 +36,9 @@
  *
  * Math: fp32 throughout, libm's expf for the weights, and every long sum kept in LANES partial
  * sums with a fixed index-to-lane assignment, so that results do not depend on the vector width,
- * the blocking or the thread count. The row loops multiply-add fused where the processor can
- * (x86-64-v3 and v4 clones, the same bits on both); the baseline clone, for processors without
- * FMA (before 2013), rounds the products separately.
+ * the blocking or the thread count. The row loops multiply-add fused where the level has FMA
+ * (the x86-64-v3 and v4 copies, the same bits on both); the baseline copy, for processors without
+ * FMA (before 2013) or run by hp_mega_mhc_set_isa(0), rounds the products separately.
  */
 /* FP operations may be computed ahead of a select (the bf16 rounding's NaN case), which lets GCC
  * vectorize the conversion loops; neither this nor the contraction is -ffast-math (no reordered
@@ -69,13 +69,11 @@
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { MHC_OK = 0, MHC_BAD_ARGUMENT = -1, MHC_NO_MEMORY = -2 };
 
-/* The row loops are compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA) and baseline x86-64, picked by
- * the loader (ifunc). */
-#if defined(__x86_64__) && !defined(HP_NO_AVX512)
-#define MHC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MHC_CLONES
-#endif
+/* The row loops are compiled once per level of [Note: one ISA choice] (HP_ISA_CLONES): x86-64-v4
+ * (AVX-512), v3 (AVX2, FMA) and baseline x86-64. */
+#include "hp_isa.h"
+
+HP_ISA_LIBRARY(mega_mhc)
 #define INLINE static inline __attribute__((always_inline))
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -83,7 +81,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* ------------------------------------------------------------------------------ rows */
 
 /* LANES floats as one value: GCC lowers its arithmetic to one AVX-512 register, two AVX2 ones or
- * four SSE ones, whichever clone runs; loads and stores of it need no alignment. Always inlined:
+ * four SSE ones, whichever level's copy runs; loads and stores of it need no alignment. Always inlined:
  * as functions of their own, passing a vec by value would follow no one ABI. */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
@@ -195,9 +193,10 @@ INLINE void weighted_sum(const float *const *v, const float *w, int n, int64_t l
 
 /* The weights are a few hundred scalar operations per token (24 exponentials, 39 Sinkhorn steps),
  * the same for every token: they run on G = LANES tokens at once, token l in lane l of a vec (so
- * element i of the tokens' comb matrices is the vec c[i]). These functions are not cloned: they
- * are compiled for baseline x86-64 on every machine (SSE2 vectors, no fused multiply-add), so the
- * weights never depend on the processor, and each exponential is libm's expf, lane by lane. */
+ * element i of the tokens' comb matrices is the vec c[i]). These functions have no per-level
+ * copies: they are compiled for baseline x86-64 on every machine (SSE2 vectors, no fused
+ * multiply-add), so the weights never depend on the processor, and each exponential is libm's
+ * expf, lane by lane. */
 #define G LANES
 
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -428,8 +427,8 @@ static void pack_chunks(const float *fn, int M, int64_t K, float *packed, int th
 
 /* Tokens t0 .. t0 + tb - 1: their projections z [tb, M] (x . fn^T, fn as pack_chunks lays it out)
  * and sums of squares, in one pass over their rows [K]. */
-MHC_CLONES static void project_block(const void *x, int x_dt, int64_t t0, int tb, int64_t K, const float *packed,
-                                     int M, float *z, float *sumsq) {
+HP_ISA_BODY void project_block_body(const void *x, int x_dt, int64_t t0, int tb, int64_t K, const float *packed,
+                                    int M, float *z, float *sumsq) {
     enum { STRIDE = MAX_WEIGHTS * LANES };
     float acc[TB * STRIDE], sq[TB][LANES], buf[TB][CHUNK];
     const float *xs[TB], *rows[MAX_WEIGHTS];
@@ -453,6 +452,10 @@ MHC_CLONES static void project_block(const void *x, int x_dt, int64_t t0, int tb
         sumsq[b] = lanes_total(sq[b]);
     }
 }
+HP_ISA_CLONES(void, project_block,
+              (const void *x, int x_dt, int64_t t0, int tb, int64_t K, const float *packed, int M, float *z,
+               float *sumsq),
+              (x, x_dt, t0, tb, K, packed, M, z, sumsq))
 
 /* collapsed [D] = sum_n pre_n x_n for one token. */
 INLINE void collapse_body(const void *x, int x_dt, int64_t t, int n, int64_t D, const float *pre, void *collapsed,
@@ -467,14 +470,18 @@ INLINE void collapse_body(const void *x, int x_dt, int64_t t, int n, int64_t D, 
     }
 }
 
-MHC_CLONES static void collapse_token(const void *x, int x_dt, int64_t t, int n, int64_t D, const float *pre,
-                                      void *collapsed, int col_dt) {
+HP_ISA_BODY void collapse_token_body(const void *x, int x_dt, int64_t t, int n, int64_t D, const float *pre,
+                                     void *collapsed, int col_dt) {
     if (n == 4)
         collapse_body(x, x_dt, t, 4, D, pre, collapsed, col_dt);
     else
         collapse_body(x, x_dt, t, n, D, pre, collapsed, col_dt);
     store_fence();
 }
+HP_ISA_CLONES(void, collapse_token,
+              (const void *x, int x_dt, int64_t t, int n, int64_t D, const float *pre, void *collapsed,
+               int col_dt),
+              (x, x_dt, t, n, D, pre, collapsed, col_dt))
 
 /* post [T, n], comb [T, n, n] (both skipped for the head), collapsed [T, D], and what backward
  * keeps: z [T, M], r [T]. */
@@ -529,13 +536,17 @@ INLINE void collapse_backward_body(const void *x, int x_dt, const void *g_col, i
     for (int i = 0; i < n; i++) g_pre[i] = lanes_total(acc[i]);
 }
 
-MHC_CLONES static void collapse_backward_token(const void *x, int x_dt, const void *g_col, int g_dt, int64_t t,
-                                               int n, int64_t D, float *g_pre) {
+HP_ISA_BODY void collapse_backward_token_body(const void *x, int x_dt, const void *g_col, int g_dt, int64_t t,
+                                              int n, int64_t D, float *g_pre) {
     if (n == 4)
         collapse_backward_body(x, x_dt, g_col, g_dt, t, 4, D, g_pre);
     else
         collapse_backward_body(x, x_dt, g_col, g_dt, t, n, D, g_pre);
 }
+HP_ISA_CLONES(void, collapse_backward_token,
+              (const void *x, int x_dt, const void *g_col, int g_dt, int64_t t, int n, int64_t D,
+               float *g_pre),
+              (x, x_dt, g_col, g_dt, t, n, D, g_pre))
 
 /* The weights pass: gu [T, M] (the gradient w.r.t. u = a * scale + base) and pre [T, n].
  * g_post [T, n], g_comb [T, n, n] and g_col [T, D] may each be NULL (no gradient: zero). */
@@ -692,7 +703,7 @@ INLINE void prefetch_block(const InputsPass *p, int64_t t0, int64_t d0, int64_t 
 /* Every token's part of columns [d0, d0 + len) of each stream; acc (when given) ends as those
  * columns of grad_fn, accumulated in token order. fnc: room for those columns of fn, [n, M, COLS]
  * (copied there once: in fn its rows are K floats apart, see pack_chunks). */
-MHC_CLONES static void inputs_chunk(const InputsPass *p, int64_t d0, int64_t len, float *fnc, float *acc) {
+HP_ISA_BODY void inputs_chunk_body(const InputsPass *p, int64_t d0, int64_t len, float *fnc, float *acc) {
     float gbuf[TB][COLS];
     const float *g_col[TB];
     if (acc) memset(acc, 0, (size_t)p->M * p->n * COLS * sizeof(float));
@@ -713,6 +724,9 @@ MHC_CLONES static void inputs_chunk(const InputsPass *p, int64_t d0, int64_t len
     }
     store_fence();
 }
+HP_ISA_CLONES(void, inputs_chunk,
+              (const InputsPass *p, int64_t d0, int64_t len, float *fnc, float *acc),
+              (p, d0, len, fnc, acc))
 
 /* The inputs pass: grad_x [T, n, D] (when given, in gx_dt) and grad_fn [M, K] (when given) from
  * gz [T, M], coef [T], pre [T, n] and g_col [T, D] (may be NULL). */
@@ -768,14 +782,18 @@ INLINE void post_body(const void *block_out, int bo_dt, const void *x, int x_dt,
     }
 }
 
-MHC_CLONES static void post_token(const void *block_out, int bo_dt, const void *x, int x_dt, int64_t t, int n,
-                                  int64_t D, const float *post, const float *comb, void *out, int out_dt) {
+HP_ISA_BODY void post_token_body(const void *block_out, int bo_dt, const void *x, int x_dt, int64_t t, int n,
+                                 int64_t D, const float *post, const float *comb, void *out, int out_dt) {
     if (n == 4)
         post_body(block_out, bo_dt, x, x_dt, t, 4, D, post, comb, out, out_dt);
     else
         post_body(block_out, bo_dt, x, x_dt, t, n, D, post, comb, out, out_dt);
     store_fence();
 }
+HP_ISA_CLONES(void, post_token,
+              (const void *block_out, int bo_dt, const void *x, int x_dt, int64_t t, int n, int64_t D,
+               const float *post, const float *comb, void *out, int out_dt),
+              (block_out, bo_dt, x, x_dt, t, n, D, post, comb, out, out_dt))
 
 /* out [T, n, D] (out_dt) = post_k block_out + sum_j comb_jk x_j, per token. */
 int hp_mega_mhc_post_forward(const void *block_out, int bo_dt, const void *x, int x_dt, int64_t T, int n, int64_t D,
@@ -827,13 +845,16 @@ INLINE void post_backward_body(const PostBackward *p, int64_t t, int n) {
 }
 
 /* DeepSeek-V4's N = 4 gets its own copy, compiled with the loops over streams unrolled. */
-MHC_CLONES static void post_backward_token(const PostBackward *p, int64_t t) {
+HP_ISA_BODY void post_backward_token_body(const PostBackward *p, int64_t t) {
     if (p->n == 4)
         post_backward_body(p, t, 4);
     else
         post_backward_body(p, t, p->n);
     store_fence();
 }
+HP_ISA_CLONES(void, post_backward_token,
+              (const PostBackward *p, int64_t t),
+              (p, t))
 
 /* From g = the gradient w.r.t. out [T, n, D]: g_bo [T, D], g_x [T, n, D], g_post [T, n] and
  * g_comb [T, n, n], each only when given (not NULL). */

@@ -7,7 +7,7 @@
  */
 #include "mx_common.h"
 
-#ifdef HP_HAVE_AVX512
+#ifdef HP_ISA_X86
 #include <immintrin.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))

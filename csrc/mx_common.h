@@ -4,6 +4,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hp_isa.h"
+
 /* Helpers are forced inline so that constant arguments fold into straight-line vector code. */
 #define HP_INLINE static inline __attribute__((always_inline))
 
@@ -100,9 +102,11 @@ typedef struct {
                          int nrows, int64_t c0, int ncols, int elem, void *out, int out_dtype);
 } mx_kernels;
 
+/* One table per level of [Note: one ISA choice] (hp_isa.h): the portable kernels compiled for
+ * baseline x86-64 and for x86-64-v3 (mx_generic.c), and the AVX-512 intrinsics (mx_avx512.c). */
 extern const mx_kernels MX_GENERIC;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(HP_NO_AVX512)
-#define HP_HAVE_AVX512 1
+#ifdef HP_ISA_X86
+extern const mx_kernels MX_AVX2;
 extern const mx_kernels MX_AVX512;
 #endif
 

@@ -2,18 +2,13 @@
  * Portable C implementation of the MX tile kernels (see mx_common.h for the table).
  *
  * Everything works on the IEEE bits of fp32 values in integer registers, written so that GCC
- * auto-vectorizes it; the entry points are compiled for x86-64-v3 (AVX2) and baseline x86-64
- * (target_clones) and the loader picks one. It is the fallback where AVX-512 is missing and the
- * second implementation that the tests hold byte-equal to the reference.
+ * auto-vectorizes it; the entry points are compiled for x86-64-v3 and baseline x86-64
+ * (HP_ISA_CLONES_AVX2: the tables MX_AVX2 and MX_GENERIC of [Note: one ISA choice]). It is the
+ * fallback where AVX-512 is missing and the second implementation that the tests hold byte-equal
+ * to the reference.
  * No -ffast-math: the subnormal path relies on exact IEEE rounding.
  */
 #include "mx_common.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HP_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HP_CLONES
-#endif
 
 /* Calls BODY(dtype, elem, ...) with compile-time constant dtype and elem. */
 #define SPECIALIZE(BODY, dtype, elem, ...)                                                     \
@@ -179,12 +174,15 @@ HP_INLINE void quant_rows_body(int dtype, int elem, const void *src, int64_t r0,
     }
 }
 
-HP_CLONES
-static void quant_rows_range(const void *src, int dtype, int64_t r0, int64_t r1, int64_t n,
-                             uint8_t *q, uint8_t *s, int elem, int mode, int stream) {
+HP_INLINE void quant_rows_range_body(const void *src, int dtype, int64_t r0, int64_t r1, int64_t n,
+                                     uint8_t *q, uint8_t *s, int elem, int mode, int stream) {
     (void)stream;
     SPECIALIZE(quant_rows_body, dtype, elem, src, r0, r1, n, q, s, mode);
 }
+HP_ISA_CLONES_AVX2(void, quant_rows_range,
+                   (const void *src, int dtype, int64_t r0, int64_t r1, int64_t n, uint8_t *q,
+                    uint8_t *s, int elem, int mode, int stream),
+                   (src, dtype, r0, r1, n, q, s, elem, mode, stream))
 
 
 /* ------------------------------------------------- column-wise: blocks run down the rows */
@@ -219,10 +217,9 @@ HP_INLINE void quant_cols_body(int dtype, int elem, const void *src, int64_t wid
         convert_cols(buf[r], ncols, bytes, offsets, inv, any_bad, f, q + (row0 + r) * width + c0);
 }
 
-HP_CLONES
-static void quant_cols_tile(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
-                            int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode,
-                            int stream, int64_t next) {
+HP_INLINE void quant_cols_tile_body(const void *src, int dtype, int64_t width, int64_t row0, int nrows,
+                                    int64_t c0, int ncols, uint8_t *q, uint8_t *srow, int elem, int mode,
+                                    int stream, int64_t next) {
     (void)stream;
     (void)next;
     for (int j = 0; j < ncols; j += TILE_COLS) {
@@ -230,6 +227,11 @@ static void quant_cols_tile(const void *src, int dtype, int64_t width, int64_t r
         SPECIALIZE(quant_cols_body, dtype, elem, src, width, row0, nrows, c0 + j, n, q, srow, mode);
     }
 }
+HP_ISA_CLONES_AVX2(void, quant_cols_tile,
+                   (const void *src, int dtype, int64_t width, int64_t row0, int nrows, int64_t c0,
+                    int ncols, uint8_t *q, uint8_t *srow, int elem, int mode, int stream,
+                    int64_t next),
+                   (src, dtype, width, row0, nrows, c0, ncols, q, srow, elem, mode, stream, next))
 
 /* ---------------------------------------------------- dual: row-wise and column-wise at once */
 
@@ -273,10 +275,9 @@ HP_INLINE void quant_dual_body(int dtype, int elem, const void *src, int64_t K, 
     }
 }
 
-HP_CLONES
-static void quant_dual_tile(const void *src, int dtype, int64_t K, int64_t row0, int nrows,
-                            int64_t c0, int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc,
-                            uint8_t *sc, int elem, int mode, int stream, int64_t next) {
+HP_INLINE void quant_dual_tile_body(const void *src, int dtype, int64_t K, int64_t row0, int nrows,
+                                    int64_t c0, int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc,
+                                    uint8_t *sc, int elem, int mode, int stream, int64_t next) {
     (void)stream;
     (void)next;
     for (int j = 0; j < ncols; j += DUAL_COLS) {
@@ -285,6 +286,11 @@ static void quant_dual_tile(const void *src, int dtype, int64_t K, int64_t row0,
                    mode);
     }
 }
+HP_ISA_CLONES_AVX2(void, quant_dual_tile,
+                   (const void *src, int dtype, int64_t K, int64_t row0, int nrows, int64_t c0,
+                    int ncols, uint8_t *qr, uint8_t *sr, uint8_t *qc, uint8_t *sc, int elem,
+                    int mode, int stream, int64_t next),
+                   (src, dtype, K, row0, nrows, c0, ncols, qr, sr, qc, sc, elem, mode, stream, next))
 
 
 /* ------------------------------------------------------------------------- dequantization */
@@ -313,11 +319,14 @@ HP_INLINE void dequant_rows_body(int out_dtype, int elem, const uint8_t *q, cons
     }
 }
 
-HP_CLONES
-static void dequant_rows_range(const uint8_t *q, const uint8_t *s, int64_t r0, int64_t r1,
-                               int64_t n, int elem, void *out, int out_dtype) {
+HP_INLINE void dequant_rows_range_body(const uint8_t *q, const uint8_t *s, int64_t r0, int64_t r1,
+                                       int64_t n, int elem, void *out, int out_dtype) {
     SPECIALIZE(dequant_rows_body, out_dtype, elem, q, s, r0, r1, n, out);
 }
+HP_ISA_CLONES_AVX2(void, dequant_rows_range,
+                   (const uint8_t *q, const uint8_t *s, int64_t r0, int64_t r1, int64_t n, int elem,
+                    void *out, int out_dtype),
+                   (q, s, r0, r1, n, elem, out, out_dtype))
 
 
 HP_INLINE void dequant_cols_body(int out_dtype, int elem, const uint8_t *q, const uint8_t *srow,
@@ -340,17 +349,26 @@ HP_INLINE void dequant_cols_body(int out_dtype, int elem, const uint8_t *q, cons
     }
 }
 
-HP_CLONES
-static void dequant_cols_tile(const uint8_t *q, const uint8_t *srow, int64_t width, int64_t row0,
-                              int nrows, int64_t c0, int ncols, int elem, void *out,
-                              int out_dtype) {
+HP_INLINE void dequant_cols_tile_body(const uint8_t *q, const uint8_t *srow, int64_t width, int64_t row0,
+                                      int nrows, int64_t c0, int ncols, int elem, void *out,
+                                      int out_dtype) {
     for (int j = 0; j < ncols; j += TILE_COLS) {
         int n = ncols - j < TILE_COLS ? ncols - j : TILE_COLS;
         SPECIALIZE(dequant_cols_body, out_dtype, elem, q, srow, width, row0, nrows, c0 + j, n, out);
     }
 }
+HP_ISA_CLONES_AVX2(void, dequant_cols_tile,
+                   (const uint8_t *q, const uint8_t *srow, int64_t width, int64_t row0, int nrows,
+                    int64_t c0, int ncols, int elem, void *out, int out_dtype),
+                   (q, srow, width, row0, nrows, c0, ncols, elem, out, out_dtype))
 
 const mx_kernels MX_GENERIC = {
-    "generic", quant_rows_range, quant_cols_tile, quant_dual_tile, dequant_rows_range,
-    dequant_cols_tile,
+    "generic", quant_rows_range_generic, quant_cols_tile_generic, quant_dual_tile_generic,
+    dequant_rows_range_generic, dequant_cols_tile_generic,
 };
+#ifdef HP_ISA_X86
+const mx_kernels MX_AVX2 = {
+    "avx2", quant_rows_range_avx2, quant_cols_tile_avx2, quant_dual_tile_avx2, dequant_rows_range_avx2,
+    dequant_cols_tile_avx2,
+};
+#endif

@@ -11,38 +11,21 @@
  *   - elements x * 2^-e rounded to nearest even, saturated to +-max_elem, sign kept.
  *
  * This file splits the work into tasks for OpenMP and hands each task to the tile kernels of
- * the best instruction set the processor has (AVX-512 intrinsics, else portable C), chosen once
- * at run time; hp_mx_set_isa lets tests run the portable kernels on an AVX-512 machine too.
+ * the level in force (hp_isa.h: AVX-512 intrinsics, or the portable C compiled for AVX2 or
+ * baseline x86-64), the processor's best unless hp_mx_set_isa chose a lower one (tests run every
+ * level on one machine).
  */
 #include "mx_common.h"
 
 /* Outputs at least this large are written with non-temporal stores (see mx_kernels). */
 #define STREAM_MIN_BYTES ((int64_t)16 << 20)
 
-static const mx_kernels *chosen = 0;
+HP_ISA_LIBRARY(mx)
 
-static const mx_kernels *best_available(void) {
-#ifdef HP_HAVE_AVX512
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return &MX_AVX512;
-#endif
-    return &MX_GENERIC;
-}
-
+/* The kernels of the level in force ([Note: one ISA choice]; hp_mx_set_isa, hp_mx_isa). */
 static const mx_kernels *active(void) {
-    if (!chosen) chosen = best_available();
-    return chosen;
+    return HP_ISA_PICK(&MX_GENERIC, &MX_AVX2, &MX_AVX512);
 }
-
-/* 0: portable kernels, 1: the best the processor has. Returns the name of the active set. */
-const char *hp_mx_set_isa(int best) {
-    chosen = best ? best_available() : &MX_GENERIC;
-    return chosen->name;
-}
-
-const char *hp_mx_isa(void) { return active()->name; }
 
 void hp_mx_quant_rows(const void *src, int dtype, int64_t rows, int64_t n, uint8_t *q, uint8_t *s,
                       int elem, int mode, int nthreads) {

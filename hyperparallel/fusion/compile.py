@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from hyperparallel.fusion import reference
 from hyperparallel.fusion.bytecode import INPUT_DTYPES, TORCH_DTYPES, DType, Kind, Op, Program
 from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
-from hyperparallel.mx.backends import host_cache
+from hyperparallel.kernels import host_cache
 
 _CACHE: dict[tuple, tuple] = {}
 # programs: built / found in the cache; calls: run on the VM or by the cluster's ATen graph

@@ -1,7 +1,8 @@
 """The DVM virtual machine: runs a bytecode Program (bytecode.py) with the native interpreter.
 
-The interpreter is plain C (csrc/dvm_*.c, the library ``hyperparallel._dvm_native``) loaded with
-ctypes; ``LIB`` is None when it has not been built. ``run`` does little per call: the program's
+The interpreter is plain C (csrc/dvm_*.c, the library ``hyperparallel._dvm_native``) loaded by
+kernels' loader; ``LIB`` is None when it is not built (or is a stale build), and its instruction
+set follows ``hyperparallel.kernels.use_isa``. ``run`` does little per call: the program's
 code, immediates, register kinds and dtypes become ctypes arrays once, kept on the Program
 (``Program._native``); a call only builds the pointer and stride arrays.
 
@@ -18,14 +19,14 @@ the stored value).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from collections.abc import Sequence
 from itertools import chain
 
 import torch
 
-from hyperparallel.errors import HyperparallelError
+from hyperparallel.errors import BackendError, HyperparallelError
 from hyperparallel.fusion.bytecode import INPUT_DTYPES, WORDS, Op, Program, nested_strides
+from hyperparallel.kernels.native import load, unavailable_reason
 
 _P = ctypes.c_void_p
 _INT = ctypes.c_int
@@ -37,28 +38,14 @@ _SIGNATURES = {
     "hp_dvm_run": (None, _INT),
     "hp_dvm_strerror": ([_INT], ctypes.c_char_p),
     "hp_dvm_error_instr": ([], _INT),
-    "hp_dvm_set_isa": ([_INT], ctypes.c_char_p),
-    "hp_dvm_isa": ([], ctypes.c_char_p),
     "hp_dvm_tile_elems": ([_I64], _I64),
     "hp_dvm_max_reduce_cols": ([], _I64),
     "hp_dvm_tune": ([_INT], _INT),
 }
 
 
-def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("hyperparallel._dvm_native")
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        if argtypes is not None:
-            fn.argtypes = argtypes
-        fn.restype = restype
-    return lib
-
-
-LIB = _load()
+MODULE = "hyperparallel._dvm_native"
+LIB = load(MODULE, _SIGNATURES, isa="hp_dvm")
 MAX_REDUCE_COLS = LIB.hp_dvm_max_reduce_cols() if LIB is not None else 0
 
 
@@ -132,8 +119,7 @@ def run(program: Program, inputs: Sequence[torch.Tensor], outputs: Sequence[torc
     ``(outer, middle, inner row stride, col_stride)`` (a 2-tuple then means rows at one stride).
     `n_threads` <= 0: OpenMP's default. Raises VMError when the VM refuses the program.
     """
-    if LIB is None:
-        raise RuntimeError("the native library hyperparallel._dvm_native is not built (run `make setup`)")
+    _require_library()
     native = _native(program)
     _check("input", inputs, native.in_torch)
     _check("output", outputs, native.out_torch)
@@ -151,8 +137,7 @@ class Call:
 
     def __init__(self, program: Program, rows: int, cols: int, row_dims: tuple[int, int],
                  input_strides: Sequence[Sequence[int]], output_strides: Sequence[Sequence[int]], n_threads: int = 0):
-        if LIB is None:
-            raise RuntimeError("the native library hyperparallel._dvm_native is not built (run `make setup`)")
+        _require_library()
         native = _native(program)
         n_mid, n_inner = row_dims
         self.program = program
@@ -172,6 +157,11 @@ class Call:
             raise _error(self.program, rc)
 
 
+def _require_library() -> None:
+    if LIB is None:
+        raise BackendError(f"the DVM cannot run: {unavailable_reason(MODULE)}")
+
+
 def _error(program: Program, rc: int) -> VMError:
     message = LIB.hp_dvm_strerror(rc).decode()
     k = LIB.hp_dvm_error_instr()
@@ -185,16 +175,6 @@ def _error(program: Program, rc: int) -> VMError:
     else:
         message = f"DVM: {message}"
     return VMError(message, rc, k)
-
-
-def isa() -> str:
-    """The instruction set the interpreter runs with: 'avx512', 'avx2' or 'generic'."""
-    return LIB.hp_dvm_isa().decode()
-
-
-def use_isa(level: int = 2) -> str:
-    """0: the portable interpreter, 1: AVX2 where the processor has it, 2: the best (default)."""
-    return LIB.hp_dvm_set_isa(level).decode()
 
 
 def tile_elems(elems: int = 0) -> int:

@@ -7,7 +7,7 @@ collapses the streams into the block's input; after the block, its output is exp
 N streams and the old streams mixed in (post * out + comb^T @ streams). Left to eager PyTorch
 that is some 60 small element-wise operations per hyper-connection, each keeping its inputs for
 backward. `HyperConnectedLayer` runs the same layer with MegaMHC's two fused operations
-(`hyperparallel.models.mega_mhc`): `mhc_pre` for the weights and the collapse, `mhc_post` for the
+(`hyperparallel.kernels.mega_mhc`): `mhc_pre` for the weights and the collapse, `mhc_post` for the
 expansion and mix; `MegaHyperHead` does the final collapse before the model's norm.
 
 The layer holds transformers' own attention, MoE block and norms, and the hyper-connections'
@@ -22,7 +22,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4HyperHead
 
-from .mega_mhc import MegaHyperConnection, MegaHyperHead, mhc_post
+from hyperparallel.kernels.mega_mhc import MegaHyperConnection, MegaHyperHead, mhc_post
 
 _CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "attn_hc", "ffn_hc")
 

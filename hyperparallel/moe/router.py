@@ -16,7 +16,7 @@ Three scorings cover the families:
 Each follows the corresponding transformers router op for op (the same torch calls in the same
 order), so indices, weights and gradients are those of transformers' own. With `fused` (the
 trainer's `kernels.mega_gate`), everything after the logits runs as one MegaGate operation
-(`hyperparallel.moe.mega_gate`): the same indices and, to fp32 rounding, the same weights and
+(`hyperparallel.kernels.mega_gate`): the same indices and, to fp32 rounding, the same weights and
 gradients, with the loads counted in the same pass.
 
 When a `hyperparallel.moe.LoadBalancer` watches it (`recording`), a router in training also
@@ -131,7 +131,7 @@ class TopKRouter(nn.Module):
         return weights, indices
 
     def _fused(self, logits: torch.Tensor, input_ids: torch.Tensor | None):
-        from hyperparallel.moe.mega_gate import mega_gate  # its kernels load on first use
+        from hyperparallel.kernels.mega_gate import mega_gate  # its kernels load on first use
 
         softmax = self.score == "softmax"
         hash_indices = self.tid2eid[input_ids.reshape(-1)] if self.hash_routing else None

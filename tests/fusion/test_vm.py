@@ -20,28 +20,17 @@ import torch.nn.functional as F
 
 from hyperparallel.fusion import reference, vm
 from hyperparallel.fusion.bytecode import BINARY, REDUCTIONS, TORCH_DTYPES, UNARY, Kind, Op, Program
+from hyperparallel.kernels import use_isa
+from tests import instruction_sets
 
 pytestmark = pytest.mark.skipif(vm.LIB is None, reason="hyperparallel._dvm_native is not built")
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-ISAS = ["generic", "avx2", "avx512"]
+isa = instruction_sets.isa  # the fixture: each level the processor has
 
 
 def gen(seed=0):
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each instruction set the processor has (the portable one always)."""
-    level = ISAS.index(request.param)
-    name = vm.use_isa(level)
-    try:
-        if name != request.param:
-            pytest.skip(f"the processor has no {request.param}")
-        yield name
-    finally:
-        vm.use_isa(2)
 
 
 def strides(t: torch.Tensor, kind: Kind = Kind.FULL) -> tuple[int, int]:
@@ -703,12 +692,12 @@ def test_instruction_sets_agree():
     x = torch.randn(40, 515, generator=gen(23)) * 5
     results = []
     for level in (0, 1, 2):
-        vm.use_isa(level)
+        use_isa(level)
         out = torch.empty_like(x)
         try:
             run(softmax_program(F32), [x], [out], *x.shape)
         finally:
-            vm.use_isa(2)
+            use_isa("avx512")
         results.append(out)
     for out in results[1:]:
         torch.testing.assert_close(out, results[0], rtol=1e-6, atol=1e-9)

@@ -8,23 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperparallel import mx
+from hyperparallel.kernels import LEVELS, use_isa
 from hyperparallel.mx import reference
-from hyperparallel.mx.backends import cpu
+from tests import instruction_sets
 from tests.mx.cases import random_input, special_rows
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MODES = ["rceil", "floor"]
-ISAS = ["best", "generic"]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    name = cpu.use_best_isa(request.param == "best")
-    if request.param == "best" and name == "generic":
-        pytest.skip("this processor has no AVX-512: the best kernels are the generic ones")
-    yield name
-    cpu.use_best_isa(True)
+ISAS = list(LEVELS)  # generic, avx2, avx512: the kernels of each level the processor has
+isa = instruction_sets.isa  # the fixture: each level the processor has
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
@@ -74,12 +67,12 @@ shapes = st.lists(st.integers(0, 70), min_size=1, max_size=3).map(tuple)
     elem=st.sampled_from([E4M3, E5M2]),
     seed=st.integers(0, 2**31 - 1),
     specials=st.booleans(),
-    generic=st.booleans(),
+    level=st.sampled_from(ISAS),
 )
-def test_random_tensors_any_axis(shape, axis, dtype, mode, elem, seed, specials, generic):
+def test_random_tensors_any_axis(shape, axis, dtype, mode, elem, seed, specials, level):
     axis = axis % len(shape)
     x = random_input(shape, dtype, seed, specials)
-    cpu.use_best_isa(not generic)
+    use_isa(level)
     try:
         got = mx.quantize(x, axis, scale_mode=mode, elem_dtype=elem)
         assert_same_quantization(got, *reference.quantize(x, axis, elem, mode))
@@ -88,7 +81,7 @@ def test_random_tensors_any_axis(shape, axis, dtype, mode, elem, seed, specials,
         expected = reference.dequantize(got.data, got.scale, axis, None, torch.bfloat16)
         torch.testing.assert_close(got.dequantize(torch.bfloat16), expected, rtol=0, atol=0, equal_nan=True)
     finally:
-        cpu.use_best_isa(True)
+        use_isa("avx512")
 
 
 @settings(max_examples=40, deadline=None)
@@ -99,15 +92,15 @@ def test_random_tensors_any_axis(shape, axis, dtype, mode, elem, seed, specials,
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 2**31 - 1),
     specials=st.booleans(),
-    generic=st.booleans(),
+    level=st.sampled_from(ISAS),
 )
-def test_dual_equals_two_single_axis_quantizations(m, k, dtype, mode, seed, specials, generic):
+def test_dual_equals_two_single_axis_quantizations(m, k, dtype, mode, seed, specials, level):
     x = random_input((m, k), dtype, seed, specials)
-    cpu.use_best_isa(not generic)
+    use_isa(level)
     try:
         row, col = mx.quantize_dual(x, scale_mode=mode)
     finally:
-        cpu.use_best_isa(True)
+        use_isa("avx512")
     assert (row.axis, col.axis) == (1, 0)
     assert_same_quantization(row, *reference.quantize(x, 1, E4M3, mode))
     assert_same_quantization(col, *reference.quantize(x, 0, E4M3, mode))
@@ -124,12 +117,12 @@ group_sizes = st.lists(st.sampled_from([0, 1, 5, 31, 32, 33, 64, 70]), min_size=
     mode=st.sampled_from(MODES),
     elem=st.sampled_from([E4M3, E5M2]),
     seed=st.integers(0, 2**31 - 1),
-    generic=st.booleans(),
+    level=st.sampled_from(ISAS),
 )
-def test_grouped(sizes, k, dtype, mode, elem, seed, generic):
+def test_grouped(sizes, k, dtype, mode, elem, seed, level):
     offsets = torch.tensor(sizes).cumsum(0)
     x = random_input((int(offsets[-1]), k), dtype, seed, specials=True)
-    cpu.use_best_isa(not generic)
+    use_isa(level)
     try:
         got = mx.quantize_grouped(x, offsets, scale_mode=mode, elem_dtype=elem)
         assert_same_quantization(got, *reference.quantize_grouped(x, offsets, elem, mode))
@@ -137,7 +130,7 @@ def test_grouped(sizes, k, dtype, mode, elem, seed, generic):
         torch.testing.assert_close(got.dequantize(), expected, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(got.t().dequantize(), expected.t(), rtol=0, atol=0, equal_nan=True)
     finally:
-        cpu.use_best_isa(True)
+        use_isa("avx512")
 
 
 def test_grouped_blocks_restart_at_group_starts():

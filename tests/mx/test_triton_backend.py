@@ -1,41 +1,28 @@
-"""The Triton kernels, byte for byte against the reference, run by the Triton interpreter on CPU.
-
-TRITON_INTERPRET=1 is set before triton is imported, as the interpreter needs; it is put back as
-it was right after the imports and set again only while these tests run, so that the other test
-modules of the session see the environment they were started with.
+"""The Triton kernels, byte for byte against the reference, run by the Triton interpreter on CPU
+(tests/triton_interpreter.py: set before triton is imported and while these tests run).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import imports, triton_interpreter  # noqa: F401 (a fixture)
 
-import pytest  # noqa: E402
+with imports():
+    pytest.importorskip("triton")
+    import torch
 
-pytest.importorskip("triton")
+    from hyperparallel.kernels import triton_support
+    from hyperparallel.mx import reference
+    from hyperparallel.mx.backends import triton as tb
+    from tests.mx.cases import BF16_MAX, random_input, special_rows
 
-import torch  # noqa: E402
-
-from hyperparallel.mx import reference  # noqa: E402
-from hyperparallel.mx.backends import triton as tb  # noqa: E402
-from tests.mx.cases import BF16_MAX, random_input, special_rows  # noqa: E402
-
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FORMATS = [(E4M3, "rceil"), (E4M3, "floor"), (E5M2, "rceil"), (E5M2, "floor")]
 FORMAT_IDS = ["e4m3-rceil", "e4m3-floor", "e5m2-rceil", "e5m2-floor"]
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +57,7 @@ def test_unavailable_reason(monkeypatch):
     assert "TRITON_INTERPRET=1" in tb.unavailable_reason(torch.device("cpu"))
     if not torch.cuda.is_available():
         assert tb.unavailable_reason(torch.device("cuda")) is not None
-    monkeypatch.setattr(tb, "triton", None)
+    monkeypatch.setattr(triton_support, "triton", None)
     assert "triton" in tb.unavailable_reason(torch.device("cuda"))
 
 

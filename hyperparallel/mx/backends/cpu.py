@@ -1,17 +1,21 @@
-"""CPU backend: the native C kernels of csrc/ (OpenMP, AVX-512 or portable SIMD).
+"""CPU backend: the native C kernels of csrc/ (OpenMP; AVX-512 intrinsics, or portable C for AVX2
+or baseline x86-64, at the level `hyperparallel.kernels.use_isa` chooses).
 
 The kernels live in the native library (see ``native``). Each operator is a ``torch.library``
 custom op with a fake implementation, so torch.compile can trace through it. Large outputs come
-from a cache of reused buffers (see ``host_cache``): fresh pages would cost more than the kernels.
+from a cache of reused buffers (``hyperparallel.kernels.host_cache``): fresh pages would cost
+more than the kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hyperparallel.kernels import native as _loader
+from hyperparallel.kernels.host_cache import empty as _empty
 from hyperparallel.mx import outputs
-from hyperparallel.mx.backends.host_cache import empty as _empty
 from hyperparallel.mx.backends.native import LIB as _LIB
+from hyperparallel.mx.backends.native import MODULE as _MODULE
 from hyperparallel.mx.groups import batched_blocks, grouped_blocks
 
 _IN_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -23,18 +27,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cpu":
         return "the cpu backend takes CPU tensors only"
     if _LIB is None:
-        return "the native library hyperparallel._mx_native is not built (run `make setup`)"
+        return _loader.unavailable_reason(_MODULE)
     return None
-
-
-def isa() -> str:
-    """The instruction set the kernels run with: 'avx512' or 'generic'."""
-    return _LIB.hp_mx_isa().decode()
-
-
-def use_best_isa(best: bool = True) -> str:
-    """Use the best kernels for this processor (default) or force the portable ones (tests)."""
-    return _LIB.hp_mx_set_isa(int(best)).decode()
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -147,4 +141,4 @@ def dequantize(data, scale, axis, group_offsets, dtype):
     return _dequantize(data.contiguous(), scale.contiguous(), axis, group_offsets, dtype)
 
 
-__all__ = ["quantize", "quantize_dual", "quantize_grouped", "dequantize", "isa", "use_best_isa"]
+__all__ = ["quantize", "quantize_dual", "quantize_grouped", "dequantize"]

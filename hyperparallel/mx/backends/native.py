@@ -1,14 +1,16 @@
-"""The native library of csrc/ (``hyperparallel/_mx_native*.so``), loaded with ctypes.
+"""The MX kernels of csrc/mx_*.c (``hyperparallel._mx_native``), loaded by kernels' loader.
 
-It is plain C with no Python or PyTorch headers; the package build (setup.py) makes it. ``LIB``
-is None when it has not been built, and the CPU backend then reports itself unavailable.
+``LIB`` is None when the library is not built (or is a stale build); the CPU backend then reports
+itself unavailable with the loader's reason.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 
+from hyperparallel.kernels import native
+
+MODULE = "hyperparallel._mx_native"
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -19,26 +21,6 @@ _SIGNATURES = {
     "hp_mx_quant_dual": ([_P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _INT], None),
     "hp_mx_dequant_rows": ([_P, _P, _I64, _I64, _INT, _P, _INT, _INT], None),
     "hp_mx_dequant_cols": ([_P, _P, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _INT], None),
-    "hp_mx_set_isa": ([_INT], ctypes.c_char_p),
-    "hp_mx_isa": ([], ctypes.c_char_p),
-    # output buffer cache (csrc/mx_cache.c)
-    "hp_cache_tensor": ([_I64], _P),
-    "hp_cache_discard": ([_P], None),
-    "hp_cache_set_limit": ([_I64], _I64),
-    "hp_cache_free_bytes": ([], _I64),
 }
 
-
-def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("hyperparallel._mx_native")
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-    return lib
-
-
-LIB = _load()
+LIB = native.load(MODULE, _SIGNATURES, isa="hp_mx")

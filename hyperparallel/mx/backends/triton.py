@@ -15,31 +15,19 @@ Kernels (one program per tile, 1-D grids so that no grid axis can overflow 65535
   _quant_dual_kernel   a [32, blocks, 32] tile read once, written row-wise and column-wise
   _dequant_kernel      a [rows, cols] tile, each element gathering its scale byte
 
-``triton`` is imported under a guard and the kernels are jitted on first use, so this module
-imports without triton, and TRITON_INTERPRET=1 (kernels run by the interpreter on CPU tensors) is
-honoured when it is set any time before the first call.
+The kernels are jitted on first use (hyperparallel.kernels.triton_support's [Note: kernels jitted
+on first use]): this module imports without triton, and Triton's interpreter (kernels run on CPU
+tensors) is honoured when it is asked for any time before a call.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable
-
 import torch
 
+from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton, unavailable_reason
 from hyperparallel.mx import outputs
 from hyperparallel.mx.format import BLOCK_SIZE, num_blocks
 from hyperparallel.mx.groups import grouped_scale_rows
-
-try:
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # a broken install must not break importing hyperparallel
-    triton = tl = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 _IN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BIT_VIEWS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -62,27 +50,13 @@ _NUM_WARPS = 4
 
 
 # ------------------------------------------------------------------------------------ kernels
-# Plain functions, registered here and turned into triton.jit functions by _kernels() on first use
-# (rebinding the module globals, which is where Triton resolves calls between jit functions).
+# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use.
 
-_JIT_SOURCES: dict[str, Callable] = {}
+_KERNELS = JitKernels(globals(), combines={"_MAX_COMBINE": "max"})
+_jit = _KERNELS.register
 
-
-def _jit(fn: Callable) -> Callable:
-    _JIT_SOURCES[fn.__name__] = fn
-    return fn
-
-
-@_jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-# The combine function of the block-amax reductions, set by _kernels(). Not tl.max: that is a
-# jit function made when triton is imported, so the interpreter cannot call it when triton was
-# imported before TRITON_INTERPRET was set (importing torch can import triton). Triton's own
-# combine function (the one tl.max uses) is preferred because the interpreter reduces with numpy
-# only for it; ours is the fallback should a Triton version rename it.
+# The combine function of the block-amax reductions, set by _KERNELS.build(): Triton's own (the
+# one tl.max uses), kernels.triton_support's should a Triton version rename it.
 _MAX_COMBINE = None
 
 
@@ -308,54 +282,13 @@ def _dequant_kernel(q_ptr, s_ptr, idx_ptr, out_ptr, R, C, n, S, TILES_C, BLOCK_R
         tl.store(out_ptr + offs, bits, mask=mask)
 
 
-_built_for: bool | None = None  # the interpret mode the kernels were jitted in
-
-
-def _interpret() -> bool:
-    """Whether triton.jit makes interpreted functions now (it reads the environment each time)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4 parses the variable here
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernels() -> None:
-    """Jit every kernel (again, if TRITON_INTERPRET changed since), rebinding the module names."""
-    global _built_for
-    mode = _interpret()
-    if _built_for is mode:
-        return
-    for name, fn in _JIT_SOURCES.items():
-        globals()[name] = triton.jit(fn)
-    globals()["_MAX_COMBINE"] = getattr(tl.standard, "_elementwise_max", None) or globals()["_max_combine"]
-    _built_for = mode
-
-
 # ------------------------------------------------------------------------------------ helpers
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    device = torch.device(device)
-    if triton is None:
-        return f"triton cannot be imported ({_IMPORT_ERROR}); install it with `pip install 'triton>=3.0'`"
-    if device.type == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available in this process"
-    if device.type == "cpu":
-        if _interpret():
-            return None
-        return "triton kernels take CUDA tensors (CPU tensors only with TRITON_INTERPRET=1)"
-    return f"triton kernels take CUDA tensors, not {device.type} tensors"
 
 
 def _pow2(n: int, lo: int = 1, hi: int | None = None) -> int:
     p = triton.next_power_of_2(max(n, 1))
     p = max(p, lo)
     return min(p, hi) if hi is not None else p
-
-
-def _on(device: torch.device):
-    # Triton launches on the current CUDA device: make it the tensors' one
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch(kernel, programs: int, *args, **meta) -> None:
@@ -419,10 +352,10 @@ def _quantize(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, scale_mode: s
     data, scale = outputs.quantized(x, axis, elem_dtype)
     outer, n, inner = outputs.split_at_axis(x.shape, axis)
     if x.numel():
-        _kernels()
+        _KERNELS.build()
         meta = _quant_meta(x, elem_dtype, scale_mode)
         q, s = data.view(torch.uint8), scale.view(torch.uint8)
-        with _on(x.device):
+        with on_device(x.device):
             if inner == 1:
                 _quant_rows(_bits(x), q, s, outer, n, meta)
             else:
@@ -442,11 +375,11 @@ def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) ->
     out = outputs.dual(x, elem_dtype)
     row_data, row_scale, col_data, col_scale = (t.view(torch.uint8) for t in out)
     if x.numel():
-        _kernels()
+        _KERNELS.build()
         nbk = num_blocks(K)
         blocks = _pow2(nbk, hi=4)
         tiles_k = triton.cdiv(nbk, blocks)
-        with _on(dev):
+        with on_device(dev):
             _launch(
                 _quant_dual_kernel, num_blocks(M) * tiles_k, _bits(x), row_data, row_scale, col_data, col_scale,
                 M, K, nbk, tiles_k, BLOCKS=blocks, **_quant_meta(x, elem_dtype, scale_mode),
@@ -466,8 +399,8 @@ def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.
     data, scale = outputs.grouped(x, offsets.shape[0], elem_dtype)
     if x.numel() == 0:  # no block at all: every scale row is unused
         return data, scale
-    _kernels()
-    with _on(dev):
+    _KERNELS.build()
+    with on_device(dev):
         table = _grouped_table(offsets, M, dev)
         _quant_cols(_bits(x), data.view(torch.uint8), scale.view(torch.uint8), scale.shape[0], K, M, table,
                     _quant_meta(x, elem_dtype, scale_mode))
@@ -485,7 +418,7 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offset
     dev = data.device
     out = outputs.dequantized(data, out_dtype)
     if data.numel():
-        _kernels()
+        _KERNELS.build()
         outer, n, inner = outputs.split_at_axis(data.shape, axis)
         axis_last = inner == 1
         R, C = (outer, n) if axis_last else (outer * n, inner)
@@ -494,7 +427,7 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offset
         tiles_c = triton.cdiv(C, block_c)
         programs = triton.cdiv(R, block_r) * tiles_c
         out_bits = out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
-        with _on(dev):
+        with on_device(dev):
             index = _grouped_index(group_offsets, n, dev) if group_offsets is not None else out_bits
             _launch(
                 _dequant_kernel, programs, data.view(torch.uint8), scale.view(torch.uint8), index, out_bits,

@@ -1,16 +1,15 @@
-"""The native MegaMHC kernels of csrc/mega_mhc.c (``hyperparallel/_mega_mhc_native*.so``), loaded
-with ctypes.
-
-Plain C with no Python or PyTorch headers, built by the package build (setup.py). ``LIB`` is None
-when it has not been built (or is a stale build); MegaMHC then runs its pure-torch reference on
-CPU tensors.
+"""MegaMHC's native kernels of csrc/mega_mhc.c (``hyperparallel._mega_mhc_native``), loaded by
+kernels' loader. ``LIB`` is None when the library is not built or is a stale build; MegaMHC then
+runs its reference on CPU tensors.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 
+from hyperparallel.kernels import native
+
+MODULE = "hyperparallel._mega_mhc_native"
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
@@ -30,7 +29,6 @@ _SIGNATURES = {
     # g, g_dt, block_out, bo_dt, x, x_dt, T, n, D, post, comb, g_bo, gbo_dt, g_x, gx_dt, g_post, g_comb, threads
     "hp_mega_mhc_post_backward": ([_P, _INT, _P, _INT, _P, _INT, _I64, _INT, _I64, _P, _P, _P, _INT, _P, _INT,
                                    _P, _P, _INT], _INT),
-    "hp_mega_mhc_version": ([], _INT),
 }
 
 # The kernels' status codes and dtype codes (csrc/mega_mhc.c)
@@ -38,22 +36,7 @@ OK, BAD_ARGUMENT, NO_MEMORY = 0, -1, -2
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 # The most streams the kernels take (MAX_STREAMS).
 MAX_STREAMS = 8
-# The version this module was written against: an older library (a stale build) is not used.
+# The version this module was written against (hp_mega_mhc_version).
 VERSION = 1
 
-
-def _load() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("hyperparallel._mega_mhc_native")
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    if not hasattr(lib, "hp_mega_mhc_pre_forward"):
-        return None  # the stub of an earlier build
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-    return lib if lib.hp_mega_mhc_version() == VERSION else None
-
-
-LIB = _load()
+LIB = native.load(MODULE, _SIGNATURES, version=("hp_mega_mhc_version", VERSION), isa="hp_mega_mhc")

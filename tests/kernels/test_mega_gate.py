@@ -19,45 +19,33 @@ interpreter's arithmetic is deterministic), 1e-5 for the gradients (14x).
 
 from __future__ import annotations
 
-import os
+import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see tests/mx/test_triton_backend.py)
+from tests.triton_interpreter import imports, triton_interpreter  # noqa: F401 (a fixture)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import DeepseekV3Config, Qwen3MoeConfig  # noqa: E402
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter  # noqa: E402
-from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
-    DeepseekV4HashRouter,
-    DeepseekV4TopKRouter,
-)
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter  # noqa: E402
+with imports():
+    import torch
+    import torch.nn.functional as F
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from hyperparallel.errors import ConfigError, ShapeError  # noqa: E402
-from hyperparallel.moe import mega_gate_native, mega_gate_triton  # noqa: E402
-from hyperparallel.moe.mega_gate import backend_for, mega_gate, mega_gate_reference, run_backend  # noqa: E402
+    from hyperparallel.errors import ConfigError, ShapeError
+    from hyperparallel.kernels.mega_gate import backend_for, mega_gate, mega_gate_reference, native, run_backend
+    from hyperparallel.kernels.triton_support import triton
 
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # the Triton kernels take CPU tensors
 
 BACKENDS = [
     "reference",
-    pytest.param("native", marks=pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")),
-    pytest.param("triton", marks=pytest.mark.skipif(mega_gate_triton.triton is None, reason="triton not installed")),
+    pytest.param("native", marks=pytest.mark.skipif(native.LIB is None, reason="native library not built")),
+    pytest.param("triton", marks=pytest.mark.skipif(triton is None, reason="triton not installed")),
 ]
 # Largest absolute differences allowed (see the module docstring for the measured ones)
 TOL = {"weights": 1e-6, "prob_sum": 1e-6, "grad": 1e-5}
 MEASURED: dict[str, float] = {}  # the largest difference seen per quantity (read by a report script)
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels take CPU tensors
 
 
 def assert_near(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -314,7 +302,7 @@ def test_no_tokens(backend):
     assert torch.equal(counts, torch.zeros(8, dtype=torch.int64)) and torch.equal(prob_sum, torch.zeros(8))
 
 
-@pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
+@pytest.mark.skipif(native.LIB is None, reason="native library not built")
 def test_native_is_deterministic_and_the_cpu_default():
     assert backend_for(torch.device("cpu")) == "native"
     logits, bias = logits_and_bias(6, tokens=300, num_experts=64)
@@ -327,7 +315,7 @@ def test_native_is_deterministic_and_the_cpu_default():
 # ------------------------------------------------------------------------------ compile
 
 
-@pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
+@pytest.mark.skipif(native.LIB is None, reason="native library not built")
 def test_compiles_whole_to_the_custom_ops():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -389,7 +377,7 @@ def test_errors_name_the_argument(call, error, match):
         call()
 
 
-@pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
+@pytest.mark.skipif(native.LIB is None, reason="native library not built")
 def test_hash_index_out_of_range():
     with pytest.raises(ShapeError, match="hash_indices"):
         mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=2, hash_indices=torch.full((4, 2), 8))

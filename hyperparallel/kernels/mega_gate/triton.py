@@ -10,9 +10,8 @@ a group's two best are a reduction along the last axis, the top k a reduction al
   _backward_kernel  scores again from the logits, the weights' gradient scattered into the
                     row, the score's backward: grad_logits [BLOCK_T, E_PAD]
 
-``triton`` is imported under a guard and the kernels are jitted on first use, so this module
-imports without triton, and TRITON_INTERPRET=1 (kernels run by the interpreter on CPU tensors) is
-honoured when it is set any time before the first call (the tests run them so).
+The kernels are jitted on first use (kernels.triton_support's [Note: kernels jitted on first
+use]): this module imports without triton, and the tests run them on Triton's interpreter.
 
 Atomic float adds make prob_sum's rounding depend on the order programs finish in (the loads
 are integers: exact). Expert ids in hash_indices outside [0, E) are not checked here (a kernel
@@ -21,20 +20,9 @@ cannot raise); their loads are masked, their weight is 0 and they are not counte
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # a broken install must not break importing hyperparallel
-    triton = tl = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton
 
 _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 _TILE = 4096  # logits per program: 32 per thread at 4 warps
@@ -43,37 +31,12 @@ _NUM_WARPS = 4
 
 
 # ------------------------------------------------------------------------------------ kernels
-# Plain functions, turned into triton.jit functions by _kernels() on first use (rebinding the
-# module globals, which is where Triton resolves calls between jit functions).
+# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use. The
+# reductions' combine functions (_MAX, _MIN, _SUM) are Triton's own where it has them.
 
-_JIT_SOURCES: dict[str, Callable] = {}
-
-
-def _jit(fn: Callable) -> Callable:
-    _JIT_SOURCES[fn.__name__] = fn
-    return fn
-
-
-@_jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@_jit
-def _min_combine(a, b):
-    return tl.minimum(a, b)
-
-
-@_jit
-def _sum_combine(a, b):
-    return a + b
-
-
-# The combine functions of the reductions, set by _kernels(): Triton's own where it has them (the
-# interpreter reduces with numpy only for those), ours otherwise. Not tl.max / tl.sum: those are
-# jit functions made when triton is imported, which the interpreter cannot call when triton was
-# imported before TRITON_INTERPRET was set (as importing torch can do).
-_MAX = _MIN = _SUM = None
+_KERNELS = JitKernels(globals(), combines={"_MAX": "max", "_MIN": "min", "_SUM": "sum"})
+_jit = _KERNELS.register
+_MAX = _MIN = _SUM = None  # set by _KERNELS.build()
 
 
 @_jit
@@ -195,7 +158,7 @@ def _top_k(choice, p, col, col_ok, BLOCK_T: tl.constexpr, K: tl.constexpr, K_PAD
     equal values the lowest id first. Slots past K hold 0."""
     slot = tl.arange(0, K_PAD)[None, :]
     # tl.full, not tl.zeros: tl.zeros is a jit function made when triton is imported, which the
-    # interpreter cannot call when triton was imported before TRITON_INTERPRET was set
+    # interpreter cannot call when triton was imported before the interpreter mode was set
     chosen = tl.full((BLOCK_T, K_PAD), 0, dtype=tl.int64)
     ws = tl.full((BLOCK_T, K_PAD), 0, dtype=tl.float32)
     taken = choice != choice  # all False (the choice holds no NaN), of the block's shape
@@ -274,46 +237,7 @@ def _backward_kernel(logits_ptr, idx_ptr, gw_ptr, gs_ptr, out_ptr, T, E, scale, 
     tl.store(out_ptr + rows[:, None] * E + col, dx, mask=ok)
 
 
-_built_for: bool | None = None  # the interpret mode the kernels were jitted in
-
-
-def _interpret() -> bool:
-    """Whether triton.jit makes interpreted functions now (it reads the environment each time)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4 parses the variable here
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernels() -> None:
-    """Jit every kernel (again, if TRITON_INTERPRET changed since), rebinding the module names."""
-    global _built_for
-    mode = _interpret()
-    if _built_for is mode:
-        return
-    for name, fn in _JIT_SOURCES.items():
-        globals()[name] = triton.jit(fn)
-    standard = tl.standard
-    globals()["_MAX"] = getattr(standard, "_elementwise_max", None) or globals()["_max_combine"]
-    globals()["_MIN"] = getattr(standard, "_elementwise_min", None) or globals()["_min_combine"]
-    globals()["_SUM"] = getattr(standard, "_sum_combine", None) or globals()["_sum_combine"]
-    _built_for = mode
-
-
 # ----------------------------------------------------------------------------------- launches
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    device = torch.device(device)
-    if triton is None:
-        return f"triton cannot be imported ({_IMPORT_ERROR}); install it with `pip install 'triton>=3.0'`"
-    if device.type == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available in this process"
-    if device.type == "cpu":
-        if _interpret():
-            return None
-        return "triton kernels take CUDA tensors (CPU tensors only with TRITON_INTERPRET=1)"
-    return f"triton kernels take CUDA tensors, not {device.type} tensors"
 
 
 def _pow2(n: int) -> int:
@@ -324,15 +248,10 @@ def _block_t(row_elements: int, tokens: int) -> int:
     return max(1, min(_MAX_BLOCK_T, _TILE // row_elements, _pow2(tokens)))
 
 
-def _on(device: torch.device):
-    # Triton launches on the current CUDA device: make it the tensors' one
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def forward(logits, correction_bias, hash_indices, score, top_k, num_groups, top_groups, norm_topk_prob,
             routed_scaling_factor, norm_eps, aux_probs):
-    """The op of mega_gate.mega_gate on the Triton kernels: (weights, indices, counts, prob_sum)."""
-    _kernels()
+    """The op of mega_gate on the Triton kernels: (weights, indices, counts, prob_sum)."""
+    _KERNELS.build()
     logits = logits.contiguous()
     tokens, num_experts = logits.shape
     device = logits.device
@@ -349,7 +268,7 @@ def forward(logits, correction_bias, hash_indices, score, top_k, num_groups, top
     block_t = _block_t(g_pad * per_pad, tokens)
     bias = correction_bias.contiguous() if correction_bias is not None and not hashed else logits
     table = hash_indices.contiguous() if hashed else indices  # unread when not hashed
-    with _on(device):
+    with on_device(device):
         _forward_kernel[(triton.cdiv(tokens, block_t),)](
             logits, bias, table, weights, indices, counts, prob_sum if aux_probs else weights, tokens, num_experts,
             per_group, float(routed_scaling_factor), float(norm_eps), BLOCK_T=block_t, G_PAD=g_pad,
@@ -362,7 +281,7 @@ def forward(logits, correction_bias, hash_indices, score, top_k, num_groups, top
 def backward(logits, indices, grad_weights, grad_prob_sum, score, top_k, norm_topk_prob, routed_scaling_factor,
              norm_eps):
     """grad_logits from the gradients w.r.t. the weights and prob_sum (either may be None)."""
-    _kernels()
+    _KERNELS.build()
     logits, indices = logits.contiguous(), indices.contiguous()
     tokens, num_experts = logits.shape
     grad_logits = torch.empty_like(logits)
@@ -372,7 +291,7 @@ def backward(logits, indices, grad_weights, grad_prob_sum, score, top_k, norm_to
     block_t = _block_t(e_pad, tokens)
     gw = grad_weights.contiguous() if grad_weights is not None else logits
     gs = grad_prob_sum.contiguous() if grad_prob_sum is not None else logits
-    with _on(logits.device):
+    with on_device(logits.device):
         _backward_kernel[(triton.cdiv(tokens, block_t),)](
             logits, indices, gw, gs, grad_logits, tokens, num_experts, float(routed_scaling_factor),
             float(norm_eps), BLOCK_T=block_t, E_PAD=e_pad, K=top_k, K_PAD=_pow2(top_k), SCORE=_SCORE_CODES[score],

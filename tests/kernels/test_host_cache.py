@@ -1,4 +1,5 @@
-"""The CPU backend's cache of large output buffers (csrc/mx_cache.c, backends/host_cache.py)."""
+"""The native kernels' cache of large output buffers (csrc/mx_cache.c, kernels/host_cache.py), through
+the MX CPU backend, its first user."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 
 from hyperparallel import mx
 from hyperparallel.errors import ConfigError
+from hyperparallel.kernels import host_cache
 from hyperparallel.mx import reference
-from hyperparallel.mx.backends import host_cache
 
 LARGE = (1024, 1024)  # 1 MiB of codes: large enough for the cache
 

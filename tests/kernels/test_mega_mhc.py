@@ -6,40 +6,31 @@ block output, fn, base, scale, post and comb, through random cotangents) of the 
 the Triton kernels (run by the Triton interpreter on CPU) and the pure-torch reference. Then
 torch.compile, what backward keeps, the modules, and the errors a caller can make.
 
-TRITON_INTERPRET=1 is set before triton is imported, as the interpreter needs; it is put back as
-it was right after the imports and set again only while the Triton cases run.
+The Triton cases run on Triton's interpreter (tests/triton_interpreter.py), set only while they run.
 """
 
 from __future__ import annotations
 
-import os
+import pytest
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import imports, triton_interpreter  # noqa: F401 (a fixture)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from functorch.compile import make_boxed_func  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-from transformers import DeepseekV4Config  # noqa: E402
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
-    DeepseekV4HyperConnection,
-    DeepseekV4HyperHead,
-)
+with imports():
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-from hyperparallel.errors import ConfigError, ShapeError  # noqa: E402
-from hyperparallel.models import mega_mhc, mega_mhc_triton  # noqa: E402
-from hyperparallel.models.mega_mhc import MegaHyperConnection, MegaHyperHead  # noqa: E402
-
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+    from hyperparallel.errors import ConfigError, ShapeError
+    from hyperparallel.kernels import mega_mhc
+    from hyperparallel.kernels.mega_mhc import MegaHyperConnection, MegaHyperHead
+    from hyperparallel.kernels.triton_support import triton
 
 T, N, D = 64, 4, 64
 ITERS = 20
 HAS_NATIVE = mega_mhc.native.LIB is not None
-HAS_TRITON = mega_mhc_triton.triton is not None
+HAS_TRITON = triton is not None
 
 BACKENDS = [
     pytest.param("native", marks=pytest.mark.skipif(not HAS_NATIVE, reason="native library not built")),
@@ -55,9 +46,9 @@ GRAD_TOL = dict(atol=1e-4, rtol=1e-5)
 
 
 @pytest.fixture(autouse=True)
-def _interpret(request, monkeypatch):
+def _interpret(request):
     if "triton" in request.node.name:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        request.getfixturevalue("triton_interpreter")
 
 
 def config(**overrides) -> DeepseekV4Config:

@@ -14,27 +14,15 @@ weights must match transformers' fp32 projection):
   _post_kernel             out_k = post_k block_out + sum_j comb_jk x_j
   _post_backward_kernel    the gradients w.r.t. block_out, x, post and comb, one pass over D
 
-``triton`` is imported under a guard and the kernels are jitted on first use, so this module
-imports without triton, and TRITON_INTERPRET=1 (kernels run by the interpreter on CPU tensors) is
-honoured when it is set any time before the first call (the tests run them so).
+The kernels are jitted on first use (kernels.triton_support's [Note: kernels jitted on first
+use]): this module imports without triton, and the tests run them on Triton's interpreter.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # a broken install must not break importing hyperparallel
-    triton = tl = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton
 
 _TILE = 4096  # elements of a program's element-wise tile
 _BLOCK_K = 64  # columns of a projection step (tl.dot wants 16 or more on every side)
@@ -43,32 +31,12 @@ _NUM_WARPS = 4
 
 
 # ------------------------------------------------------------------------------------ kernels
-# Plain functions, turned into triton.jit functions by _kernels() on first use (rebinding the
-# module globals, which is where Triton resolves calls between jit functions).
+# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use. The
+# reductions' combine functions (_MAX, _SUM) are Triton's own where it has them.
 
-_JIT_SOURCES: dict[str, Callable] = {}
-
-
-def _jit(fn: Callable) -> Callable:
-    _JIT_SOURCES[fn.__name__] = fn
-    return fn
-
-
-@_jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@_jit
-def _sum_combine(a, b):
-    return a + b
-
-
-# The combine functions of the reductions, set by _kernels(): Triton's own where it has them (the
-# interpreter reduces with numpy only for those), ours otherwise. Not tl.max / tl.sum: those are
-# jit functions made when triton is imported, which the interpreter cannot call when triton was
-# imported before TRITON_INTERPRET was set (as importing torch can do).
-_MAX = _SUM = None
+_KERNELS = JitKernels(globals(), combines={"_MAX": "max", "_SUM": "sum"})
+_jit = _KERNELS.register
+_MAX = _SUM = None  # set by _KERNELS.build()
 
 
 @_jit
@@ -101,7 +69,7 @@ def _project_kernel(x_ptr, fn_ptr, z_ptr, r_ptr, T, K, M, norm_eps, BLOCK_T: tl.
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     # tl.full, not tl.zeros: tl.zeros is a jit function made when triton is imported, which the
-    # interpreter cannot call when triton was imported before TRITON_INTERPRET was set
+    # interpreter cannot call when triton was imported before the interpreter mode was set
     acc = tl.full((BLOCK_T, M_PAD), 0, dtype=tl.float32)
     squares = tl.full((BLOCK_T, BLOCK_K), 0, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -366,54 +334,11 @@ def _post_backward_kernel(g_ptr, bo_ptr, x_ptr, post_ptr, comb_ptr, gbo_ptr, gx_
                  mask=t_ok[:, None, None] & (j3 < N) & (k3 < N))
 
 
-_built_for: bool | None = None  # the interpret mode the kernels were jitted in
-
-
-def _interpret() -> bool:
-    """Whether triton.jit makes interpreted functions now (it reads the environment each time)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4 parses the variable here
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernels() -> None:
-    """Jit every kernel (again, if TRITON_INTERPRET changed since), rebinding the module names."""
-    global _built_for
-    mode = _interpret()
-    if _built_for is mode:
-        return
-    for name, fn in _JIT_SOURCES.items():
-        globals()[name] = triton.jit(fn)
-    standard = tl.standard
-    globals()["_MAX"] = getattr(standard, "_elementwise_max", None) or globals()["_max_combine"]
-    globals()["_SUM"] = getattr(standard, "_sum_combine", None) or globals()["_sum_combine"]
-    _built_for = mode
-
-
 # ----------------------------------------------------------------------------------- launches
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    device = torch.device(device)
-    if triton is None:
-        return f"triton cannot be imported ({_IMPORT_ERROR}); install it with `pip install 'triton>=3.0'`"
-    if device.type == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available in this process"
-    if device.type == "cpu":
-        if _interpret():
-            return None
-        return "triton kernels take CUDA tensors (CPU tensors only with TRITON_INTERPRET=1)"
-    return f"triton kernels take CUDA tensors, not {device.type} tensors"
 
 
 def _pow2(n: int, lo: int = 1) -> int:
     return max(triton.next_power_of_2(max(n, 1)), lo)
-
-
-def _on(device: torch.device):
-    # Triton launches on the current CUDA device: make it the tensors' one
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _tiles(N: int, D: int, tokens: int) -> tuple[int, int, int]:
@@ -430,7 +355,7 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def pre_forward(x, fn, base, scale, iters, hc_eps, norm_eps, head):
     """(post, comb, collapsed, z, r) of mhc_pre (post, comb: [0] for the head)."""
-    _kernels()
+    _KERNELS.build()
     x = x.contiguous()
     fn, base, scale = _f32(fn), _f32(base), _f32(scale)
     T, N, D = x.shape
@@ -444,7 +369,7 @@ def pre_forward(x, fn, base, scale, iters, hc_eps, norm_eps, head):
     if T == 0:
         return post, comb, collapsed, z, r
     n_pad, block_d, block_t = _tiles(N, D, T)
-    with _on(device):
+    with on_device(device):
         _project_kernel[(triton.cdiv(T, _DOT_ROWS),)](
             x, fn, z, r, T, K, M, float(norm_eps), BLOCK_T=_DOT_ROWS, BLOCK_K=_BLOCK_K, M_PAD=_pow2(M, 16),
             num_warps=_NUM_WARPS)
@@ -456,8 +381,8 @@ def pre_forward(x, fn, base, scale, iters, hc_eps, norm_eps, head):
 
 
 def weights_backward(x, z, r, base, scale, g_post, g_comb, g_col, iters, hc_eps, head):
-    """(gu [T, M], pre [T, N]) of mhc_pre's backward (see mega_mhc._finish_pre_backward)."""
-    _kernels()
+    """(gu [T, M], pre [T, N]) of mhc_pre's backward (see op._finish_pre_backward)."""
+    _KERNELS.build()
     x = x.contiguous()
     base, scale = _f32(base), _f32(scale)
     T, N, D = x.shape
@@ -474,7 +399,7 @@ def weights_backward(x, z, r, base, scale, g_post, g_comb, g_col, iters, hc_eps,
     g_post = _f32(g_post) if has_post else z  # (z: any tensor, unread)
     g_comb = _f32(g_comb) if has_comb else z
     g_col_t = g_col.contiguous() if g_col is not None else x
-    with _on(x.device):
+    with on_device(x.device):
         _weights_backward_kernel[(triton.cdiv(T, block_t),)](
             x, z, r, base, scale, g_post, g_comb, g_col_t, trace, gu, pre, T, D, M, iters, float(hc_eps), N=N,
             N_PAD=n_pad, BLOCK_T=block_t, BLOCK_D=block_d, HEAD=bool(head), HAS_GPOST=has_post,
@@ -484,7 +409,7 @@ def weights_backward(x, z, r, base, scale, g_post, g_comb, g_col, iters, hc_eps,
 
 def inputs_backward(x, fn, gz, coef, pre, g_col, need_x, need_fn):
     """(grad_x or [0], grad_fn or [0]) of mhc_pre's backward."""
-    _kernels()
+    _KERNELS.build()
     x = x.contiguous()
     fn = _f32(fn)
     T, N, D = x.shape
@@ -494,7 +419,7 @@ def inputs_backward(x, fn, gz, coef, pre, g_col, need_x, need_fn):
     grad_fn = (torch.empty(M, K, dtype=torch.float32, device=x.device) if need_fn
                else x.new_empty(0, dtype=torch.float32))
     m_pad = _pow2(M, 16)
-    with _on(x.device):
+    with on_device(x.device):
         if need_fn and T > 0:
             _grad_fn_kernel[(triton.cdiv(K, _BLOCK_K),)](
                 x, gz, grad_fn, T, K, M, BLOCK_T=_DOT_ROWS, BLOCK_K=_BLOCK_K, M_PAD=m_pad, num_warps=_NUM_WARPS)
@@ -510,7 +435,7 @@ def inputs_backward(x, fn, gz, coef, pre, g_col, need_x, need_fn):
 
 def post_forward(block_out, x, post, comb):
     """mhc_post's output [T, N, D] in x's dtype."""
-    _kernels()
+    _KERNELS.build()
     block_out, x = block_out.contiguous(), x.contiguous()
     post, comb = _f32(post), _f32(comb)
     T, N, D = x.shape
@@ -518,7 +443,7 @@ def post_forward(block_out, x, post, comb):
     if T == 0:
         return out
     n_pad, block_d, block_t = _tiles(N, D, T)
-    with _on(x.device):
+    with on_device(x.device):
         _post_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
             block_out, x, post, comb, out, T, D, N=N, N_PAD=n_pad, BLOCK_T=block_t, BLOCK_D=block_d,
             num_warps=_NUM_WARPS)
@@ -527,7 +452,7 @@ def post_forward(block_out, x, post, comb):
 
 def post_backward(g, block_out, x, post, comb, need_bo, need_x, need_post, need_comb):
     """(g_bo, g_x, g_post, g_comb) of mhc_post's backward, [0] where not needed."""
-    _kernels()
+    _KERNELS.build()
     block_out, x = block_out.contiguous(), x.contiguous()
     g = g.contiguous()
     post32, comb32 = _f32(post), _f32(comb)
@@ -540,7 +465,7 @@ def post_backward(g, block_out, x, post, comb, need_bo, need_x, need_post, need_
     if T == 0:
         return g_bo, g_x, g_post, g_comb
     n_pad, block_d, block_t = _tiles(N, D, T)
-    with _on(x.device):
+    with on_device(x.device):
         # (an output not asked for gets g in its place: never written, and a valid pointer, where
         # an empty tensor's may not be)
         _post_backward_kernel[(triton.cdiv(T, block_t),)](

@@ -1,0 +1,48 @@
+"""kernels.native: the one loader of the native libraries and its version check, and that every
+ctypes load and every reading of TRITON_INTERPRET goes through kernels."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from hyperparallel.kernels import native
+from hyperparallel.kernels.mega_gate import native as mega_gate_native
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hyperparallel"
+SIGNATURES = {"hp_mega_gate_backward": (None, ctypes.c_int)}
+
+
+@pytest.fixture(autouse=True)
+def _own_reasons(monkeypatch):
+    monkeypatch.setattr(native, "_REASONS", {})  # the real libraries' state stays as it was
+
+
+def test_a_library_that_is_not_built_is_none_with_the_reason():
+    assert native.load("hyperparallel._no_such_native", SIGNATURES) is None
+    assert native.unavailable_reason("hyperparallel._no_such_native") == (
+        "the native library hyperparallel._no_such_native is not built: run `make setup`")
+
+
+@pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
+def test_a_stale_build_is_never_used():
+    module = mega_gate_native.MODULE
+    assert native.load(module, {**SIGNATURES, "hp_mega_gate_from_the_future": ([], None)}) is None
+    assert "stale build (it has no hp_mega_gate_from_the_future)" in native.unavailable_reason(module)
+    assert native.load(module, SIGNATURES, version=("hp_mega_gate_version", mega_gate_native.VERSION + 1)) is None
+    assert (f"hp_mega_gate_version() is {mega_gate_native.VERSION}, this code needs {mega_gate_native.VERSION + 1}"
+            in native.unavailable_reason(module))
+    lib = native.load(module, SIGNATURES, version=("hp_mega_gate_version", mega_gate_native.VERSION))
+    assert lib is not None and native.unavailable_reason(module) is None
+    assert lib.hp_mega_gate_backward.restype is ctypes.c_int
+
+
+def _files_with(text: str) -> list[str]:
+    return sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if text in p.read_text())
+
+
+def test_one_loader_and_one_triton_support():
+    assert _files_with("CDLL(") == ["kernels/native.py"]
+    assert _files_with("TRITON_INTERPRET") == ["kernels/triton_support.py"]
