@@ -1,27 +1,13 @@
 """Checkpoints of (sharded) training state through torch.distributed.checkpoint: save (now or in
 the background), load into any layout, and export to Hugging Face."""
 
-from hyperparallel.checkpoint.export import export_hf, model_from_checkpoint
-from hyperparallel.checkpoint.io import MANIFEST, complete_checkpoints, load, read_manifest, save
-from hyperparallel.checkpoint.model_card import ModelCard
-from hyperparallel.checkpoint.pending import PendingSave, async_save
-from hyperparallel.checkpoint.sharded import Chunk, ShardedLoadPlanner, ShardedSavePlanner, shard_chunks
-from hyperparallel.checkpoint.storage import SafeFileSystemReader
+from hyperparallel.lazy_exports import lazy_exports
 
-__all__ = [
-    "MANIFEST",
-    "Chunk",
-    "ModelCard",
-    "PendingSave",
-    "SafeFileSystemReader",
-    "ShardedLoadPlanner",
-    "ShardedSavePlanner",
-    "async_save",
-    "complete_checkpoints",
-    "export_hf",
-    "load",
-    "model_from_checkpoint",
-    "read_manifest",
-    "save",
-    "shard_chunks",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "export": ("export_hf", "model_from_checkpoint"),
+    "io": ("MANIFEST", "complete_checkpoints", "load", "read_manifest", "save"),
+    "model_card": ("ModelCard",),
+    "pending": ("PendingSave", "async_save"),
+    "sharded": ("Chunk", "ShardedLoadPlanner", "ShardedSavePlanner", "shard_chunks"),
+    "storage": ("SafeFileSystemReader",),
+})

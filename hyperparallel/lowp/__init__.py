@@ -1,9 +1,11 @@
 """MXFP8 training: choose modules by configuration and swap them for MXFP8 versions that reuse
 the original Parameters."""
 
-from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.lowp.convert import ConversionReport, convert, is_mx_experts
-from hyperparallel.lowp.grouped import MXExpertsRecipe
-from hyperparallel.lowp.linear import MXLinear
+from hyperparallel.lazy_exports import lazy_exports
 
-__all__ = ["ConversionReport", "LowPrecisionConfig", "MXExpertsRecipe", "MXLinear", "convert", "is_mx_experts"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "config": ("LowPrecisionConfig",),
+    "conversion": ("ConversionReport", "convert", "is_mx_experts"),
+    "grouped": ("MXExpertsRecipe",),
+    "linear": ("MXLinear",),
+})

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperparallel.lowp import MXLinear, is_mx_experts
-
 from ..errors import ConfigError
 
 BACKENDS = ("none", "inductor", "dvm")
@@ -28,6 +26,8 @@ def compile_layers(model: nn.Module, backend: str) -> int:
     layers = getattr(getattr(model, "model", model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(f"training.compile: {type(model).__name__} has no decoder layers at model.layers")
+    from hyperparallel.lowp import MXLinear, is_mx_experts  # (here: training.compile's choices load without lowp)
+
     for layer in layers:
         if backend == "inductor":
             # Inductor's CPU code generator has no float8_e8m0fnu (the MX scales' dtype; it fails

@@ -7,57 +7,74 @@ experts and routers, so that other code can find them without matching on parame
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
-from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3Experts,
-    DeepseekV3ForCausalLM,
-    DeepseekV3MoE,
-    DeepseekV3TopkRouter,
-)
-from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-    DeepseekV4Experts,
-    DeepseekV4ForCausalLM,
-    DeepseekV4HashRouter,
-    DeepseekV4SparseMoeBlock,
-    DeepseekV4TopKRouter,
-)
-from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
-from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-    Qwen3MoeExperts,
-    Qwen3MoeForCausalLM,
-    Qwen3MoeSparseMoeBlock,
-    Qwen3MoeTopKRouter,
-)
 
 from hyperparallel.moe import TopKRouter
 
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+
+@functools.cache
+def _load(module: str, name: str) -> type:
+    """transformers.models.MODULE's class NAME (its config from configuration_MODULE, every other
+    class from modeling_MODULE), imported on first use."""
+    kind = "configuration" if name.endswith("Config") else "modeling"
+    return getattr(importlib.import_module(f"transformers.models.{module}.{kind}_{module}"), name)
+
 
 @dataclass(frozen=True)
 class ModelFamily:
+    """The transformers classes are named (in the family's module, transformers.models.MODULE)
+    and imported the first time one is asked for: names, model types and everything else here are
+    known without importing transformers, so validating a config does not."""
+
     name: str
     model_types: tuple[str, ...]  # config.json `model_type` values this family loads
-    config_class: type[PretrainedConfig]
-    model_class: type[PreTrainedModel]
-    experts_classes: tuple[type[nn.Module], ...] = ()  # hold 3-D gate_up_proj [E,2I,H] / down_proj [E,H,I]
-    router_classes: tuple[type[nn.Module], ...] = ()  # `.weight` [E,H]; pick top-k experts per token
-    moe_block_classes: tuple[type[nn.Module], ...] = ()  # `gate`, `experts` (+ `shared_experts`): become MoEBlocks
+    module: str  # transformers.models.MODULE: where its classes are
+    config: str  # the config class
+    model: str  # the causal-LM class
+    experts: tuple[str, ...] = ()  # hold 3-D gate_up_proj [E,2I,H] / down_proj [E,H,I]
+    routers: tuple[str, ...] = ()  # `.weight` [E,H]; pick top-k experts per token
+    moe_blocks: tuple[str, ...] = ()  # `gate`, `experts` (+ `shared_experts`): become MoEBlocks
     default_load_balance: str = "none"  # moe.load_balance when a config does not say
     check: Callable[[PretrainedConfig], None] | None = None  # raises ConfigError for shapes HF accepts but cannot run
     # Keys the modeling code reads with getattr although the config class declares no such field.
     extra_config_keys: tuple[str, ...] = ()
     attn_implementations: tuple[str, ...] = ("sdpa", "eager")  # what transformers' modeling code supports
     parallel_plans: tuple[str, ...] = ("tp", "cp")  # the layouts beyond FSDP and EP that support it
+
+    @property
+    def config_class(self) -> type[PretrainedConfig]:
+        return _load(self.module, self.config)
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        return _load(self.module, self.model)
+
+    @property
+    def experts_classes(self) -> tuple[type[nn.Module], ...]:
+        return tuple(_load(self.module, name) for name in self.experts)
+
+    @property
+    def router_classes(self) -> tuple[type[nn.Module], ...]:
+        return tuple(_load(self.module, name) for name in self.routers)
+
+    @property
+    def moe_block_classes(self) -> tuple[type[nn.Module], ...]:
+        return tuple(_load(self.module, name) for name in self.moe_blocks)
 
 
 def _check_attention_heads(config: PretrainedConfig) -> None:
@@ -113,18 +130,20 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily(
         name="qwen3",
         model_types=("qwen3",),
-        config_class=Qwen3Config,
-        model_class=Qwen3ForCausalLM,
+        module="qwen3",
+        config="Qwen3Config",
+        model="Qwen3ForCausalLM",
         check=_check_attention_heads,
     ),
     "qwen3_moe": ModelFamily(
         name="qwen3_moe",
         model_types=("qwen3_moe",),
-        config_class=Qwen3MoeConfig,
-        model_class=Qwen3MoeForCausalLM,
-        experts_classes=(Qwen3MoeExperts,),
-        router_classes=(Qwen3MoeTopKRouter,),
-        moe_block_classes=(Qwen3MoeSparseMoeBlock,),
+        module="qwen3_moe",
+        config="Qwen3MoeConfig",
+        model="Qwen3MoeForCausalLM",
+        experts=("Qwen3MoeExperts",),
+        routers=("Qwen3MoeTopKRouter",),
+        moe_blocks=("Qwen3MoeSparseMoeBlock",),
         default_load_balance="aux_loss",
         check=_check_qwen3_moe,
         # Qwen3-MoE checkpoints set head_dim (128 in Qwen3-30B-A3B, not hidden / heads = 64).
@@ -134,11 +153,12 @@ FAMILIES: dict[str, ModelFamily] = {
     "deepseek_v3": ModelFamily(
         name="deepseek_v3",
         model_types=("deepseek_v3", "kimi_k2"),
-        config_class=DeepseekV3Config,
-        model_class=DeepseekV3ForCausalLM,
-        experts_classes=(DeepseekV3Experts,),
-        router_classes=(DeepseekV3TopkRouter,),
-        moe_block_classes=(DeepseekV3MoE,),
+        module="deepseek_v3",
+        config="DeepseekV3Config",
+        model="DeepseekV3ForCausalLM",
+        experts=("DeepseekV3Experts",),
+        routers=("DeepseekV3TopkRouter",),
+        moe_blocks=("DeepseekV3MoE",),
         default_load_balance="bias",
         check=_check_deepseek_v3,
     ),
@@ -147,11 +167,12 @@ FAMILIES: dict[str, ModelFamily] = {
     "deepseek_v4": ModelFamily(
         name="deepseek_v4",
         model_types=("deepseek_v4",),
-        config_class=DeepseekV4Config,
-        model_class=DeepseekV4ForCausalLM,
-        experts_classes=(DeepseekV4Experts,),
-        router_classes=(DeepseekV4TopKRouter, DeepseekV4HashRouter),
-        moe_block_classes=(DeepseekV4SparseMoeBlock,),
+        module="deepseek_v4",
+        config="DeepseekV4Config",
+        model="DeepseekV4ForCausalLM",
+        experts=("DeepseekV4Experts",),
+        routers=("DeepseekV4TopKRouter", "DeepseekV4HashRouter"),
+        moe_blocks=("DeepseekV4SparseMoeBlock",),
         default_load_balance="bias",
         check=_check_deepseek_v4,
         attn_implementations=("eager",),
@@ -196,6 +217,10 @@ def router_from_hf(router: nn.Module) -> TopKRouter:
     """Our TopKRouter holding a transformers router's weight (and correction bias) objects."""
     if isinstance(router, TopKRouter):
         return router
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
     if isinstance(router, Qwen3MoeTopKRouter):
         options = {"score": "softmax", "norm_topk_prob": router.norm_topk_prob}
     elif isinstance(router, DeepseekV3TopkRouter):

@@ -2,36 +2,19 @@
 module; MXFP8 is a recipe of it), the MoE block, and expert parallelism (sequential, or MegaMoE's
 overlapped task graphs)."""
 
-from hyperparallel.moe.balance import LoadBalancer, routers
-from hyperparallel.moe.block import MoEBlock
-from hyperparallel.moe.experts import GroupedExperts, HighPrecision, unsupported_reason
-from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm, native_grouped_mm_supported
-from hyperparallel.moe.megamoe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
-from hyperparallel.moe.megamoe import MegaMoE
-from hyperparallel.moe.megamoe_graphs import MoEShape, default_waves, plan_graphs
-from hyperparallel.moe.permutation import add_rows_to_tokens, gather_rows, padded_slots, sort_by_expert
-from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter, switch_aux_loss
+from hyperparallel.lazy_exports import lazy_exports
 
-__all__ = [
-    "LOAD_BALANCE",
-    "GroupedExperts",
-    "HighPrecision",
-    "LoadBalancer",
-    "MOE_IMPLEMENTATIONS",
-    "MegaMoE",
-    "MoEShape",
-    "MoEBlock",
-    "TopKRouter",
-    "add_rows_to_tokens",
-    "compute_dtype",
-    "default_waves",
-    "gather_rows",
-    "grouped_mm",
-    "native_grouped_mm_supported",
-    "padded_slots",
-    "plan_graphs",
-    "routers",
-    "sort_by_expert",
-    "switch_aux_loss",
-    "unsupported_reason",
-]
+# moe.implementation: how expert parallelism's all-to-alls run (dispatch.ExpertParallel, or megamoe.MegaMoE)
+MOE_IMPLEMENTATIONS = ("sequential", "megamoe")
+
+__getattr__, __dir__, _exported = lazy_exports(__name__, {
+    "balance": ("LoadBalancer", "routers"),
+    "block": ("MoEBlock",),
+    "experts": ("GroupedExperts", "HighPrecision", "unsupported_reason"),
+    "grouped_matmul": ("compute_dtype", "grouped_mm", "native_grouped_mm_supported"),
+    "megamoe": ("MegaMoE",),
+    "megamoe_graphs": ("MoEShape", "default_waves", "plan_graphs"),
+    "permutation": ("add_rows_to_tokens", "gather_rows", "padded_slots", "sort_by_expert"),
+    "router": ("LOAD_BALANCE", "TopKRouter", "switch_aux_loss"),
+})
+__all__ = sorted([*_exported, "MOE_IMPLEMENTATIONS"])

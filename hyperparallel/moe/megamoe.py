@@ -41,8 +41,6 @@ from hyperparallel.moe.megamoe_graphs import Layout, WavePipeline, wave_ranges
 from hyperparallel.moe.permutation import add_rows_to_tokens
 from hyperparallel.multicore import run as run_graph
 
-IMPLEMENTATIONS = ("sequential", "megamoe")  # moe.implementation: ExpertParallel, or MegaMoE
-
 
 class MegaMoE(ExpertParallel):
     """The dispatcher a `MoEBlock` calls under expert parallelism with `moe.implementation: megamoe`:
