@@ -4,15 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -20,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from hyperparallel.checkpoint import ModelCard, export_hf, load, save
 from hyperparallel.errors import CheckpointError, ConfigError
 from hyperparallel.models import build_model, get_family
-from tests.dist.ranks import leave
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TINY = {"qwen3": "qwen3_tiny", "qwen3_moe": "qwen3_moe_tiny", "deepseek_v3": "kimi_k2_tiny",
@@ -141,23 +135,26 @@ def test_bfloat16_export_holds_the_rounded_weights(tmp_path):
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want[name].to(torch.bfloat16)), name
 
 
-def sharded_worker(rank: int, world: int, out_dir: str) -> None:
+SHARDED = Path("run") / "checkpoints" / "step_00000001"  # where the trainer would put it, in the part's directory
+
+
+def on_ranks(rank: int, world: int, out_dir: str) -> None:
+    """On a rank of the session's shared 2-rank spawn (tests/dist/spawn.py): the perturbed
+    Qwen3-MoE sharded unevenly and saved with its model card, as the trainer saves it (also what
+    tests/train/test_generate.py generates from)."""
     from hyperparallel.parallel import shard_model
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     model = perturbed("qwen3_moe")
     card = model_card(model, "qwen3_moe")
     shard_model(model, geometry="balanced", align=32)  # uneven shards: some ranks hold no rows of a tensor
-    save(Path(out_dir) / "sharded", model, extra={"model": card})
-    leave()
+    save(Path(out_dir) / SHARDED, model, extra={"model": card})
 
 
-def test_a_checkpoint_of_two_sharded_ranks_exports_as_one_process_would(tmp_path):
-    mp.spawn(sharded_worker, args=(2, str(tmp_path)), nprocs=2)
+def test_a_checkpoint_of_two_sharded_ranks_exports_as_one_process_would(spawn_2, spawn_dir, tmp_path):
+    assert "export" in spawn_2
     model = perturbed("qwen3_moe")
     one = export_hf(save(tmp_path / "one", model, extra={"model": model_card(model, "qwen3_moe")}), tmp_path / "hf1")
-    two = export_hf(tmp_path / "sharded", tmp_path / "hf2")
+    two = export_hf(spawn_dir / "export" / SHARDED, tmp_path / "hf2")
 
     one_tensors, two_tensors = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert one_tensors.keys() == two_tensors.keys()
@@ -218,19 +215,14 @@ def test_a_failed_export_leaves_nothing(checkpoint, tmp_path, monkeypatch):
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "hyperparallel", "export", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
-
-
-def test_the_export_command(checkpoint, tmp_path):
-    result = run_cli(str(checkpoint), "hf", "--dtype", "bfloat16", cwd=tmp_path)
+def test_the_export_command(checkpoint, cli, tmp_path):
+    """In this process (tests/conftest.py's `cli`): what it writes and how it fails."""
+    result = cli("export", str(checkpoint), "hf", "--dtype", "bfloat16")
     assert result.returncode == 0, result.stderr
     assert "exported" in result.stdout and (tmp_path / "hf" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
 
-    result = run_cli(str(checkpoint), "hf", cwd=tmp_path)  # hf is taken now
+    result = cli("export", str(checkpoint), "hf")  # hf is taken now
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "hf is a non-empty directory" in errors[0], result.stderr

@@ -9,16 +9,15 @@ uninterrupted run of that layout, and a loaded state must equal the saved one ex
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hyperparallel import checkpoint
 from hyperparallel.fsdp import MixedPrecision, clip_grad_norm_, shard_info
+from tests.dist.spawn import part_dir
 from tests.dist.test_fsdp import Uneven, make_optimizer, micro_batch, one_thread, shard_all
-from tests.dist.ranks import leave
 
 OPTIMIZERS = ("adamw", "muon")
 THREE_BALANCED, TWO_CHUNK, ONE = (3, "balanced"), (2, "chunk"), (1, None)
@@ -75,20 +74,28 @@ def run(geometry, optimizer, out_dir, tasks) -> dict:
     return results
 
 
-def worker(rank, world, geometry, tasks, out_dir):
-    tag = "-".join(f"{kind}{name}" for kind, name in tasks)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{world}-{tag}", rank=rank,
-                            world_size=world)
-    torch.set_num_threads(1)
-    results = {opt: run(geometry, opt, out_dir, tasks) for opt in OPTIMIZERS}
-    torch.save(results, os.path.join(out_dir, f"results-{world}-{rank}.pt"))
-    leave()
+# What each layout's ranks do, in the order the session runs them: one process first (before the
+# shared 2-rank spawn), then 2 ranks and 3 ranks in the shared spawns (tests/dist/spawn.py), then
+# 2 ranks once more for the 3-rank checkpoint (a spawn of its own: it needs the 3-rank spawn's
+# files), and one process resuming from the sharded ones last.
+TASKS = {2: [("fresh", "two"), ("resume", "one")], 3: [("fresh", "three"), ("resume", "two"), ("resume", "one")]}
+LAYOUT = {2: TWO_CHUNK, 3: THREE_BALANCED}
 
 
-def spawn(layout, tasks, out_dir) -> list[dict]:
-    world, geometry = layout
-    mp.spawn(worker, args=(world, geometry, tasks, str(out_dir)), nprocs=world)
-    return [torch.load(out_dir / f"results-{world}-{r}.pt", weights_only=False) for r in range(world)]
+def before_ranks(out_dir: str) -> None:
+    """The one-process run whose checkpoint the ranks resume (tests/dist/spawn.py calls it before
+    the first spawn that runs this file's part)."""
+    if not (Path(out_dir) / "one.pt").exists():
+        torch.save(one_process([("fresh", "one")], out_dir), Path(out_dir) / "one.pt")
+
+
+def on_ranks(rank: int, world: int, out_dir: str) -> dict:
+    return {opt: run(LAYOUT[world][1], opt, out_dir, TASKS[world]) for opt in OPTIMIZERS}
+
+
+def resume_three(rank: int, world: int, out_dir: str) -> dict:
+    shared = str(Path(out_dir).parent / "checkpoint")  # (the checkpoints of the shared spawns' part)
+    return {opt: run(TWO_CHUNK[1], opt, shared, [("resume", "three")]) for opt in OPTIMIZERS}
 
 
 def one_process(tasks, out_dir) -> list[dict]:
@@ -125,13 +132,15 @@ def assert_same(a, b, label):
 
 
 @pytest.fixture(scope="module")
-def saved_and_resumed(tmp_path_factory) -> tuple:
-    out = tmp_path_factory.mktemp("ckpt")
-    results = {"one": one_process([("fresh", "one")], out)}
-    results["two"] = spawn(TWO_CHUNK, [("fresh", "two"), ("resume", "one")], out)
-    results["three"] = spawn(THREE_BALANCED, [("fresh", "three"), ("resume", "two"), ("resume", "one")], out)
-    results["two"] = [{**a, **{o: {**a[o], **b[o]} for o in OPTIMIZERS}}
-                      for a, b in zip(results["two"], spawn(TWO_CHUNK, [("resume", "three")], out), strict=True)]
+def saved_and_resumed(spawn_2, spawn_3, spawn_dir) -> tuple:
+    from tests.dist.spawn import Part, spawn
+
+    out = part_dir(spawn_dir, "checkpoint")
+    results = {"one": torch.load(out / "one.pt", weights_only=False), "two": spawn_2["checkpoint"],
+               "three": spawn_3["checkpoint"]}
+    again = spawn(2, [Part("checkpoint_from_three", "tests.dist.test_checkpoint:resume_three", (2,), ())], spawn_dir)
+    results["two"] = [{o: {**a[o], **b[o]} for o in OPTIMIZERS}
+                      for a, b in zip(results["two"], again["checkpoint_from_three"], strict=True)]
     for opt in OPTIMIZERS:  # the one process resumes from the sharded checkpoints last: they exist now
         extra = one_process([("resume", "three"), ("resume", "two")], out)[0][opt]
         results["one"][0][opt].update(extra)

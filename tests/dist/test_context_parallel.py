@@ -162,7 +162,7 @@ def config_errors(groups: dict) -> dict[str, str]:
 
 def run_on_rank(rank: int, world: int) -> dict:
     """Every case of this file on one rank of the shared 4-rank spawn (tests/conftest.py's
-    `parallel_spawn_4`, tests/dist/test_parallel_layouts.py's worker): the ranks start once."""
+    `parallel_spawn_4`, tests/dist/test_parallel_layouts.py's on_ranks): the ranks start once."""
     assert world == WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
     groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}

@@ -9,13 +9,14 @@ CUDA cases are skipped, and pytest's summary says so.
 
 One spawn per device does everything (FSDP training with clipping, sharded Muon, a checkpoint
 saved now and one saved in the background, loading into another geometry, the trainer's
-per-step agreement); the tests compare what it recorded with one process on the same device.
+per-step agreement): on the CPU the session's shared 2-rank spawn (tests/dist/spawn.py, whose
+ranks join with `init_distributed`), on CUDA one of its own; the tests compare what it recorded
+with one process on the same device.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -24,10 +25,12 @@ import torch.multiprocessing as mp
 
 from hyperparallel import checkpoint
 from hyperparallel.fsdp import MixedPrecision, clip_grad_norm_, shard_info
+from hyperparallel.train.distributed import agree, init_distributed, sum_over_ranks
+from tests.dist.ranks import leave
+from tests.dist.spawn import free_port
+from tests.dist.test_checkpoint import full
 from tests.dist.test_fsdp import Uneven, clip_one_process, make_optimizer, one_thread, shard_all
 from tests.dist.test_fsdp import train as train_steps
-from tests.dist.ranks import leave
-from tests.dist.test_checkpoint import full
 
 OPTIMIZERS = ("adamw", "muon")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -36,12 +39,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 def world_size(device: str) -> int:
     return 2 if device == "cpu" else min(2, torch.cuda.device_count())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_state(model, opt) -> list[tuple]:
@@ -56,14 +53,7 @@ def sharded(device: torch.device, optimizer: str, geometry: str):
     return model, make_optimizer(model, optimizer, sharded=True)[0]
 
 
-def worker(rank: int, world: int, device_type: str, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    from hyperparallel.train.distributed import agree, init_distributed, sum_over_ranks
-
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    rt = init_distributed(timeout_s=120, device=device)
+def run_on_rank(rank: int, world: int, device: torch.device, out_dir: str) -> dict:
     results: dict = {"backend": str(dist.get_backend())}
     for optimizer in OPTIMIZERS:
         # every rank sees the whole batch and gradients are averaged in float64: one process's training, exactly
@@ -82,16 +72,33 @@ def worker(rank: int, world: int, device_type: str, port: int, out_dir: str) -> 
     agreed = agree(loss=float(rank + 1), step_time_s=0.5 + rank, stop=rank == world - 1)
     results["agreed"] = (agreed.loss, agreed.step_time_s, agreed.stop)
     results["summed"] = sum_over_ranks([float(rank + 1), 2.0])  # (the validation loss's sums)
-    torch.save(results, os.path.join(out_dir, f"rank{rt.rank}.pt"))
+    return results
+
+
+def on_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """The CPU's case, on a rank of the session's shared 2-rank spawn (tests/dist/spawn.py), whose
+    ranks joined as the trainer does (`init_distributed`)."""
+    return run_on_rank(rank, world, torch.device("cpu"), out_dir)
+
+
+def cuda_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    rt = init_distributed(timeout_s=120, device=torch.device("cuda", rank))
+    torch.save(run_on_rank(rank, world, rt.device, out_dir), os.path.join(out_dir, f"rank{rt.rank}.pt"))
     leave()
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def ranks(request, tmp_path_factory):
     device = request.param
+    if device == "cpu":
+        return device, request.getfixturevalue("spawn_dir") / "device_paths", request.getfixturevalue("spawn_2")[
+            "device_paths"]
     out = tmp_path_factory.mktemp(f"paths-{device}")
     world = world_size(device)
-    mp.spawn(worker, args=(world, device, free_port(), str(out)), nprocs=world)
+    mp.spawn(cuda_worker, args=(world, free_port(), str(out)), nprocs=world)
     return device, out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

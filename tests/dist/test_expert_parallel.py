@@ -7,19 +7,17 @@ gradient shards by their recorded global offsets (`shard_info`), which also show
 expert is held exactly once over the ranks. fp32 throughout; the products sum in another order
 than the eager loop: the losses measured 0.8-1.5e-7 relative apart, the tolerance is 1e-5.
 
-One spawn per world size runs every case; the checkpoint case saves at ep=2 and resumes at ep=4
-and ep=1 on the same ranks.
+The session's shared spawn of each world size (tests/dist/spawn.py) runs every case; the checkpoint
+case saves at ep=2 and resumes at ep=4 and ep=1 on the same ranks.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 
 from hyperparallel import checkpoint
@@ -32,7 +30,6 @@ from hyperparallel.models import build_model
 from hyperparallel.moe import LoadBalancer
 from hyperparallel.optim import build_optimizer
 from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
-from tests.dist.ranks import leave
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 STEPS = 3
@@ -180,7 +177,7 @@ def run_case(rank: int, world: int, case: str, ep: int) -> dict:
 def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
     """Save at ep=2 after one step, go on uninterrupted; resume the save at ep=4 (on 4 ranks)
     and at ep=1."""
-    path = Path(out_dir) / "ep2"
+    path = Path(out_dir) / f"ep2-on-{world}"
     model, balancer = parallel_model("qwen3_moe", 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     first = train_steps(model, balancer, optimizer, rank, world, range(1))
@@ -196,19 +193,15 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": resumed, "path": str(path)}
 
 
-def worker(rank: int, world: int, out_dir: str) -> None:
-    """Every multi-rank MoE case of one world size, so the ranks start once: this file's, the
-    dispatcher's alone (tests/dist/test_moe_dispatch.py, 4 ranks), the bias balancing's
-    (tests/moe/test_router.py, 2 ranks), a traced task graph's (tests/multicore/test_trace.py,
-    2 ranks) and MegaMoE in the trainer (tests/train/test_cli_train.py, 2 ranks). `tests/conftest.py`
-    spawns it."""
+def on_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """Every multi-rank MoE case of one world size, on one rank of the session's shared spawn
+    (tests/dist/spawn.py): this file's, the dispatcher's alone (tests/dist/test_moe_dispatch.py,
+    4 ranks), the bias balancing's (tests/moe/test_router.py, 2 ranks) and a traced task graph's
+    (tests/multicore/test_trace.py, 2 ranks)."""
     from tests.dist import test_moe_dispatch
     from tests.moe import test_router
     from tests.multicore import test_trace
-    from tests.train import test_cli_train
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     results = {(case, ep): run_case(rank, world, case, ep) for case, ep in LAYOUTS[world]}
     results["checkpoint"] = run_checkpoint(rank, world, out_dir)
     if world == test_moe_dispatch.WORLD:
@@ -217,15 +210,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         results["balance"] = test_router.run_balance(rank)
     if world == test_trace.WORLD:
         results["trace"] = test_trace.run_on_rank(rank, out_dir)
-    if world == 2:  # last: the trainer changes process-wide settings (seeds, environment)
-        results["trainer"] = test_cli_train.megamoe_trainer_runs(rank, out_dir)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
-
-
-def spawn(world: int, out_dir: Path) -> list[dict]:
-    mp.spawn(worker, args=(world, str(out_dir)), nprocs=world)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return results
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
-"""fully_shard on 2, 3 and 4 gloo ranks against one process training the same model on the same batches."""
+"""fully_shard on 2, 3 and 4 gloo ranks against one process training the same model on the same batches.
+
+Every multi-rank scenario runs in the session's shared spawn of its world size (tests/dist/spawn.py)."""
 
 from __future__ import annotations
 
 import copy
-import os
 from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from hyperparallel.fsdp import (
@@ -273,23 +273,24 @@ def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     return log
 
 
-def worker(rank, world, out_dir):
-    # a file rendezvous: no TCP port that another test could be holding
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def on_ranks(rank: int, world: int, out_dir: str) -> dict:
+    """Every scenario of this file at one world size, on one rank of the session's shared spawn
+    (tests/dist/spawn.py); the tests below check one property each."""
     results = {"acceptance": run_acceptance(rank, world), "mixed_precision": run_mixed_precision(rank, world),
                "tied": run_tied(rank, world),
                "memory": run_memory(rank, world), "schedule": run_schedule(rank, world)}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    if world == 2:
+        results["accumulate"] = run_accumulate(rank, world)
+        results["bf16_grads"] = run_bf16_grads(rank, world)
+    if world == 3:
+        results["mismatch"] = run_mismatch(rank, world)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"{w}ranks")
-def sharded(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    """One spawn per world size runs every scenario; the tests below check one property each."""
-    world, out_dir = request.param, tmp_path_factory.mktemp(f"fsdp{request.param}")
-    mp.spawn(worker, args=(world, str(out_dir)), nprocs=world)
-    return world, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+def sharded(request) -> tuple[int, list[dict]]:
+    world = request.param
+    return world, request.getfixturevalue(f"spawn_{world}")["fsdp"]
 
 
 def assert_shards_equal(per_rank: list[list], want: list[torch.Tensor], label: str, **tolerance) -> None:
@@ -380,9 +381,7 @@ def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
         leave()
 
 
-def accumulate_worker(rank, world, out_dir):
-    # a file rendezvous: no TCP port that another test could be holding
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+def run_accumulate(rank: int, world: int) -> list:
     model = make_model()
     for block in list(model)[:2]:
         fully_shard(block)
@@ -395,12 +394,11 @@ def accumulate_worker(rank, world, out_dir):
     (torch.nn.functional.mse_loss(model(xs[:half]), ys[:half]) / 2).backward()
     set_requires_gradient_sync(model, True)
     (torch.nn.functional.mse_loss(model(xs[half:]), ys[half:]) / 2).backward()
-    torch.save([(shard_info(p), p.grad.clone()) for p in model.parameters()], os.path.join(out_dir, f"g{rank}.pt"))
-    leave()
+    return [(shard_info(p), p.grad.clone()) for p in model.parameters()]
 
 
-def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
-    mp.spawn(accumulate_worker, args=(2, str(tmp_path)), nprocs=2)
+def test_gradient_accumulation_without_sync_matches_the_full_batch(spawn_2):
+    per_rank = [results["accumulate"] for results in spawn_2["fsdp"]]
     model = make_model()
     x, y = batch(0)
     halves = [(x[i:i + 3], y[i:i + 3]) for i in range(0, 12, 3)]  # 2 ranks x 2 micro-batches of 3
@@ -409,7 +407,7 @@ def test_gradient_accumulation_without_sync_matches_the_full_batch(tmp_path):
     for i, p in enumerate(model.parameters()):
         rows = p.grad.reshape(p.shape[0], -1)
         for r in range(2):
-            info, grad = torch.load(tmp_path / f"g{r}.pt", weights_only=False)[i]
+            info, grad = per_rank[r][i]
             torch.testing.assert_close(grad.reshape(info.length, rows.shape[1]),
                                        rows[info.offset:info.offset + info.length], rtol=1e-5, atol=1e-6)
 
@@ -430,11 +428,9 @@ def test_an_optimizer_built_before_sharding_is_refused():
         leave()
 
 
-def mismatch_worker(rank, world, out_dir):
+def run_mismatch(rank: int, world: int) -> str:
     from hyperparallel.errors import ConfigError
 
-    # a file rendezvous: no TCP port that another test could be holding
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     model = make_model()
     first, second = dist.new_group([0, 1]), dist.new_group([0, 2])
     try:
@@ -442,22 +438,19 @@ def mismatch_worker(rank, world, out_dir):
         # rank 1 is not in this one; on rank 0, a root over ranks its block's group goes beyond
         # (a block may shard over a part of its root's ranks, as expert parallelism's experts do)
         fully_shard(model, process_group=second)
-        message = "no error"
+        return "no error"
     except ConfigError as error:
-        message = str(error)
-    open(os.path.join(out_dir, f"m{rank}.txt"), "w").write(message)
-    leave()
+        return str(error)
 
 
-def test_a_block_sharded_over_ranks_its_root_lacks_is_refused(tmp_path):
-    mp.spawn(mismatch_worker, args=(3, str(tmp_path)), nprocs=3)
-    assert "sharded over ranks [0, 1] but its parent over [0, 2]" in (tmp_path / "m0.txt").read_text()
+def test_a_block_sharded_over_ranks_its_root_lacks_is_refused(spawn_3):
+    messages = [results["mismatch"] for results in spawn_3["fsdp"]]
+    assert "sharded over ranks [0, 1] but its parent over [0, 2]" in messages[0]
     for r in (1, 2):
-        assert f"rank {r} is not a member of the process_group" in (tmp_path / f"m{r}.txt").read_text()
+        assert f"rank {r} is not a member of the process_group" in messages[r]
 
 
-def mixed_precision_worker(rank, world, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+def run_bf16_grads(rank: int, world: int) -> tuple:
     model = make_model()
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in list(model)[:2]:
@@ -467,18 +460,14 @@ def mixed_precision_worker(rank, world, out_dir):
     per_rank = 12 // world
     out = model(x[rank * per_rank:(rank + 1) * per_rank].bfloat16())
     torch.nn.functional.mse_loss(out.float(), y[rank * per_rank:(rank + 1) * per_rank]).backward()
-    grads = [(shard_info(p), p.dtype, p.grad.dtype, p.grad.clone()) for p in model.parameters()]
-    torch.save((out.dtype, grads), os.path.join(out_dir, f"mp{rank}.pt"))
-    leave()
+    return out.dtype, [(shard_info(p), p.dtype, p.grad.dtype, p.grad.clone()) for p in model.parameters()]
 
 
-def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards_and_grads(tmp_path):
-    mp.spawn(mixed_precision_worker, args=(2, str(tmp_path)), nprocs=2)
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards_and_grads(spawn_2):
     model = make_model().bfloat16()  # the reference: the same bf16 compute, one process, full batch
     x, y = batch(0)
     torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
-    for r in range(2):
-        out_dtype, grads = torch.load(tmp_path / f"mp{r}.pt", weights_only=False)
+    for out_dtype, grads in (results["bf16_grads"] for results in spawn_2["fsdp"]):
         assert out_dtype == torch.bfloat16
         for (info, param_dtype, grad_dtype, grad), p in zip(grads, model.parameters(), strict=True):
             assert param_dtype == grad_dtype == torch.float32

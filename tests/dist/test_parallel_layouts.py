@@ -16,7 +16,7 @@ layout's. With eps 1e-5 such an element barely moves.
 The MoE case runs with the auxiliary loss off: it is a per-rank loss by design (each rank
 balances its own tokens), as with data parallelism.
 
-One spawn runs every layout (and tests/dist/test_context_parallel.py's cases), and the checkpoint cases: a tp=2 x dp_shard=2 checkpoint loads into
+The session's shared 4-rank spawn (tests/dist/spawn.py) runs every layout (and tests/dist/test_context_parallel.py's cases), and the checkpoint cases: a tp=2 x dp_shard=2 checkpoint loads into
 dp_shard=4, cp=2 x dp_shard=2 and one process with the same values, and its Hugging Face export
 equals the one-process model's.
 """
@@ -27,13 +27,11 @@ import contextlib
 import io
 import json
 import os
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 
 from hyperparallel import checkpoint
@@ -45,7 +43,6 @@ from hyperparallel.train.build import build_optimization, build_trained_model, d
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.distributed import Runtime, agree
 from hyperparallel.train.step import TrainStep
-from tests.dist.ranks import leave
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 STEPS = 5
@@ -182,14 +179,12 @@ def reference(layout: str) -> tuple[list[float], list[dict], dict]:
     return _references[layout]
 
 
-def worker(rank: int, world: int, out: str) -> None:
-    """Every multi-rank case of this file and tests/dist/test_context_parallel.py, so that the
-    ranks start once (tests/conftest.py's `parallel_spawn_4`)."""
+def on_ranks(rank: int, world: int, out: str) -> dict:
+    """Every multi-rank case of this file and tests/dist/test_context_parallel.py, on one rank of
+    the session's shared 4-rank spawn (tests/dist/spawn.py); the layouts' results on rank 0 (every
+    rank gathered them)."""
     from tests.dist import test_context_parallel
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     rt = Runtime(rank, world, torch.device("cpu"))
     mine = {"context_parallel": test_context_parallel.run_on_rank(rank, world)}
     results = {}
@@ -207,27 +202,14 @@ def worker(rank: int, world: int, out: str) -> None:
         optimizer, _ = build_optimization(cfg, built.model)
         checkpoint.load(Path(out) / "tp2_checkpoint", built.model, optimizer)
         loaded[layout] = whole(built.model, grads=False)
-    trainer = trainer_runs(rank, out)  # last: the trainer changes process-wide settings (seeds, environment)
-    torch.save(mine, os.path.join(out, f"rank{rank}.pt"))
-    if rank == 0:
-        with open(Path(out) / "results.pkl", "wb") as f:
-            pickle.dump({"runs": results, "loaded": loaded, "trainer": trainer}, f)
-    leave()
+    return {**mine, "runs": results, "loaded": loaded} if rank == 0 else mine
 
 
-def spawn(out: Path) -> dict:
-    mp.spawn(worker, args=(4, str(out)), nprocs=4, join=True)
-    with open(out / "results.pkl", "rb") as f:
-        results = pickle.load(f)
-    results["per_rank"] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    results["dir"] = out
-    return results
-
-
-def trainer_runs(rank: int, out: str) -> dict:
-    """`hyperparallel train`'s loop in these ranks (it joins their process group): 4 steps at tp=2
-    (sequence parallel) x dp_shard=2 with validation every 2 steps and a checkpoint at step 2;
-    then a run at cp=2 (ring) x dp_shard=2 that resumes from that checkpoint."""
+def trainer_runs(rank: int, world: int, out: str) -> dict:
+    """`hyperparallel train`'s loop in the shared 4-rank spawn's ranks (it joins their process
+    group; tests/dist/spawn.py runs it after every other part): 4 steps at tp=2 (sequence
+    parallel) x dp_shard=2 with validation every 2 steps and a checkpoint at step 2; then a run
+    at cp=2 (ring) x dp_shard=2 that resumes from that checkpoint."""
     from hyperparallel.train.config import from_mapping
     from hyperparallel.train.loop import train as train_loop
     from tests.train.test_cli_train import tiny_raw

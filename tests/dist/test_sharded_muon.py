@@ -6,20 +6,17 @@ reduction's rounding) and the comparison isolates the optimizer.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from hyperparallel.errors import ShapeError
 from hyperparallel.fsdp import ShardPlacement, fully_shard, shard_info, shard_ranges
 from hyperparallel.optim import Muon
 from hyperparallel.optim.sharded_muon import newton_schulz_cost, plan_owners
-from tests.dist.ranks import leave
 
 STEPS = 3
 LR, WEIGHT_DECAY, MOMENTUM = 0.02, 0.1, 0.9
@@ -82,12 +79,18 @@ def reference(adjust_lr_fn) -> dict[str, torch.Tensor]:
     return final
 
 
-def worker(rank, world, settings, out_dir):
+# (geometry, align, adjust_lr_fn) per world size; 3 and 5 rows on 4 ranks: empty shards; align
+# 32 on 4 ranks: every row on rank 0, the others hold nothing
+SETTINGS = {2: [("chunk", 1, None)], 3: [("balanced", 1, "match_rms_adamw"), ("chunk", 32, None)],
+            4: [("chunk", 1, None), ("balanced", 32, "original")]}
+
+
+def on_ranks(rank: int, world: int, out_dir: str) -> list[dict]:
+    """Every setting of this world size on one rank of the session's shared spawn
+    (tests/dist/spawn.py), with what each step runs counted: Newton–Schulz (by shape) and
+    all_to_all_single collectives."""
     import hyperparallel.optim.muon as muon
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    # count what each step runs: Newton–Schulz (by shape) and all_to_all_single collectives
     counts = {"ns_calls": [], "exchanges": 0}
     orthogonalize, all_to_all_single = muon.orthogonalize, dist.all_to_all_single
 
@@ -100,13 +103,15 @@ def worker(rank, world, settings, out_dir):
         return all_to_all_single(*args, **kwargs)
 
     muon.orthogonalize, dist.all_to_all_single = counted_orthogonalize, counted_all_to_all_single
-    # several settings per spawn: starting processes (importing torch, building a first
-    # optimizer) costs far more than training this model
-    for index, (geometry, align, adjust_lr_fn) in enumerate(settings):
-        counts.update(ns_calls=[], exchanges=0)
-        result = train_sharded(rank, world, geometry, align, adjust_lr_fn)
-        torch.save({**result, **counts}, os.path.join(out_dir, f"setting{index}_rank{rank}.pt"))
-    leave()
+    results = []
+    try:
+        for geometry, align, adjust_lr_fn in SETTINGS[world]:
+            counts.update(ns_calls=[], exchanges=0)
+            result = train_sharded(rank, world, geometry, align, adjust_lr_fn)
+            results.append({**result, **counts})
+    finally:
+        muon.orthogonalize, dist.all_to_all_single = orthogonalize, all_to_all_single
+    return results
 
 
 def train_sharded(rank, world, geometry, align, adjust_lr_fn) -> dict:
@@ -169,17 +174,11 @@ def check(results, want, world, geometry, align):
         assert results[r]["exchanges"] == 2 * rank_sets * STEPS, f"rank {r}"
 
 
-@pytest.mark.parametrize("world, settings", [
-    pytest.param(2, [("chunk", 1, None)], id="world2"),
-    pytest.param(3, [("balanced", 1, "match_rms_adamw"), ("chunk", 32, None)], id="world3"),
-    # 3 and 5 rows on 4 ranks: empty shards; align 32: every row on rank 0, the others hold nothing
-    pytest.param(4, [("chunk", 1, None), ("balanced", 32, "original")], id="world4"),
-])
-def test_sharded_muon_matches_torch_muon(tmp_path, world, settings):
-    mp.spawn(worker, args=(world, settings, str(tmp_path)), nprocs=world)
-    for index, (geometry, align, adjust_lr_fn) in enumerate(settings):
-        results = [torch.load(tmp_path / f"setting{index}_rank{r}.pt") for r in range(world)]
-        check(results, reference(adjust_lr_fn), world, geometry, align)
+@pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"world{w}")
+def test_sharded_muon_matches_torch_muon(request, world):
+    per_rank = request.getfixturevalue(f"spawn_{world}")["sharded_muon"]
+    for index, (geometry, align, adjust_lr_fn) in enumerate(SETTINGS[world]):
+        check([results[index] for results in per_rank], reference(adjust_lr_fn), world, geometry, align)
 
 
 def test_owner_plan_is_longest_first_greedy_and_deterministic():

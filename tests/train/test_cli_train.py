@@ -43,12 +43,12 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]  # (the training records, not the validation ones)
 
 
-def test_train_runs_a_config_with_overrides_then_plot_redraws(tmp_path):
-    result = run("train", str(tiny_config(tmp_path, tmp_path / "run")), "--set", "training.steps=3", tmp_path=tmp_path)
+def test_train_runs_a_config_with_overrides_then_plot_redraws(cli, tmp_path):
+    result = cli("train", str(tiny_config(tmp_path, tmp_path / "run")), "--set", "training.steps=3")
     assert result.returncode == 0, result.stderr
     assert "done: 3 steps" in result.stdout and len(losses(tmp_path / "run")) == 3
     (tmp_path / "run" / "loss.png").unlink()
-    result = run("plot", str(tmp_path / "run"), tmp_path=tmp_path)
+    result = cli("plot", str(tmp_path / "run"))
     assert result.returncode == 0 and (tmp_path / "run" / "loss.png").is_file()
 
 
@@ -60,13 +60,16 @@ def test_train_runs_a_config_with_overrides_then_plot_redraws(tmp_path):
     (["train", "--set", "model.config=null", "--set", "model.path=nowhere"], "error: .*nowhere"),
     (["plot", "nowhere"], "error: nowhere holds no metrics.jsonl"),
     (["train", "--set", "parallel.dp_shard=2"], r"error: parallel.dp_shard = 2 .* this run has 1; .*--nproc 2"),
-    # found inside the ranks: one line for the run, not one per rank
+    # found by the launcher before any rank starts (tests/conftest.py's `cli` refuses to start
+    # ranks): one line for the run, and no restart meets it again
     (["train", "--set", "parallel.dp_shard=3", "--nproc", "2", "--max-restarts", "3"],
-     r"error: parallel.dp_shard = 3 .* this run has 2"),  # and no restart meets it again
+     r"error: parallel.dp_shard = 3 .* this run has 2"),
     (["train", "--nproc", "0"], r"error: --nproc must be at least 1, got 0"),
 ])
-def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
-    result = run(*args, tmp_path=tmp_path)
+def test_user_errors_print_one_line_and_exit_2(cli, tmp_path, args, message):
+    """In this process (tests/conftest.py's `cli`); test_the_real_entry_point_... shows the same
+    from `python -m hyperparallel`."""
+    result = cli(*args)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr
@@ -76,13 +79,52 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
     assert not (tmp_path / "runs").exists()
 
 
-def test_two_ranks_replicate_and_match_one_rank(tmp_path):
-    one = run("train", str(tiny_config(tmp_path, tmp_path / "one")), tmp_path=tmp_path)
-    assert one.returncode == 0, one.stderr
-    two = run("train", str(tiny_config(tmp_path, tmp_path / "two")), "--nproc", "2", tmp_path=tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
+def test_the_real_entry_point_prints_one_line_and_exits_2_without_a_traceback(tmp_path):
+    """What a user sees, from a process of its own: `python -m hyperparallel train missing.yaml`."""
+    result = run("train", "missing.yaml", tmp_path=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: config file missing.yaml does not exist"], result.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def one_rank(config: Path, *sets: str) -> None:
+    """`hyperparallel train CONFIG --set ...` on one rank, here: the reference of a 2-rank run,
+    computed on one thread as each rank computes (a matmul's summation order depends on it)."""
+    from hyperparallel.train.config import load_config
+    from hyperparallel.train.loop import train
+    from tests.dist.test_fsdp import one_thread
+
+    with one_thread():
+        train(load_config(config, list(sets)))
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERPARALLEL_CACHE", str(tmp_path / "cache"))
+
+
+# The 2-rank runs of the shared spawn's trainer part (trainer_runs below): --set options of each
+SHARDED_RUN = ["optimizer.name=muon", "training.steps=4", "checkpoint.every=2", "logging.progress=false"]
+SHARDING = ["parallel.dp_shard=2", "parallel.shard_geometry=balanced", "parallel.align=32", "training.compile=dvm",
+            "parallel.ep=2"]
+VALIDATION_RUN = ["optimizer.lr=0", "training.steps=2", "training.eval_batches=2", "logging.progress=false"]
+
+
+def sets(options: list[str]) -> list[str]:
+    return [arg for option in options for arg in ("--set", option)]
+
+
+def test_two_ranks_replicate_and_match_one_rank(spawn_2, tmp_path, private_cache):
+    """tests/train/test_fault_tolerance.py's run (qwen3, 12 steps), uninterrupted on the 2 ranks of
+    the shared spawn (replicated: no dp_shard), and on one rank here."""
+    from tests.train.test_fault_tolerance import STEPS, write_config
+
+    two = Path(spawn_2["trainer"][0]["replicate"])
+    one_rank(write_config(tmp_path, tmp_path / "one"))
+    assert len(losses(two)) == STEPS
     # 2 ranks x 1 micro-batch vs 1 rank x 2 accumulated: the same sequences, the same mean gradient
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
 def imbalance(run_dir: Path) -> list[float]:
@@ -90,54 +132,56 @@ def imbalance(run_dir: Path) -> list[float]:
     return [r["moe_imbalance"] for r in records if "loss" in r]
 
 
-def test_two_sharded_ranks_match_one_rank(tmp_path):
+def test_two_sharded_ranks_match_one_rank(spawn_2, tmp_path, private_cache):
     """parallel.dp_shard: 2 with expert parallelism (ep: 2, each rank holds 8 of the 16 experts),
     an MoE model with its auxiliary loss, Muon, uneven shards (balanced, align 32), decoder layers
-    compiled (dvm: FSDP's hooks stay outside the graphs), then resumed."""
-    options = ["--set", "optimizer.name=muon", "--set", "training.steps=4", "--set", "checkpoint.every=2"]
-    config = tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")
-    one = run("train", str(config), *options, tmp_path=tmp_path)
-    assert one.returncode == 0, one.stderr
-    sharding = ["--set", "parallel.dp_shard=2", "--set", "parallel.shard_geometry=balanced", "--set", "parallel.align=32",
-                "--set", "training.compile=dvm", "--set", "parallel.ep=2"]
-    config = tiny_config(tmp_path, tmp_path / "two", family="qwen3_moe")
+    compiled (dvm: FSDP's hooks stay outside the graphs), on the ranks of the shared spawn; then
+    resumed by `hyperparallel train --nproc 2`, ranks of their own."""
+    sharded = spawn_2["trainer"][0]["sharded"]
+    config, run_dir = Path(sharded["config"]), Path(sharded["run_dir"])
+    one_rank(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe"), *SHARDED_RUN)
+    printed = sharded["printed"]
+    assert "2 rank(s) sharded (balanced, align 32), experts split over 2 ranks (ep)" in printed
     # (evaluating after every step, under FSDP, changes nothing of the training)
-    two = run("train", str(config), *options, *sharding, "--set", "training.eval_every=1", "--nproc", "2",
-              tmp_path=tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 rank(s) sharded (balanced, align 32), experts split over 2 ranks (ep)" in two.stdout
-    assert two.stdout.count("  validation loss ") == 4
+    assert printed.count("  validation loss ") == 4
     # the expert loads, summed over the ranks, are one rank's: the same routing
-    assert imbalance(tmp_path / "two") == pytest.approx(imbalance(tmp_path / "one"), rel=1e-6)
+    assert imbalance(run_dir) == pytest.approx(imbalance(tmp_path / "one"), rel=1e-6)
     # the ranks average their gradients in another order than one process accumulates them, and
     # Muon's bf16 Newton-Schulz turns that last bit into ~1e-4 of the loss within 4 steps
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
+    assert losses(run_dir) == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
     # resume: as if the job had died after step 2, from the sharded checkpoint it left there
     import shutil
 
-    run_dir = tmp_path / "two"
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     full = losses(run_dir)
     (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in (run_dir / "metrics.jsonl").read_text()
                                                    .splitlines() if json.loads(line)["step"] <= 2))
-    resumed = run("train", str(config), *options, *sharding, "--set", "checkpoint.resume=latest", "--nproc", "2",
-                  tmp_path=tmp_path)
+    resumed = run("train", str(config), *sets(SHARDED_RUN + SHARDING), "--set", "checkpoint.resume=latest",
+                  "--nproc", "2", tmp_path=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert losses(run_dir) == full  # exactly: the same ranks, shards and order of every sum
 
 
-def megamoe_trainer_runs(rank: int, out_dir: str) -> dict:
-    """On a rank of the shared 2-rank spawn (tests/conftest.py's `ep_spawn_2`, whose process group
-    the trainer joins): the trainer for 20 steps with the sequential EP layer, then with MegaMoE
-    in 2 waves and logging.trace; dp_shard 2, ep 2, fp32, the aux loss on."""
+def trainer_runs(rank: int, world: int, out_dir: str) -> dict:
+    """`hyperparallel train`'s loop on a rank of the session's shared 2-rank spawn
+    (tests/dist/spawn.py; the trainer joins its process group), each run's directory by name:
+    - sequential, megamoe: 20 steps with the sequential EP layer, then with MegaMoE in 2 waves and
+      logging.trace; dp_shard 2, ep 2, fp32, the aux loss on;
+    - deepseek_v4_kernels_on/off: DeepSeek-V4 with and without its kernels (tests/train/test_deepseek_v4.py);
+    - replicate: tests/train/test_fault_tolerance.py's run, uninterrupted (that file's reference);
+    - validation: qwen3_moe at lr 0 on dp_shard 2, evaluated;
+    - sharded: test_two_sharded_ranks_match_one_rank's run, from a YAML file as the CLI reads it,
+      with what it printed."""
+    import contextlib
+    import io
     import os
 
-    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.config import from_mapping, load_config
     from hyperparallel.train.loop import train
+    from tests.train import test_fault_tolerance
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
-                      HYPERPARALLEL_CACHE=os.path.join(out_dir, "cache"))
+    os.environ.update(HYPERPARALLEL_CACHE=os.path.join(out_dir, "cache"))
     runs = {}
     for implementation in ("sequential", "megamoe"):
         run_dir = Path(out_dir) / implementation
@@ -157,16 +201,28 @@ def megamoe_trainer_runs(rank: int, out_dir: str) -> dict:
         raw["logging"].update(progress=False)
         train(from_mapping(raw))
         runs[run_dir.name] = str(run_dir)
+    out = Path(out_dir)
+    train(load_config(test_fault_tolerance.write_config(out, out / "replicate")))
+    runs["replicate"] = str(out / "replicate")
+    validation = out / "validation.yaml"
+    validation.write_text(yaml.safe_dump(tiny_raw(out / "validation", family="qwen3_moe")))
+    train(load_config(validation, [*VALIDATION_RUN, "parallel.dp_shard=2"]))
+    runs["validation"] = str(out / "validation")
+    sharded = out / "sharded.yaml"
+    sharded.write_text(yaml.safe_dump(tiny_raw(out / "sharded", family="qwen3_moe")))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        train(load_config(sharded, [*SHARDED_RUN, *SHARDING, "training.eval_every=1"]))
+    runs["sharded"] = {"config": str(sharded), "run_dir": str(out / "sharded"), "printed": printed.getvalue()}
     return runs
 
 
-def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(ep_spawn_2):
+def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(spawn_2):
     """moe.implementation: megamoe in 2 waves against the sequential EP layer in the trainer for 20
     steps: the same loss curve; logging.trace writes a timeline of two steps with MegaMoE's tasks
     on every rank's lanes. (Run by the ranks of the shared spawn: two launches fewer.)"""
     from hyperparallel.multicore import timeline
 
-    runs = ep_spawn_2[0]["trainer"]
+    runs = spawn_2["trainer"][0]
     want = losses(Path(runs["sequential"]))
     assert len(want) == 20
     # measured: 7.8e-8 relative at most (each expert's products see the same rows; a token's four
@@ -181,21 +237,16 @@ def test_megamoe_trains_as_the_sequential_layer_and_traces_its_graphs(ep_spawn_2
     assert {e["lane"] for e in events} == {"step", "compute", "comm"}
 
 
-def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(tmp_path):
-    """lr 0: both layouts evaluate the same (initial) weights on the same held-out sequences."""
-    options = ["--set", "optimizer.lr=0", "--set", "training.steps=2", "--set", "training.eval_batches=2"]
-    one = run("train", str(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe")), *options, tmp_path=tmp_path)
-    assert one.returncode == 0, one.stderr
-    two = run("train", str(tiny_config(tmp_path, tmp_path / "two", family="qwen3_moe")), *options, "--set",
-              "parallel.dp_shard=2", "--nproc", "2", tmp_path=tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
+def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(spawn_2, tmp_path, private_cache):
+    """lr 0: both layouts evaluate the same (initial) weights on the same held-out sequences (two
+    sharded ranks: the shared spawn's)."""
+    one_rank(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe"), *VALIDATION_RUN)
 
     def validation(run_dir):
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if "val_loss" in line]
 
-    (a,), (b,) = validation(tmp_path / "one"), validation(tmp_path / "two")
+    (a,), (b,) = validation(tmp_path / "one"), validation(Path(spawn_2["trainer"][0]["validation"]))
     assert a["val_tokens"] == b["val_tokens"] == 2 * 4 * 31
     # measured equal: the same micro-batches through the same weights; only the float64 sum's order differs
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-12)
-

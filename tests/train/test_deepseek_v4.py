@@ -56,10 +56,10 @@ def test_deepseek_v4_trains_in_mxfp8_with_the_kernels_as_without(tmp_path):
     assert on[1:] == pytest.approx(off[1:], rel=1e-2)
 
 
-def test_deepseek_v4_with_ep2_and_megamoe_trains_with_the_kernels_as_without(ep_spawn_2):
+def test_deepseek_v4_with_ep2_and_megamoe_trains_with_the_kernels_as_without(spawn_2):
     """dp_shard 2, ep 2, MegaMoE in 2 waves, 20 steps (run by the ranks of the shared 2-rank spawn,
-    tests/train/test_cli_train.py's megamoe_trainer_runs)."""
-    runs = ep_spawn_2[0]["trainer"]
+    tests/train/test_cli_train.py's trainer_runs)."""
+    runs = spawn_2["trainer"][0]
     on, off = (logged_losses(Path(runs[f"deepseek_v4_kernels_{how}"])) for how in ("on", "off"))
     assert len(on) == STEPS and on[-1] < on[0] - 0.3  # it learns
     assert on == pytest.approx(off, rel=1e-5), max(abs(a - b) / b for a, b in zip(on, off, strict=True))

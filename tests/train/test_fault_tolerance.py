@@ -1,8 +1,9 @@
 """A rank that dies, an elastic restart, a preempted job and Ctrl-C, through the command line.
 
 Each run is 2 gloo ranks (`hyperparallel train --nproc 2`) of a tiny fp32 model, compared with
-one uninterrupted run of the same layout: resuming is exact there (the same ranks, shards and
-order of every sum), so a restarted or preempted run must give the very same losses.
+one uninterrupted run of the same layout (on the 2 ranks of the session's shared spawn): resuming
+is exact there (the same ranks, shards and order of every sum), so a restarted or preempted run
+must give the very same losses.
 
 To interrupt a run at a point it cannot have passed, the test stops its ranks (SIGSTOP) as soon
 as the checkpoint of step 2 is complete, does what a failure or a scheduler would, and lets
@@ -88,13 +89,12 @@ def resume(pids: dict[int, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[float]:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    proc = start(tmp, tmp / "cache", str(write_config(tmp, tmp / "run")), "--nproc", "2")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    assert len(losses(tmp / "run")) == STEPS
-    return losses(tmp / "run")
+def uninterrupted(spawn_2) -> list[float]:
+    """The same run on 2 ranks, uninterrupted: run by the ranks of the session's shared spawn
+    (tests/train/test_cli_train.py's trainer_runs), one launch fewer."""
+    run_dir = Path(spawn_2["trainer"][0]["replicate"])
+    assert len(losses(run_dir)) == STEPS
+    return losses(run_dir)
 
 
 def kill_rank_1(tmp_path: Path, *options: str, **how) -> tuple[subprocess.Popen, dict[int, int], Path]:

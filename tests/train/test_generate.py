@@ -4,23 +4,16 @@ prompt with the same tokens, greedy ones equal to transformers' `generate`; samp
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from hyperparallel.checkpoint import ModelCard, export_hf, load, read_manifest, save
-from hyperparallel.checkpoint.export import build_from_card
+from hyperparallel.checkpoint import export_hf, read_manifest, save
 from hyperparallel.errors import CheckpointError, ConfigError
 from hyperparallel.train.generate import generate
-from tests.dist.ranks import leave
 from tests.train.test_loop import config
 
 PROMPT = "def main("
@@ -67,26 +60,24 @@ def test_greedy_tokens_of_a_checkpoint_and_its_export_are_the_same_and_transform
     assert out[0, len(result.prompt_ids):].tolist() == greedy
 
 
-def sharded_worker(rank: int, world: int, checkpoint: str, out: str, rendezvous: str) -> None:
-    from hyperparallel.parallel import shard_model
+def test_a_checkpoint_of_two_sharded_ranks_generates_the_same_tokens(run, spawn_2, spawn_dir, tmp_path):
+    """The perturbed Qwen3-MoE of tests/checkpoint/test_export.py, saved by the 2 ranks of the
+    session's shared spawn in uneven shards (balanced, align 32: some ranks hold no rows of a
+    tensor) and saved by one process, each beside the run's tokenizer: the same greedy tokens."""
+    from tests.checkpoint.test_export import SHARDED, model_card, perturbed
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    card = ModelCard.from_manifest(Path(checkpoint), read_manifest(checkpoint))
-    model = build_from_card(card, checkpoint)
-    shard_model(model, geometry="balanced", align=32)  # uneven shards, some ranks without rows of a tensor
-    load(checkpoint, model)
-    save(out, model, extra={"model": card.to_json()})
-    leave()
-
-
-def test_a_checkpoint_of_two_sharded_ranks_generates_the_same_tokens(run, greedy, tmp_path):
-    other = tmp_path / "run"
-    sharded = other / "checkpoints" / "step_00000006"
-    mp.spawn(sharded_worker, args=(2, str(run["checkpoint"]), str(sharded), str(tmp_path / "rendezvous")), nprocs=2)
+    assert "export" in spawn_2
+    sharded = tmp_path / "two" / "checkpoints" / "step_00000001"
+    shutil.copytree(spawn_dir / "export" / SHARDED, sharded)
     assert read_manifest(sharded)["world_size"] == 2
-    shutil.copyfile(run["root"] / "run" / "tokenizer.json", other / "tokenizer.json")
-    assert generate(sharded, PROMPT, max_new_tokens=NEW).token_ids == greedy
+    model = perturbed("qwen3_moe")
+    one = save(tmp_path / "one" / "checkpoints" / "step_00000001", model,
+               extra={"model": model_card(model, "qwen3_moe")})
+    for run_dir in ("one", "two"):
+        shutil.copyfile(run["root"] / "run" / "tokenizer.json", tmp_path / run_dir / "tokenizer.json")
+    want = generate(one, PROMPT, max_new_tokens=NEW).token_ids
+    assert len(set(want)) >= 4, want  # varied: a misplaced row would show
+    assert generate(sharded, PROMPT, max_new_tokens=NEW).token_ids == want
 
 
 def test_sampling_is_seeded_and_leaves_the_global_rng_alone(run, greedy):
@@ -161,15 +152,10 @@ def test_each_mistake_is_named(run, tmp_path):
             generate(source, options.pop("prompt"), **options)
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "hyperparallel", "generate", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
-
-
-def test_the_generate_command(run, tmp_path):
-    result = cli(str(run["checkpoint"]), "--prompt", PROMPT, "--max-new-tokens", "8", "--temperature", "0.7",
-                 "--top-k", "50", "--seed", "4", cwd=tmp_path)
+def test_the_generate_command(run, cli, tmp_path):
+    """In this process (tests/conftest.py's `cli`): what it prints and how it fails."""
+    result = cli("generate", str(run["checkpoint"]), "--prompt", PROMPT, "--max-new-tokens", "8", "--temperature",
+                 "0.7", "--top-k", "50", "--seed", "4")
     assert result.returncode == 0, result.stderr
     want = generate(run["checkpoint"], PROMPT, max_new_tokens=8, temperature=0.7, top_k=50, seed=4)
     assert result.stdout == want.text + "\n"
@@ -177,7 +163,7 @@ def test_the_generate_command(run, tmp_path):
 
     for args, message in [((str(tmp_path / "nowhere"), "--prompt", PROMPT), "nowhere does not exist"),
                           ((str(run["hf"]), "--prompt", PROMPT, "--max-new-tokens", "0"), "max_new_tokens must be")]:
-        result = cli(*args, cwd=tmp_path)
+        result = cli("generate", *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], result.stderr

@@ -205,10 +205,11 @@ def test_the_command_prints_one_json_object_near_a_real_runs_peak(tmp_path):
     (["--set", "parallel.dp_shard=2"], r"parallel.dp_shard = 2 .* plan is for 1; plan it with --nproc 2"),
     (["--nproc", "0"], r"--nproc must be at least 1, got 0"),
 ])
-def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
+def test_user_errors_print_one_line_and_exit_2(cli, args, message):
+    """In this process (tests/conftest.py's `cli`)."""
     import re
 
-    result = run_cli("plan", *args, tmp_path=tmp_path)
+    result = cli("plan", *args)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr and re.search(message, lines[0]), result.stderr
