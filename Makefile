@@ -27,7 +27,7 @@ $(BENCH_STAMP): $(STAMP)
 
 test: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
-	$(PY) -m pytest -p no:cacheprovider tests
+	$(PY) -m pytest -p no:cacheprovider --durations=15 tests
 
 demo: setup
 	$(PY) -m hyperparallel train

@@ -1,0 +1,117 @@
+"""The package's imports follow docs/architecture.md's layers.
+
+The "depends on" column of the doc's package table is read as the rule: a package (or top-level
+module) of hyperparallel may import, at module level or inside a function, only the packages that
+its row names in backticks, and the shared modules every layer uses (`errors`, `versions`,
+`lazy_exports`, the package's `__version__`). "all of the above" (the trainer) may import every
+package listed above its row. So the doc and the code cannot drift apart: an import the doc does
+not allow fails here, naming the file and line, and so does a row naming a package that is none.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hyperparallel"
+SHARED = {"errors", "versions", "lazy_exports", "__init__", "__main__", "__version__"}
+
+
+def allowed_imports(doc: str) -> dict[str, set[str]]:
+    """Each row of the "## Packages" table: its name (no `.py`) -> the names it may import."""
+    table = doc.split("## Packages", 1)[1].split("\n## ", 1)[0]
+    rules: dict[str, set[str]] = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) < 3 or not cells[0].startswith("`"):  # (a "what it is" cell may hold " | ")
+            continue
+        name, depends = cells[0].strip("`").removesuffix(".py"), cells[-1]
+        if depends.startswith("all of the above"):
+            rules[name] = set(rules)
+        else:
+            rules[name] = {m.split(".")[0].removesuffix(".py") for m in re.findall(r"`([\w.]+)`", depends)}
+    return rules
+
+
+def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, the hyperparallel name imported: its first part below the package) of every import
+    in the file under `root` (which holds the package), relative ones resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = path.relative_to(root).with_suffix("").parts  # ("hyperparallel", "moe", "router")
+    if here[-1] == "__init__":
+        here = here[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + (path.name == "__init__.py")]
+                module = ".".join(base + ((node.module,) if node.module else ()))
+            else:
+                module = node.module or ""
+            # `from hyperparallel import moe` imports the package moe
+            names = [f"{module}.{alias.name}" for alias in node.names] if module == "hyperparallel" else [module]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "hyperparallel" and len(parts) > 1:
+                found.append((node.lineno, parts[1]))
+    return found
+
+
+def layer_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def violations(rules: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = layer_of(path)
+        if layer in SHARED:
+            continue
+        if layer not in rules:
+            bad.append(f"{path.relative_to(ROOT)}: {layer} has no row in docs/architecture.md's package table")
+            continue
+        for line, imported in imports_of(path):
+            if imported != layer and imported not in SHARED and imported not in rules[layer]:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {imported}, which its row does not name")
+    return bad
+
+
+def test_every_import_between_packages_is_one_the_architecture_table_allows():
+    rules = allowed_imports((ROOT / "docs" / "architecture.md").read_text())
+    assert {"kernels", "mx", "models", "parallel", "checkpoint", "train", "cli"} <= set(rules)
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    unknown = {name: deps - packages - modules for name, deps in rules.items() if deps - packages - modules}
+    assert not unknown, f"rows naming no package of hyperparallel: {unknown}"
+    assert violations(rules) == []
+
+
+def test_the_check_finds_an_import_the_table_does_not_allow(tmp_path):
+    """The rule bites: models (which the table lets import moe, lowp and kernels) importing
+    parallel is reported, with its file and line."""
+    rules = allowed_imports((ROOT / "docs" / "architecture.md").read_text())
+    assert "parallel" not in rules["models"] and "parallel" in rules["train"]
+    source = tmp_path / "hyperparallel" / "models" / "leak.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("import torch\n\n\ndef f():\n    from ..parallel import mesh\n")
+    assert imports_of(source, root=tmp_path) == [(5, "parallel")]
+
+
+@pytest.mark.parametrize("module", ["hyperparallel.checkpoint", "hyperparallel.moe", "hyperparallel.cli"])
+def test_importing_a_lower_layer_loads_no_transformers(module):
+    """`import hyperparallel.checkpoint` (and the command line, before it reads a config) load
+    neither transformers nor torch.distributed.checkpoint's planners through parallel."""
+    code = f"import sys, {module}; print(sorted(m for m in ('transformers', 'hyperparallel.parallel') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stderr
