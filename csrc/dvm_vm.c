@@ -54,6 +54,10 @@ static _Thread_local int last_error_instr = -1;
 
 HP_ISA_LIBRARY(dvm)
 
+/* Raised whenever a function's arguments or meaning change (hyperparallel/kernels/native.py
+ * VERSIONS); 2: hp_dvm_set_isa's levels are hp_isa.h's (0 generic, 1 AVX2, 2 AVX-512). */
+int hp_dvm_version(void) { return 2; }
+
 /* The interpreter of the level in force ([Note: one ISA choice]; hp_dvm_set_isa: 0 the portable
  * one, 1 AVX2, 2 AVX-512, each where the processor has it; for tests and benchmarks). */
 static const dvm_isa *active(void) {

@@ -1,5 +1,5 @@
 /*
- * MegaGate: the fused MoE router (hyperparallel.moe.mega_gate), forward and backward.
+ * MegaGate: the fused MoE router (hyperparallel.kernels.mega_gate), forward and backward.
  *
  * Each token's row of router logits [E] is taken once, in L1, through everything the router's
  * torch ops do one after the other over the whole [T, E]: the scores (softmax, sigmoid or sqrt(softplus)), the choice (scores plus
@@ -547,4 +547,5 @@ int hp_mega_gate_backward(const float *logits, int64_t T, int64_t E, const int64
     return status;
 }
 
+/* Raised whenever a function's arguments or meaning change (hyperparallel/kernels/native.py VERSIONS). */
 int hp_mega_gate_version(void) { return 1; }

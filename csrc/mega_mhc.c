@@ -1,6 +1,6 @@
 /*
  * MegaMHC: DeepSeek-V4's manifold-constrained hyper-connections as fused operations
- * (hyperparallel.models.mega_mhc), forward and backward.
+ * (hyperparallel.kernels.mega_mhc), forward and backward.
  *
  * Streams x are [T, N, D] (a token's N streams are one row of K = N * D values), fp32 or bf16.
  * Per token, the weights come from the RMS-normalized row projected by fn [M, K] (M = (2 + N) N;

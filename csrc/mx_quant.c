@@ -22,6 +22,10 @@
 
 HP_ISA_LIBRARY(mx)
 
+/* Raised whenever a function's arguments or meaning change (hyperparallel/kernels/native.py
+ * VERSIONS); 2: hp_mx_set_isa's levels are hp_isa.h's (0 generic, 1 AVX2, 2 AVX-512). */
+int hp_mx_version(void) { return 2; }
+
 /* The kernels of the level in force ([Note: one ISA choice]; hp_mx_set_isa, hp_mx_isa). */
 static const mx_kernels *active(void) {
     return HP_ISA_PICK(&MX_GENERIC, &MX_AVX2, &MX_AVX512);

@@ -49,7 +49,10 @@ def cli(tmp_path, monkeypatch, capfd):
 
     def call(*args: str) -> subprocess.CompletedProcess:
         capfd.readouterr()
-        code = main(list(args))
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # (argparse's own errors and --help exit; a process would give the code)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(list(args), code, out, err)
 

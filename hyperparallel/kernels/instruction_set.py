@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hyperparallel.errors import ConfigError
+from hyperparallel.errors import BackendError, ConfigError
 
 LEVELS = ("generic", "avx2", "avx512")
 
@@ -49,8 +49,10 @@ def isa() -> str:
 
 
 def _agreed(names: set[str]) -> str:
-    # every library detects the processor with the same code (hp_isa.h), so they agree
-    assert len(names) <= 1, f"the native libraries run at different levels: {sorted(names)}"
+    # every library detects the processor with the same code (hp_isa.h), so they agree unless one
+    # is a build of other sources (which the loader's version check should have refused)
+    if len(names) > 1:
+        raise BackendError(f"the native libraries run at different levels: {sorted(names)}: run `make setup`")
     return names.pop() if names else "generic"
 
 

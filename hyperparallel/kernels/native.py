@@ -6,8 +6,8 @@ as ``hyperparallel._<name>_native`` and found as that module's file. [Note: nati
 cannot be used, and `unavailable_reason` says why:
 - not built: no such module (the fast path's users then run their reference, or report it);
 - a stale build, older than the Python code that calls it: a function of the table is missing,
-  or the library's version function (when the caller names one) returns another version than the
-  caller was written against. A stale library is never called: its arguments may have changed.
+  or the library's version function returns another version than this code was written against
+  (`VERSIONS`). A stale library is never called: its arguments may have changed.
 A library with instruction-set levels (csrc/hp_isa.h: hp_<name>_set_isa, hp_<name>_isa) is put
 at the level `hyperparallel.kernels.use_isa` has chosen for every library.
 """
@@ -24,20 +24,32 @@ from hyperparallel.kernels import instruction_set as _isa
 # caller passes ctypes objects of the exact C types, as the DVM's hot call does).
 Signature = tuple[list | None, type | None]
 
+# Each library's version function (csrc: hp_<name>_version) and the version this code was written
+# against: the C side raises it whenever a function's arguments or meaning change.
+VERSIONS = {
+    "hyperparallel._mx_native": ("hp_mx_version", 2),
+    "hyperparallel._dvm_native": ("hp_dvm_version", 2),
+    "hyperparallel._mega_gate_native": ("hp_mega_gate_version", 1),
+    "hyperparallel._mega_mhc_native": ("hp_mega_mhc_version", 1),
+}
+
 _REASONS: dict[str, str] = {}
 
 
-def load(module: str, signatures: Mapping[str, Signature], *, version: tuple[str, int] | None = None,
-         isa: str | None = None) -> ctypes.CDLL | None:
+def load(module: str, signatures: Mapping[str, Signature], *, isa: str | None = None) -> ctypes.CDLL | None:
     """The native library `module` (``"hyperparallel._mx_native"``) with the functions of
-    `signatures` typed, or None if it is not built or is a stale build (see [Note: native
-    libraries]). `version` = (function, expected): the library's version function and the version
-    the caller was written against. `isa` = the prefix of its level functions (``"hp_mx"`` for
-    hp_mx_set_isa, hp_mx_isa), which are then typed too and follow `kernels.use_isa`."""
+    `signatures` typed, or None if it is not built, cannot be loaded or is a stale build (see
+    [Note: native libraries]; its version from `VERSIONS`). `isa` = the prefix of its level
+    functions (``"hp_mx"`` for hp_mx_set_isa, hp_mx_isa), which are then typed too and follow
+    `kernels.use_isa`."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         return _unavailable(module, "is not built")
-    lib = ctypes.CDLL(spec.origin)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as e:  # (built for another machine, or a library it links is missing)
+        return _unavailable(module, f"cannot be loaded ({e})")
+    version = VERSIONS.get(module)
     table = dict(signatures)
     if version is not None:
         table[version[0]] = ([], ctypes.c_int)
@@ -55,12 +67,12 @@ def load(module: str, signatures: Mapping[str, Signature], *, version: tuple[str
         return _unavailable(module, f"is a stale build ({version[0]}() is {found}, this code needs {version[1]})")
     if isa is not None:
         _isa.register(module, getattr(lib, f"{isa}_set_isa"), getattr(lib, f"{isa}_isa"))
-    _REASONS.pop(module, None)
     return lib
 
 
 def unavailable_reason(module: str) -> str | None:
-    """Why `load(module, ...)` gave None (None if it gave the library or was not asked)."""
+    """Why a `load(module, ...)` gave None (None if none did). A later load that succeeds, with
+    another table, leaves the reason: the caller that got None still holds None."""
     return _REASONS.get(module)
 
 
@@ -69,4 +81,4 @@ def _unavailable(module: str, why: str) -> None:
     return None
 
 
-__all__ = ["Signature", "load", "unavailable_reason"]
+__all__ = ["VERSIONS", "Signature", "load", "unavailable_reason"]

@@ -392,12 +392,22 @@ def _orthogonalize_workspace(p: torch.Tensor) -> int:
     return stack * (3 * m * n + 2 * s * s) * UPDATE_DTYPE.itemsize
 
 
+def _clip_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], sharded: bool,
+                    device: torch.device) -> int:
+    """Bytes clipping makes on top of the gradients: fsdp's on the CPU converts one gradient shard at
+    a time to float64 (fsdp.clip_grad_norm_); torch's (replicated runs) and a CUDA device's foreach
+    norms read the gradients in place (scalars only)."""
+    if not (sharded and cfg.training.max_grad_norm is not None and device.type == "cpu"):
+        return 0
+    return max((shard[id(p)] * 8 // p.dtype.itemsize for p in model.parameters() if p.requires_grad), default=0)
+
+
 def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], sharded: bool,
-                              muon_buffers: int) -> int:
-    """Bytes the optimizer step (and clipping) makes on top of parameters, gradients and state."""
-    # (clipping, fsdp's or torch's: foreach norms of the gradients, scalars only)
+                              muon_buffers: int, device: torch.device) -> int:
+    """Bytes the optimizer step (and clipping, before it) makes on top of parameters, gradients and state."""
+    clip = _clip_transient(cfg, model, shard, sharded, device)
     if cfg.optimizer.name != "muon":
-        return 0  # fused AdamW updates in place
+        return clip  # fused AdamW updates in place
     muon = [p for _, p in split_for_muon(model)[0]]
     # Nesterov's direction (a gradient-sized tensor) and Newton-Schulz on one matrix (or stack) at a
     # time; matrices fsdp splits by rows keep their directions until all are exchanged at once
@@ -410,7 +420,7 @@ def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[in
         return full if p.dim() == 2 else full * shard[id(p)] // max(_nbytes(p), 1)
 
     workspace = max(map(workspace, muon), default=0)
-    return directions + workspace + muon_buffers
+    return max(clip, directions + workspace + muon_buffers)
 
 
 # --------------------------------------------------------------------------------- the planner
@@ -579,7 +589,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         layout = "replicated (DDP)" if world > 1 else "replicated"
     if not sharded:
         peak += buffers
-    optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers)
+    optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, device)
     optimizer_step += 0 if sharded else buffers
     tensors = params_bytes + optimizer_bytes + max(peak, optimizer_step)
 

@@ -85,7 +85,12 @@ def worker(rank: int, world: int, port: int, parts: list[Part], root: str, resul
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_distributed(timeout_s=TIMEOUT_S, device=torch.device("cpu"))
-    results = {part.name: _function(part.run)(rank, world, str(part_dir(Path(root), part.name))) for part in parts}
+    results = {}
+    for part in parts:
+        try:
+            results[part.name] = _function(part.run)(rank, world, str(part_dir(Path(root), part.name)))
+        except Exception as e:  # (mp.spawn then ends every rank; this names the part in its report)
+            raise RuntimeError(f"the shared spawn's part {part.name!r} ({part.run}) failed on rank {rank} of {world}") from e
     torch.save(results, results_file.format(rank=rank))
     leave()
 

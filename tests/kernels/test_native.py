@@ -27,16 +27,41 @@ def test_a_library_that_is_not_built_is_none_with_the_reason():
 
 
 @pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
-def test_a_stale_build_is_never_used():
+def test_a_stale_build_is_never_used(monkeypatch):
     module = mega_gate_native.MODULE
     assert native.load(module, {**SIGNATURES, "hp_mega_gate_from_the_future": ([], None)}) is None
     assert "stale build (it has no hp_mega_gate_from_the_future)" in native.unavailable_reason(module)
-    assert native.load(module, SIGNATURES, version=("hp_mega_gate_version", mega_gate_native.VERSION + 1)) is None
-    assert (f"hp_mega_gate_version() is {mega_gate_native.VERSION}, this code needs {mega_gate_native.VERSION + 1}"
-            in native.unavailable_reason(module))
-    lib = native.load(module, SIGNATURES, version=("hp_mega_gate_version", mega_gate_native.VERSION))
+    function, version = native.VERSIONS[module]
+    monkeypatch.setitem(native.VERSIONS, module, (function, version + 1))
+    assert native.load(module, SIGNATURES) is None
+    assert f"{function}() is {version}, this code needs {version + 1}" in native.unavailable_reason(module)
+
+
+@pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
+def test_a_load_that_succeeds_keeps_an_earlier_refusal():
+    module = mega_gate_native.MODULE
+    assert native.unavailable_reason(module) is None
+    lib = native.load(module, SIGNATURES)
     assert lib is not None and native.unavailable_reason(module) is None
     assert lib.hp_mega_gate_backward.restype is ctypes.c_int
+    assert native.load(module, {"hp_mega_gate_from_the_future": ([], None)}) is None
+    assert native.load(module, SIGNATURES) is not None
+    assert "hp_mega_gate_from_the_future" in native.unavailable_reason(module)  # its caller holds None
+
+
+def test_a_library_that_cannot_be_loaded_is_none_with_the_reason(tmp_path, monkeypatch):
+    broken = tmp_path / "_broken_native.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert native.load("_broken_native", SIGNATURES) is None
+    assert native.unavailable_reason("_broken_native").startswith("the native library _broken_native cannot be loaded (")
+
+
+def test_every_library_has_the_version_this_code_needs():
+    for module, (function, version) in native.VERSIONS.items():
+        lib = native.load(module, {function: ([], ctypes.c_int)})
+        assert lib is not None, native.unavailable_reason(module)
+        assert getattr(lib, function)() == version
 
 
 def _files_with(text: str) -> list[str]:

@@ -149,18 +149,20 @@ def test_two_sharded_ranks_match_one_rank(spawn_2, tmp_path, private_cache):
     # the ranks average their gradients in another order than one process accumulates them, and
     # Muon's bf16 Newton-Schulz turns that last bit into ~1e-4 of the loss within 4 steps
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "one"), rel=1e-3)
-    # resume: as if the job had died after step 2, from the sharded checkpoint it left there
+    # resume: as if the job had died after step 2, from the sharded checkpoint it left there (in a
+    # copy: the shared spawn's run stays as it was)
     import shutil
 
-    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
-    full = losses(run_dir)
-    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in (run_dir / "metrics.jsonl").read_text()
-                                                   .splitlines() if json.loads(line)["step"] <= 2))
+    died = shutil.copytree(run_dir, tmp_path / "died")
+    shutil.rmtree(died / "checkpoints" / "step_00000004")
+    full = losses(died)
+    (died / "metrics.jsonl").write_text("".join(line + "\n" for line in (died / "metrics.jsonl").read_text()
+                                                .splitlines() if json.loads(line)["step"] <= 2))
     resumed = run("train", str(config), *sets(SHARDED_RUN + SHARDING), "--set", "checkpoint.resume=latest",
-                  "--nproc", "2", tmp_path=tmp_path)
+                  "--set", f"logging.run_dir={died}", "--nproc", "2", tmp_path=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    assert losses(run_dir) == full  # exactly: the same ranks, shards and order of every sum
+    assert losses(died) == full  # exactly: the same ranks, shards and order of every sum
 
 
 def trainer_runs(rank: int, world: int, out_dir: str) -> dict:

@@ -25,7 +25,5 @@ _SIGNATURES = {
 
 # The kernels' status codes (csrc/mega_gate.c)
 OK, BAD_HASH_INDEX, NO_MEMORY = 0, -1, -2
-# The version this module was written against (hp_mega_gate_version).
-VERSION = 1
 
-LIB = native.load(MODULE, _SIGNATURES, version=("hp_mega_gate_version", VERSION), isa="hp_mega_gate")
+LIB = native.load(MODULE, _SIGNATURES, isa="hp_mega_gate")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from hyperparallel.errors import ConfigError, ShapeError
-from hyperparallel.kernels.backends import BACKENDS, FusedBackends, custom_op, ptr
+from hyperparallel.errors import ShapeError
+from hyperparallel.kernels.backends import FusedBackends, custom_op, ptr
 from hyperparallel.kernels.mega_gate import native
 from hyperparallel.kernels.mega_gate import triton as triton_gate
 from hyperparallel.kernels.mega_gate.reference import SCORES, check, mega_gate_reference
@@ -134,15 +134,13 @@ def run_backend(backend: str, logits: torch.Tensor, correction_bias: torch.Tenso
                 routed_scaling_factor: float = 1.0, norm_eps: float = 0.0,
                 hash_indices: torch.Tensor | None = None, aux_probs: bool = False):
     """`mega_gate` on a named backend (tests and benchmarks compare them on the same inputs)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"mega_gate backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    _BACKENDS.require(backend, logits.device)
     args = dict(score=score, top_k=top_k, num_groups=num_groups, top_groups=top_groups,
                 norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor, norm_eps=norm_eps,
                 hash_indices=hash_indices, aux_probs=aux_probs)
     if backend == "reference":
         return mega_gate_reference(logits, correction_bias, **args)
     check(logits, correction_bias, hash_indices, score, top_k, num_groups, top_groups)
-    _BACKENDS.require(backend, logits.device)
     op = _native_op if backend == "native" else _triton_op
     weights, indices, counts, prob_sum = op(
         logits, correction_bias, hash_indices, score, top_k, num_groups, top_groups, norm_topk_prob,

@@ -36,7 +36,5 @@ OK, BAD_ARGUMENT, NO_MEMORY = 0, -1, -2
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 # The most streams the kernels take (MAX_STREAMS).
 MAX_STREAMS = 8
-# The version this module was written against (hp_mega_mhc_version).
-VERSION = 1
 
-LIB = native.load(MODULE, _SIGNATURES, version=("hp_mega_mhc_version", VERSION), isa="hp_mega_mhc")
+LIB = native.load(MODULE, _SIGNATURES, isa="hp_mega_mhc")

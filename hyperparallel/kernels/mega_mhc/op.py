@@ -23,7 +23,7 @@ from hyperparallel.kernels.mega_mhc.reference import (
 )
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-_BACKENDS = FusedBackends("mhc", native)
+_BACKENDS = FusedBackends("mega_mhc", native)
 
 
 # ------------------------------------------------------------------------- backward, shared
