@@ -126,4 +126,4 @@ def test_importing_a_lower_layer_loads_no_transformers(code, unloaded):
     default one) loads no transformers."""
     code += f"; import sys; print([m for m in {unloaded!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr
+    assert (out.stdout.strip().splitlines() or [""])[-1] == "[]", out.stderr

@@ -392,12 +392,12 @@ def _orthogonalize_workspace(p: torch.Tensor) -> int:
     return stack * (3 * m * n + 2 * s * s) * UPDATE_DTYPE.itemsize
 
 
-def _clip_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], sharded: bool,
-                    device: torch.device) -> int:
+def _clip_transient(model: nn.Module, shard: dict[int, int], sharded: bool, device: torch.device) -> int:
     """Bytes clipping makes on top of the gradients: fsdp's on the CPU converts one gradient shard at
-    a time to float64 (fsdp.clip_grad_norm_); torch's (replicated runs) and a CUDA device's foreach
-    norms read the gradients in place (scalars only)."""
-    if not (sharded and cfg.training.max_grad_norm is not None and device.type == "cpu"):
+    a time to float64 (fsdp.clip_grad_norm_, which a sharded step calls also without max_grad_norm,
+    for the logged norm); torch's (replicated runs) and a CUDA device's foreach norms read the
+    gradients in place (scalars only)."""
+    if not (sharded and device.type == "cpu"):
         return 0
     return max((shard[id(p)] * 8 // p.dtype.itemsize for p in model.parameters() if p.requires_grad), default=0)
 
@@ -405,7 +405,7 @@ def _clip_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], s
 def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[int, int], sharded: bool,
                               muon_buffers: int, device: torch.device) -> int:
     """Bytes the optimizer step (and clipping, before it) makes on top of parameters, gradients and state."""
-    clip = _clip_transient(cfg, model, shard, sharded, device)
+    clip = _clip_transient(model, shard, sharded, device)
     if cfg.optimizer.name != "muon":
         return clip  # fused AdamW updates in place
     muon = [p for _, p in split_for_muon(model)[0]]

@@ -58,6 +58,7 @@ def test_a_library_that_cannot_be_loaded_is_none_with_the_reason(tmp_path, monke
 
 
 def test_every_library_has_the_version_this_code_needs():
+    """(No skip when one is not built: conftest.py refuses such a session before this runs.)"""
     for module, (function, version) in native.VERSIONS.items():
         lib = native.load(module, {function: ([], ctypes.c_int)})
         assert lib is not None, native.unavailable_reason(module)
