@@ -72,13 +72,17 @@ def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]],
 
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1,
-                gradient_divide_factor: float | None = None) -> nn.Module:
+                gradient_divide_factor: float | None = None, device: torch.device | str | None = None) -> nn.Module:
     """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
 
     Apply to each block first, then to the root. Returns `module` (sharded in place). Gradients
     are summed over the group and divided by `gradient_divide_factor` (default: the group's size,
     a mean; expert parallelism divides by every data-parallel rank, since each rank's expert
-    gradients already sum the tokens of its whole expert-parallel group)."""
+    gradients already sum the tokens of its whole expert-parallel group).
+
+    Parameters on the meta device (a model built without memory) get shards of uninitialized
+    memory on `device` (required then), so no rank ever holds a whole parameter; fill them
+    afterwards (`hyperparallel.train.weights`, or `load_state_dict` of each rank's rows)."""
     if not dist.is_initialized():
         raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
     if hasattr(module, _GROUP):
@@ -95,8 +99,11 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) > 1:
         raise ConfigError(f"fully_shard: one group's parameters must share a dtype, got {sorted(map(str, dtypes))}")
+    if device is None and any(p.is_meta for _, p in params):
+        raise ConfigError(f"fully_shard: {type(module).__name__} has parameters on the meta device; "
+                          f"give device= for their shards' memory")
     _guard_optimizers()
-    group.shard(params)
+    group.shard(params, None if device is None else torch.device(device))
     setattr(module, _GROUP, group)
     PrefetchSchedule(group, [getattr(sub, _GROUP) for sub in module.modules() if hasattr(sub, _GROUP)])
     register_hooks(module, group)

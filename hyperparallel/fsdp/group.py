@@ -116,10 +116,12 @@ class FSDPGroup:
 
     # ---------------------------------------------------------------------------- sharding
 
-    def shard(self, params: list[tuple[list[tuple[nn.Module, str]], nn.Parameter]]) -> None:
+    def shard(self, params: list[tuple[list[tuple[nn.Module, str]], nn.Parameter]],
+              device: torch.device | None = None) -> None:
+        """Replace each parameter by this rank's shard (meta parameters: a shard of `device` memory)."""
         for places, param in params:
             sharded = ShardedParam.of(places, param, self.group, self.rank, self.world, self.geometry, self.align,
-                                      self.mp.param_dtype)
+                                      self.mp.param_dtype, device)
             self.params.append(sharded)
             sharded.put(sharded.shard)
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early

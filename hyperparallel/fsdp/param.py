@@ -66,12 +66,20 @@ class ShardedParam:
 
     @classmethod
     def of(cls, places: list[tuple[nn.Module, str]], param: nn.Parameter, group, rank: int, world: int,
-           geometry: str, align: int, param_dtype: torch.dtype | None) -> ShardedParam:
-        """Split `param` into this rank's shard and an empty full Parameter in the compute dtype."""
+           geometry: str, align: int, param_dtype: torch.dtype | None,
+           device: torch.device | None = None) -> ShardedParam:
+        """Split `param` into this rank's shard and an empty full Parameter in the compute dtype.
+
+        A parameter on the meta device (a model built without memory) gets a shard of
+        uninitialized memory on `device` instead of a copy of its rows: nothing of the whole
+        parameter is ever allocated here; the caller fills the shards (init or a checkpoint)."""
         shape = param.shape
         full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)  # a 0-d parameter is one row
         info = shard_of(shape, rank, world, geometry, align)
-        local = full_2d[info.offset: info.offset + info.length].clone()
+        if param.is_meta:
+            local = torch.empty(info.length, full_2d.shape[1], dtype=param.dtype, device=device)
+        else:
+            local = full_2d[info.offset: info.offset + info.length].clone()
         shard = nn.Parameter(local.view(info.length, *shape[1:]) if param.dim() else local.view(-1),
                              requires_grad=param.requires_grad)
         # A parameter that is already a part of a larger one along dim 0 (an expert-parallel
@@ -81,9 +89,10 @@ class ShardedParam:
                                                                     info.length)
         placement = ShardPlacement(group, tuple(shard_ranges(info.rows, world, geometry, align)), rank)
         shard._hp_shard_placement = placement
-        full = nn.Parameter(torch.empty_like(param, dtype=param_dtype or param.dtype),
-                            requires_grad=param.requires_grad)
-        full.untyped_storage().resize_(0)
+        # the full parameter starts without storage (never allocated whole here; the group's
+        # all-gather gives it its bytes, [Note: views of a freed storage])
+        empty = torch.empty(0, dtype=param_dtype or param.dtype, device=local.device)
+        full = nn.Parameter(empty.set_(empty.untyped_storage(), 0, shape), requires_grad=param.requires_grad)
         row_numel = full_2d.shape[1]
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
                    [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size())

@@ -12,13 +12,14 @@ from hyperparallel.parallel.recompute import decoder_layers
 
 
 def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group=None,
-                experts: ExpertLayout | None = None) -> nn.Module:
+                experts: ExpertLayout | None = None, device=None) -> nn.Module:
     """Shard each decoder layer, then the root, over `process_group` (default: every rank).
 
     `experts`: the layout `apply_expert_parallel` split the experts with. Each rank's expert
     gradients then already sum the tokens of its whole EP group, so they are reduced over the
-    ranks holding the same experts and divided by every rank (a mean over the world's tokens)."""
-    options = {"geometry": geometry, "align": align}
+    ranks holding the same experts and divided by every rank (a mean over the world's tokens).
+    `device`: where the shards of a model built on the meta device get their memory."""
+    options = {"geometry": geometry, "align": align, "device": device}
     for layer in decoder_layers(model):
         if experts is not None:
             for module in expert_modules(layer):
