@@ -4,7 +4,7 @@ blocks swapped for hyperparallel.moe's, and training FLOPs per token for MFU."""
 from hyperparallel.lazy_exports import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "build": ("build_model", "init_weights", "make_config", "pretrained_config"),
+    "build": ("build_model", "make_config", "pretrained_config"),
     "compile": ("compile_layers",),
     "families": (
         "FAMILIES",
@@ -17,6 +17,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "get_family",
     ),
     "flops": ("training_flops_per_token",),
+    "init": ("init_by_name", "init_weights", "module_seed"),
     "loss": ("FusedLossHead", "fused_loss", "install_fused_loss", "linear_cross_entropy"),
     "moe_blocks": ("moe_block_from_hf", "swap_moe_blocks"),
 })

@@ -17,17 +17,12 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers import initialization as hf_init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from hyperparallel.lowp import MXLinear
-from hyperparallel.moe import GroupedExperts, TopKRouter
-from hyperparallel.moe.router import hash_table
 
 from ..errors import CheckpointError, ConfigError
 from .families import ModelFamily, family_for_model_type, get_family
+from .init import init_weights
 from .moe_blocks import swap_moe_blocks
 
 # Spellings older config.json files use; the config classes turn them into `rope_parameters`.
@@ -141,52 +136,6 @@ def _known_config_keys(config_class: type[PretrainedConfig]) -> list[str]:
     fields |= set(getattr(config_class, "attribute_map", {}))
     fields |= _LEGACY_CONFIG_KEYS
     return sorted(k for k in fields if not k.startswith("_"))
-
-
-def init_weights(model: PreTrainedModel, seed: int) -> None:
-    """Initialize every parameter and buffer with the model's own `_init_weights`, from `seed`.
-
-    Reproducible for a seed and device, and independent of the global RNG (whose state is kept).
-    GroupedExperts get the same draws, in the same order, as the HF experts module they replace,
-    so a seed gives the same weights whether or not the experts were swapped. Any earlier
-    "already initialized" marks (from loading) are cleared first: this re-initializes everything.
-    """
-    _clear_initialized_marks(model)
-    device = next(model.parameters()).device
-    fork_devices = [] if device.type == "cpu" else [device]
-    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if fork_devices else None):
-        torch.manual_seed(seed)
-        with torch.no_grad(), hf_init.guard_torch_init_functions():
-            _init_post_order(model, model, model.is_custom_code())
-    model.tie_weights()
-
-
-def _init_post_order(module: nn.Module, owner: PreTrainedModel, is_custom_code: bool) -> None:
-    # The traversal of transformers' PreTrainedModel.initialize_weights (children first, each
-    # sub-model with its own _init_weights), which knows nothing of GroupedExperts.
-    for child in module.children():
-        _init_post_order(child, child if isinstance(child, PreTrainedModel) else owner, is_custom_code)
-    if isinstance(module, (GroupedExperts, TopKRouter)):  # transformers' draws for the modules they replace
-        module.reset_parameters(std=owner.config.initializer_range)
-        module._is_hf_initialized = True
-    elif isinstance(module, MXLinear):  # transformers' init for nn.Linear, which MXLinear replaced
-        module.weight.normal_(mean=0.0, std=owner.config.initializer_range)
-        if module.bias is not None:
-            module.bias.zero_()
-        module._is_hf_initialized = True
-    else:
-        owner._initialize_weights(module, is_custom_code)
-        if isinstance(getattr(module, "tid2eid", None), torch.Tensor):
-            # transformers zeroes DeepSeek-V4's hash table (it expects a checkpoint's): draw one, as
-            # TopKRouter.reset_parameters does, so a seed gives the same model with or without the swap
-            module.tid2eid.copy_(hash_table(*module.tid2eid.shape[:1], module.num_experts, module.top_k,
-                                            device=module.tid2eid.device))
-
-
-def _clear_initialized_marks(model: nn.Module) -> None:
-    for obj in [*model.modules(), *model.parameters(), *model.buffers()]:
-        if "_is_hf_initialized" in obj.__dict__:
-            del obj._is_hf_initialized
 
 
 def pretrained_config(spec: ModelFamily | str, path: str | Path) -> PretrainedConfig:
