@@ -109,7 +109,7 @@ def _losses(summary: dict) -> str:
 def _export(args: argparse.Namespace) -> int:
     from hyperparallel.checkpoint.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype)
+    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"exported {args.checkpoint} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", help="the directory to create (config.json, safetensors, the run's tokenizer.json)")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the weights' dtype (default: the dtype the model was trained in)")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="the most bytes of tensors in one safetensors file, as save_pretrained's max_shard_size: "
+                             "a number of bytes or one with a unit (200MB, 5GB; default: 5GB)")
     export.set_defaults(func=_export)
     generate = commands.add_parser("generate", help="continue a prompt with a trained model (checkpoint or export)")
     generate.add_argument("source", metavar="CHECKPOINT_OR_HF_DIR",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hyperparallel.checkpoint import ModelCard, export_hf, load, save
+from hyperparallel.checkpoint.export import build_from_card, parse_size
+from hyperparallel.checkpoint.safetensors_stream import SafetensorsWriter
 from hyperparallel.errors import CheckpointError, ConfigError
 from hyperparallel.models import build_model, get_family
 
@@ -204,14 +208,19 @@ def test_a_card_whose_family_does_not_fit_is_refused(tmp_path, family, message):
 
 
 def test_a_failed_export_leaves_nothing(checkpoint, tmp_path, monkeypatch):
-    def fail(self, directory, **kwargs):
-        Path(directory).mkdir()
-        (Path(directory) / "config.json").write_text("{}")
-        raise OSError("disk full")
+    written = []
 
-    monkeypatch.setattr(get_family("qwen3").model_class, "save_pretrained", fail)
+    def fail(self, name, tensor):  # the disk fills up after config.json and a few tensors
+        if len(written) == 3:
+            raise OSError("disk full")
+        written.append(name)
+        real_write(self, name, tensor)
+
+    real_write = SafetensorsWriter.write
+    monkeypatch.setattr(SafetensorsWriter, "write", fail)
     with pytest.raises(OSError, match="disk full"):
-        export_hf(checkpoint, tmp_path / "hf")
+        export_hf(checkpoint, tmp_path / "hf", max_shard_size="100KB")
+    assert len(written) == 3
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
 
 
@@ -226,3 +235,122 @@ def test_the_export_command(checkpoint, cli, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "hf is a non-empty directory" in errors[0], result.stderr
+
+    result = cli("export", str(checkpoint), "shards", "--max-shard-size", "100KB")
+    assert result.returncode == 0, result.stderr
+    assert "model.safetensors.index.json" in result.stdout and (tmp_path / "shards" / "model-00001-of-00005.safetensors").is_file()
+    result = cli("export", str(checkpoint), "other", "--max-shard-size", "5XB")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and not (tmp_path / "other").exists()
+    assert errors == ["error: max_shard_size '5XB' is not a size: give a number of bytes or one with a unit, such as "
+                      "5GB or 200MB"], result.stderr
+
+
+def test_shard_sizes_are_read_as_save_pretrained_reads_them():
+    assert [parse_size(v) for v in (123, "123", "200KB", "5GB", "5gb", " 1.5 MB", "2GiB", "1TB")] == [
+        123, 123, 200_000, 5 * 10**9, 5 * 10**9, 1_500_000, 2 * 2**30, 10**12]
+    for bad in ("5XB", "GB", "-1", 0, "", True, 1.5):
+        with pytest.raises(ConfigError, match="is not a size"):
+            parse_size(bad)
+
+
+def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("family, dtype, max_shard_size", [
+    ("qwen3", None, "5GB"), ("qwen3", "bfloat16", "100KB"), ("qwen3_moe", None, "100KB"),
+    ("deepseek_v3", None, "100KB"), ("deepseek_v4", "bfloat16", "100KB"), ("deepseek_v4", None, 60_000),
+])
+def test_a_streamed_export_writes_what_save_pretrained_writes(tmp_path, family, dtype, max_shard_size):
+    """The same tensors (names, dtypes, values), config.json and generation_config.json as
+    save_pretrained of the model loaded whole; shards of at most max_shard_size bytes of tensors,
+    named as save_pretrained names them, with a correct index; and from_pretrained loads it."""
+    model = perturbed(family)
+    checkpoint = save(tmp_path / "checkpoint", model, extra={"model": model_card(model, family)})
+    out = export_hf(checkpoint, tmp_path / "hf", dtype=dtype, max_shard_size=max_shard_size)
+    reference = build_from_card(ModelCard.from_manifest(checkpoint, json.loads((checkpoint / "checkpoint.json")
+                                                                              .read_text())), checkpoint)
+    load(checkpoint, reference)
+    reference.to(getattr(torch, dtype or "float32")).save_pretrained(tmp_path / "reference", max_shard_size=max_shard_size)
+
+    got, want = tensors_of(out), tensors_of(tmp_path / "reference")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((tmp_path / "reference" / name).read_text()), name
+
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    limit = parse_size(max_shard_size)
+    if limit > 10**6:
+        assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    else:
+        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        reference_index = json.loads((tmp_path / "reference" / "model.safetensors.index.json").read_text())
+        assert index["metadata"] == reference_index["metadata"]  # total_size, total_parameters
+        assert index["weight_map"].keys() == got.keys() and set(index["weight_map"].values()) == set(files)
+        for file in files:
+            tensors = load_file(out / file)
+            assert {n for n, f in index["weight_map"].items() if f == file} == tensors.keys()
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            assert nbytes <= limit or len(tensors) == 1, (file, nbytes)
+    if dtype is None:  # (transformers 5.17's DeepSeek-V4 has no bfloat16 forward on the CPU)
+        torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)),
+                                   logits(AutoModelForCausalLM.from_pretrained(tmp_path / "reference")), rtol=0, atol=0)
+
+
+PEAK = """
+import json, sys, torch
+from hyperparallel.checkpoint import ModelCard, read_manifest
+from hyperparallel.checkpoint.export import export_hf, meta_model_from_card, model_from_checkpoint
+import transformers.core_model_loading, transformers.modeling_utils, torch.distributed.checkpoint
+
+
+def status(field):  # kB
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+
+
+checkpoint, out, how = sys.argv[1:]
+meta_model_from_card(ModelCard.from_manifest(checkpoint, read_manifest(checkpoint)), checkpoint)  # imports its class
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident size (VmHWM) starts again from the present one
+before = status("VmRSS:")
+if how == "export":
+    export_hf(checkpoint, out, batch_bytes=2_000_000)
+else:
+    model = model_from_checkpoint(checkpoint)  # the whole model in memory: what the measure must see
+print(json.dumps({"peak_above_baseline": (status("VmHWM:") - before) * 1024}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS")
+def test_a_streamed_export_holds_far_less_than_the_model(tmp_path):
+    """The peak resident memory of an export process above what it held before the export
+    (Linux's VmHWM, reset before it: every allocation, torch's included) is a small part of the
+    model's bytes; loading the same model whole, measured the same way, is not."""
+    config = dict(tiny_config("qwen3"), hidden_size=256, intermediate_size=768, num_hidden_layers=16,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048)
+    model = build_model("qwen3", config=config)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes > 40 * 2**20
+    checkpoint = save(tmp_path / "checkpoint", model, extra={"model": model_card(model, "qwen3")})
+    del model
+
+    def peak(how: str) -> int:
+        run = subprocess.run([sys.executable, "-c", PEAK, str(checkpoint), str(tmp_path / how), how],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.strip().splitlines()[-1])["peak_above_baseline"]
+
+    streamed, whole = peak("export"), peak("whole")
+    print(f"peak above baseline: streamed export {streamed / 2**20:.1f} MiB, whole model {whole / 2**20:.1f} MiB, "
+          f"model {model_bytes / 2**20:.1f} MiB")
+    assert whole > 0.9 * model_bytes, (whole, model_bytes)  # the measure sees the tensors
+    assert streamed < model_bytes / 4, (streamed, model_bytes)
+    assert (tmp_path / "export" / "model.safetensors").is_file()
