@@ -191,9 +191,10 @@ def _read_block(fd: int, dtype: torch.dtype, start: int, shape: tuple[int, ...],
     row_bytes = (torch.Size(shape[1:]).numel() if shape else 1) * dtype.itemsize
     rest = tuple(slice(0, n) for n in shape[1:]) if where is None else where[1:]
     whole_rows = all(s.start == 0 and s.stop == n for s, n in zip(rest, shape[1:], strict=True))
-    if whole_rows and view.dtype == dtype and view.is_contiguous():
+    if whole_rows and view.dtype == dtype and view.is_contiguous() and view.device.type == "cpu":
         _read_into(fd, view, start + first * row_bytes)  # straight into the destination
         return
+    # (a GPU destination: read into host memory, then one copy to the device)
     buffer = torch.empty((last - first, *shape[1:]) if shape else (), dtype=dtype)
     _read_into(fd, buffer, start + first * row_bytes)
     view.copy_(buffer[(slice(None), *rest)] if shape else buffer)

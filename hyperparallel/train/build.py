@@ -4,6 +4,7 @@ training step; `train.loop` calls them in order."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_h
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.distributed import Runtime
+from hyperparallel.train.metrics import peak_memory_bytes
+from hyperparallel.train.weights import fill_from_hf, fill_from_init, local_targets, materialize_meta
 
 
 def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
@@ -85,19 +88,28 @@ class BuiltModel:
     mesh: ParallelMesh | None = None  # the device mesh of a sharded run (None: one rank, or DDP)
     context_parallel: object | None = None  # what apply_context_parallel returned (cp > 1)
     kernels: str = ""  # the run summary's line on the fused kernels
+    memory: BuildMemory | None = None  # what the build cost (peak memory, time)
 
 
-def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> BuiltModel:
-    """The HF model, its tensor-parallel split, then MXFP8 recipes, expert parallelism, the fused
-    loss, context parallelism, recompute and compilation (all before sharding, as they expect),
-    then FSDP or DDP over the ranks."""
+def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill: bool = True) -> BuiltModel:
+    """The HF model on the meta device, its tensor-parallel split, then MXFP8 recipes, expert
+    parallelism, the fused loss, context parallelism, recompute and compilation (all before
+    sharding, as they expect), then FSDP or DDP over the ranks; only then does this rank's part
+    get memory and values: the seeded init, or its blocks of `model.path`'s files (weights.py).
+
+    `fill=False` leaves the values uninitialized (a run about to load a checkpoint into every
+    tensor: reading `model.path` or drawing the init would be work thrown away)."""
     p = cfg.parallel
     sharded = p.dp_shard > 1 or p.model_parallel() > 1
     mesh = build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep), rt.device.type) if sharded and rt.world > 1 else None
-    model = build_model(
-        cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
-        dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(), seed=cfg.training.seed,
-    ).to(rt.device)
+    start_s, start_mem = time.perf_counter(), peak_memory_bytes(rt.device)
+    model = _meta_model(cfg, vocab_size)
+    shadow = _meta_model(cfg, vocab_size)  # whole shapes, no plans: what the init and the file reader see
+    hf_plan = None
+    if fill and cfg.model.path is not None:  # the files checked against the model before any memory is given
+        from hyperparallel.checkpoint.hf_files import plan_hf_read
+
+        hf_plan = plan_hf_read(cfg.model.path, shadow)
     if cfg.model.path is not None and model.config.vocab_size < vocab_size:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
@@ -126,18 +138,60 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int) -> Built
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
-    trained = model
     if sharded:
-        # FSDP over dp_shard x cp (the ranks holding the same TP-local weights); the world without TP
+        # FSDP over dp_shard x cp (the ranks holding the same TP-local weights); the world without TP.
+        # The shards get their memory here, uninitialized; nothing whole is ever allocated.
         group = mesh.fsdp_group if mesh is not None and p.tp > 1 else None
         shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, process_group=group,
-                    experts=layout)
-    elif rt.world > 1:  # ranks beyond the parallel plans replicate the model
+                    experts=layout, device=rt.device)
+    materialize_meta(model, rt.device)  # what FSDP did not shard: buffers, or everything of an unsharded run
+    if hf_plan is not None:
+        fill_from_hf(model, shadow, hf_plan, cfg.training.seed, rt.device)
+    elif fill:
+        fill_from_init(model, shadow, cfg.training.seed, rt.device)
+    else:  # a checkpoint fills every parameter and persistent buffer; the rest is computed
+        fill_from_init(model, shadow, cfg.training.seed, rt.device,
+                       only=set(local_targets(model)) - set(model.state_dict(keep_vars=True)))
+    trained = model
+    if not sharded and rt.world > 1:  # ranks beyond the parallel plans replicate the model
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
+    memory = BuildMemory.measure(rt, start_mem, time.perf_counter() - start_s,
+                                 "init" if hf_plan is None and fill else "model.path" if fill else "checkpoint")
     return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
                       waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context,
-                      kernels)
+                      kernels, memory)
+
+
+def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
+    return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
+                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(),
+                       seed=cfg.training.seed, materialize=False)
+
+
+@dataclass(frozen=True)
+class BuildMemory:
+    """What building the model cost: the peak host (CPU runs) or device memory of the
+    largest rank, and how long it took; the trainer prints it and logs it to metrics.jsonl."""
+
+    peak_bytes: int  # the largest rank's peak, from the start of the process
+    grown_bytes: int  # the largest rank's rise of that peak during the build
+    seconds: float
+    weights_from: str  # "init", "model.path" or "checkpoint" (filled by the resume that follows)
+
+    @classmethod
+    def measure(cls, rt: Runtime, start_peak: int, seconds: float, weights_from: str) -> BuildMemory:
+        peak = peak_memory_bytes(rt.device)
+        numbers = torch.tensor([peak, peak - start_peak], dtype=torch.int64)
+        if rt.world > 1:  # (a one-rank build inside a process group, as tests make, asks no one)
+            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+        return cls(int(numbers[0]), int(numbers[1]), seconds, weights_from)
+
+    def describe(self, device: torch.device) -> str:
+        where = "device" if device.type == "cuda" else "host"
+        return (f"model built in {self.seconds:.1f} s, weights from {self.weights_from}: peak {where} memory "
+                f"{self.peak_bytes / 2**30:.2f} GiB on the largest rank (+{self.grown_bytes / 2**30:.2f} GiB while "
+                f"building)")
 
 
 def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:

@@ -103,7 +103,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True)
     dataset = build_data(cfg, rt)
-    built = build_trained_model(cfg, rt, dataset.tokenizer.vocab_size)
+    # resuming fills every tensor from the checkpoint: the init or model.path's files are not read
+    built = build_trained_model(cfg, rt, dataset.tokenizer.vocab_size, fill=resume_from is None)
     optimizer, scheduler = build_optimization(cfg, built.model)
     start, rng_restored, saved_world, schedule_change = 0, True, rt.world, None
     if resume_from is not None:
@@ -127,6 +128,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     peak, peak_source = peak_tflops(rt.device, compute_dtype, cfg.logging.peak_tflops)
     _announce(log, cfg, rt, built, dataset, accumulation, f"{peak:.2f} TFLOP/s ({peak_source})")
+    log.build(start, built.memory, rt.device)
     if restarted:
         where = f"resumed from {resume_from} at step {start}" if resume_from else "no checkpoint yet: from step 0"
         log.print(f"restart {restart_count()} of {max_restarts()} after a failure: {where}")

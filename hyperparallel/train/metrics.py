@@ -5,7 +5,9 @@ metrics.jsonl holds one JSON object per logged step with at least
 ``mfu``, ``lrs`` and ``window``; for MoE models ``moe_imbalance``, the most tokens an expert got
 over the mean per expert, the largest over the MoE layers, ``moe_imbalance_per_layer``, and with
 the auxiliary loss on ``aux_loss``, its mean over the layers before the coefficient), and one per
-evaluation with ``step, val_loss, val_perplexity, val_tokens``.
+evaluation with ``step, val_loss, val_perplexity, val_tokens``; each start of the trainer first writes
+one for the model's build, ``step, build_peak_mem_bytes, build_grown_mem_bytes, build_s,
+weights_from`` (the largest rank's peak memory, host or device, and its rise while building).
 A logged step's figures are means over the steps since the previous log (its ``window``), as
 the Hugging Face Trainer logs them; ``lrs`` is the learning rate of each of those steps. Only
 rank 0 writes; step times are the slowest rank's.
@@ -190,6 +192,16 @@ class MetricsLog:
             self.print(f"step {step:>6}  {summary}")
         if self.bar is not None:
             self.bar.update(self.task, completed=step)
+
+    def build(self, step: int, memory, device: torch.device) -> None:
+        """The model build's record (`build_peak_mem_bytes`: the largest rank's peak; `build_s`)
+        and its line in the run summary; `memory` is train.build's BuildMemory."""
+        if not self.enabled:
+            return
+        self._write(step, {"step": step, "build_peak_mem_bytes": memory.peak_bytes,
+                           "build_grown_mem_bytes": memory.grown_bytes, "build_s": round(memory.seconds, 3),
+                           "weights_from": memory.weights_from})
+        self.print(memory.describe(device))
 
     def evaluation(self, step: int, record: dict) -> None:
         """A validation loss (`val_loss`, `val_perplexity`, `val_tokens`) after `step`."""

@@ -95,9 +95,12 @@ class Plan:
     optimizer: int  # optimizer state
     activations: int  # the most bytes alive at once in a micro-batch's forward and backward, beyond the above
     buffers: int  # FSDP's unsharded parameters and gradients and collective buffers, or DDP's buckets, at their peak
-    tensors: int  # all tensors at the step's peak (the largest sum over its timeline)
+    tensors: int  # all tensors at the step's peak (the largest sum over its timeline), or the build's if larger
     runtime: int  # CPU: resident memory of the process besides tensors (measured); CUDA: 0
     comm_bytes_per_step: int
+    # the model's build: this rank's parameters and the buffers, plus what filling them holds
+    # whole at once (the init: the largest module's own tensors; model.path: the largest block read)
+    build: int = 0
     comm: dict[str, int] = field(default_factory=dict)
     unaccounted: tuple[str, ...] = ()
 
@@ -107,7 +110,7 @@ class Plan:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        parts = ("params", "grads", "optimizer", "activations", "buffers", "tensors", "runtime")
+        parts = ("params", "grads", "optimizer", "activations", "buffers", "build", "tensors", "runtime")
         data["per_rank_bytes"] = {key: data.pop(key) for key in parts} | {"total": self.total}
         data["comm_formula"] = COMM_FORMULA
         data["unaccounted"] = list(self.unaccounted)
@@ -592,6 +595,8 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, device)
     optimizer_step += 0 if sharded else buffers
     tensors = params_bytes + optimizer_bytes + max(peak, optimizer_step)
+    build = params_bytes + sum(_nbytes(b) for b in model.buffers()) + _build_transient(cfg, model)
+    tensors = max(tensors, build)
 
     unaccounted = []
     if device.type == "cpu":
@@ -611,9 +616,18 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         accumulation=accumulation, recompute=cfg.parallel.recompute, mixed_precision=cfg.training.mixed_precision,
         fused_loss=cfg.training.fused_loss, compile=cfg.training.compile, optimizer_name=cfg.optimizer.name,
         params=params_bytes, grads=grads, optimizer=optimizer_bytes, activations=activations, buffers=buffers,
-        tensors=tensors, runtime=runtime, comm_bytes_per_step=sum(comm.values()), comm=comm,
+        tensors=tensors, runtime=runtime, comm_bytes_per_step=sum(comm.values()), build=build, comm=comm,
         unaccounted=tuple(unaccounted),
     )
+
+
+def _build_transient(cfg: TrainConfig, model: nn.Module) -> int:
+    """What the build holds whole beside this rank's shards (train/weights.py): the seeded init
+    draws one module's own tensors at a time; reading model.path, one tensor's block at most."""
+    if cfg.model.path is not None:
+        return max((_nbytes(p) for p in model.parameters()), default=0)
+    return max((sum(_nbytes(t) for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)
+                for m in model.modules()), default=0)
 
 
 def plan_total_bytes(cfg: TrainConfig, world: int, *, runtime: int | None = None) -> int:
@@ -642,6 +656,7 @@ def format_plan(p: Plan) -> str:
         ("optimizer state", p.optimizer),
         (f"activations (one micro-batch of {p.micro_batch} x {p.seq_len})", p.activations),
         (buffers, p.buffers),
+        ("the model's build (its shards, plus one module whole)", p.build),
         ("tensors at the peak (the parts peak at different times)", p.tensors),
     ]
     if p.device == "cpu":

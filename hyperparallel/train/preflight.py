@@ -129,6 +129,8 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
         where = "model.config" if cfg.model.config is not None else "model.path"
         return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
     experts = _expert_problems(cfg, hf_config) + _parallel_problems(cfg, hf_config, given or tokenizer_vocab)
+    if cfg.model.path is not None and not experts:
+        experts += _weight_file_problems(cfg)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
         return experts
     if cfg.data.tokenizer != "builtin":
@@ -139,6 +141,21 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     return experts + [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
             f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
                                                "tokenizer)" if cfg.model.config is not None else "")]
+
+
+def _weight_file_problems(cfg: TrainConfig) -> list[str]:
+    """model.path's safetensors against the model its config.json describes, from the files'
+    headers alone: every missing, unexpected or mis-shaped tensor, before any rank allocates."""
+    from hyperparallel.checkpoint.hf_files import plan_hf_read
+    from hyperparallel.models import build_model
+
+    path = Path(cfg.model.path).expanduser()
+    meta = build_model(cfg.model.family, path=path, attn_implementation=cfg.model.attention(), materialize=False)
+    try:
+        plan_hf_read(path, meta)
+    except HyperparallelError as error:
+        return [f"model.path: {line}" for line in str(error).splitlines()]
+    return []
 
 
 def _parallel_problems(cfg: TrainConfig, hf_config, vocab: int | None) -> list[str]:

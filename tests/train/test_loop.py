@@ -45,7 +45,9 @@ def config(tmp_path, family="qwen3_moe", **sections):
 def test_each_family_trains_and_fills_its_run_dir(tmp_path, family):
     summary = train(config(tmp_path, family, training={"steps": 8}, optimizer={"lr": 3e-3}))
     run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    everything = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    built, records = everything[0], everything[1:]
+    assert built["step"] == 0 and built["weights_from"] == "init" and built["build_peak_mem_bytes"] > 0
     assert [r["step"] for r in records] == list(range(1, 9))
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes", "mfu"):
         assert all(key in r for r in records)
@@ -74,7 +76,9 @@ def test_an_interrupted_run_resumes_to_the_same_losses(tmp_path, optimizer):
     assert resumed["first_step"] == 3 and losses(first) == {k: v for k, v in losses(whole).items() if k <= 3}
     assert losses(resumed) == losses(whole)  # exactly: fp32, same data order, same RNG and optimizer state
     records = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 7))
+    # each start's build record, then the steps (the first run's past its checkpoint dropped)
+    assert [(r["step"], r.get("weights_from")) for r in records if "build_s" in r] == [(0, "init"), (3, "checkpoint")]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
 
 
 def test_a_stop_request_ends_the_run_after_its_step_with_a_checkpoint_that_resumes_exactly(tmp_path):
@@ -215,7 +219,7 @@ def test_a_longer_run_on_resume_follows_the_schedule_rebuilt_for_it(tmp_path, ca
     resumed = train(config(tmp_path, "qwen3", training={"steps": 10}, checkpoint={"resume": "latest"}))
     assert "training.steps 6 -> 10: the cosine schedule is rebuilt for 10 steps (warmup 2); the lr at step 4 is" \
         in capsys.readouterr().out
-    lrs = {r["step"]: r["lr"] for r in resumed["records"]}
+    lrs = {r["step"]: r["lr"] for r in resumed["records"] if "lr" in r}
     for step in range(4, 11):  # (logged step N ran with the lr of schedule step N - 1)
         assert lrs[step] == pytest.approx(1e-3 * lr_factor("cosine", step - 1, 2, 10, 0.1), rel=1e-12)
 
@@ -223,9 +227,10 @@ def test_a_longer_run_on_resume_follows_the_schedule_rebuilt_for_it(tmp_path, ca
 def test_logged_metrics_are_means_over_the_steps_since_the_last_log(tmp_path):
     every_step = train(config(tmp_path / "a", "qwen3"))
     windows = train(config(tmp_path / "b", "qwen3", logging={"every": 4}))
-    per_step = {r["step"]: r for r in every_step["records"]}
-    assert [(r["step"], r["window"]) for r in windows["records"]] == [(1, 1), (4, 3), (6, 2)]
-    for record in windows["records"]:
+    per_step = {r["step"]: r for r in every_step["records"] if "loss" in r}
+    logged = [r for r in windows["records"] if "loss" in r]
+    assert [(r["step"], r["window"]) for r in logged] == [(1, 1), (4, 3), (6, 2)]
+    for record in logged:
         steps = range(record["step"] - record["window"] + 1, record["step"] + 1)
         assert record["loss"] == pytest.approx(sum(per_step[s]["loss"] for s in steps) / len(steps), rel=1e-12)
         assert record["grad_norm"] == pytest.approx(sum(per_step[s]["grad_norm"] for s in steps) / len(steps),

@@ -212,3 +212,29 @@ def test_more_megamoe_waves_than_a_rank_has_experts_is_named():
 def test_expert_parallelism_of_a_dense_family_without_sharding(cli, tmp_path, config):
     fails_cleanly(cli, tmp_path, str(config), "--set", "parallel.ep=2", "--nproc", "2", lines=2,
                   message=r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1(.|\n)*family 'qwen3' has none")
+
+
+def test_model_path_files_that_do_not_fit_the_model_are_named_before_any_rank_starts(cli, tmp_path, config):
+    """The safetensors' headers against the model its config.json describes, in the preflight:
+    each missing and each mis-shaped tensor a line, before anything is built or read."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hyperparallel.models import build_model
+
+    hf = tmp_path / "hf"
+    build_model("qwen3", config=yaml_config("qwen3")).save_pretrained(hf)
+    tensors = load_file(hf / "model.safetensors")
+    del tensors["model.norm.weight"]
+    tensors["model.layers.1.self_attn.q_proj.weight"] = torch.zeros(64, 32)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    fails_cleanly(cli, tmp_path, str(config), "--set", "model.config=null", "--set", f"model.path={hf}", lines=2,
+                  message=rf"(?s)error: model.path: checkpoint {hf}: model.layers.1.self_attn.q_proj.weight is "
+                          rf"\(64, 64\) in the model but \(64, 32\) in the files.*"
+                          rf"error: model.path: checkpoint {hf}: model.norm.weight is missing from the files")
+
+
+def yaml_config(family: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text())
