@@ -75,7 +75,9 @@ def rank_main(rank: int, world: int, port: int, how: str, directory: str, parall
     from hyperparallel.train.distributed import Runtime, init_distributed
 
     rt = init_distributed(timeout_s=600, device=torch.device("cpu")) if world > 1 else Runtime(0, 1, torch.device("cpu"))
-    import transformers  # noqa: F401  (imported before the baseline: both contenders use it)
+    import transformers  # (imported before the baseline: both contenders use it)
+
+    transformers.utils.logging.disable_progress_bar()
 
     from hyperparallel.train.build import build_trained_model
 
@@ -138,7 +140,11 @@ def measure_export(how: str, checkpoint_dir: Path, out: Path) -> dict:
 
 
 def save_model(config: dict, directory: Path) -> int:
+    import transformers
+
     from hyperparallel.models import build_model
+
+    transformers.utils.logging.disable_progress_bar()
 
     model = build_model("qwen3_moe", config=config, seed=0)
     model.save_pretrained(directory, max_shard_size="100MB")
