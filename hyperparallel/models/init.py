@@ -7,7 +7,8 @@ seed, write)` initializes a model built on the meta device (whole shapes, no mem
 at a time: it gives that module's own parameters and buffers memory, runs the family's init on
 them, hands each tensor to `write(name, tensor)` (which keeps the part its rank holds) and frees
 them again, so at most one module's tensors are ever whole at once. Both run the same per-module
-init with the same seeds, so they give the same numbers.
+init with the same seeds, so they give the same numbers (on one device type: CPU and CUDA
+generators draw differently).
 
 The per-module init is transformers' `_init_weights` in the order of its `initialize_weights`
 (children first, each sub-model with its own), plus the draws transformers would make for the
@@ -103,8 +104,9 @@ def init_by_name(shadow: PreTrainedModel, seed: int, write: Callable[[str, torch
     For each module (in init order) that owns a parameter or buffer `wanted(name)` accepts (all
     by default), its own tensors get memory on `device`, are initialized exactly as
     `init_weights` would (same seed per module), go to `write(qualified name, tensor)`, and are
-    put back on the meta device. A tied parameter is written under each name that holds it (the
-    last module's values win, as in init_weights). `shadow` is left on the meta device.
+    put back on the meta device. A tied parameter is handed out under each name that holds it,
+    each module's draw (`write` keeps the first, as init_weights' `tie_weights` does). `shadow`
+    is left on the meta device (its ties undone: build another to use it as a model).
     """
     device = torch.device(device)
     with _seeded(seed, device), torch.no_grad(), hf_init.guard_torch_init_functions():

@@ -623,7 +623,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
 def _build_transient(cfg: TrainConfig, model: nn.Module) -> int:
     """What the build holds whole beside this rank's shards (train/weights.py): the seeded init
-    draws one module's own tensors at a time; reading model.path, one tensor's block at most."""
+    draws one module's own tensors at a time; reading model.path, counted as the largest whole
+    tensor (an upper bound: a rank buffers at most its rows of one, for a TP column split or a
+    dtype conversion)."""
     if cfg.model.path is not None:
         return max((_nbytes(p) for p in model.parameters()), default=0)
     return max((sum(_nbytes(t) for t in [*m._parameters.values(), *m._buffers.values()] if t is not None)

@@ -67,6 +67,8 @@ def block_of(whole: torch.Tensor, chunk: Chunk | None) -> torch.Tensor:
 
 
 def _write_into(targets: dict[str, Target], written: set[str]):
+    filled: set[tuple[int, int]] = set()  # the memory already written: a tied tensor keeps its first values
+
     def write(name: str, whole: torch.Tensor) -> None:
         target = targets.get(name)
         if target is None:
@@ -75,6 +77,12 @@ def _write_into(targets: dict[str, Target], written: set[str]):
         written.add(name)
         if chunk is not None and chunk.empty:
             return
+        # A parameter tied under two names (an embedding and its output head) gets the values of
+        # the module that comes first in init order, as init_weights' tie_weights() keeps them.
+        where = (dst.data_ptr(), dst.numel())
+        if where in filled:
+            return
+        filled.add(where)
         dst.copy_(block_of(whole, chunk).reshape(dst.shape))
     return write
 
@@ -92,6 +100,9 @@ def fill_from_init(model: nn.Module, shadow: nn.Module, seed: int, device: torch
     `only`: just these names."""
     targets = local_targets(model)
     wanted = set(targets) if only is None else only
+    # (a module this rank holds nothing of, an EP rank's other experts say, is not drawn at all;
+    # every module it holds any block of is drawn whole: O(model) draws per rank under FSDP)
+    wanted = {n for n in wanted if targets[n][1] is None or not targets[n][1].empty}
     written: set[str] = set()
     if wanted:
         init_by_name(shadow, seed, _write_into(targets, written), wanted=wanted.__contains__, device=device)

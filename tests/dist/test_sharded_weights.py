@@ -104,6 +104,21 @@ def test_sharded_init_equals_one_process_tensor_by_tensor(spawned, layout):
         assert torch.equal(sharded[name], one[name]), name
 
 
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])  # (qwen3 ties its output head to the embedding)
+def test_the_trainers_init_equals_build_model_with_the_seed(model):
+    """Every parameter and buffer the trainer's build fills from the init (one module at a time
+    on the meta-built model) equals the model build_model initializes whole with the same seed."""
+    family, hf = MODELS[model]
+    built = build_trained_model(config(model, {}), Runtime(0, 1, torch.device("cpu")), 512).model
+    reference = build_model(family, config=hf, seed=0)  # (training.seed's default)
+    for mine, theirs in ((built.named_parameters(), reference.named_parameters()),
+                         (built.named_buffers(), reference.named_buffers())):
+        mine, theirs = dict(mine), dict(theirs)
+        assert mine.keys() == theirs.keys()
+        for name in theirs:
+            assert torch.equal(mine[name].detach(), theirs[name].detach()), name
+
+
 def _files(directory: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(directory.glob("*.safetensors")):
