@@ -171,27 +171,31 @@ def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class BuildMemory:
-    """What building the model cost: the peak host (CPU runs) or device memory of the
-    largest rank, and how long it took; the trainer prints it and logs it to metrics.jsonl."""
+    """What building the model cost: the largest rank's peak memory (the device's on GPUs, as the
+    step records report it; the host's, the resident set, always), and how long it took; the
+    trainer prints it and logs it to metrics.jsonl."""
 
-    peak_bytes: int  # the largest rank's peak, from the start of the process
+    peak_bytes: int  # the largest rank's peak (device on GPUs, else host), from the start of the process
     grown_bytes: int  # the largest rank's rise of that peak during the build
     seconds: float
     weights_from: str  # "init", "model.path" or "checkpoint" (filled by the resume that follows)
+    host_peak_bytes: int = 0  # the largest rank's host peak resident set (the same as peak_bytes on the CPU)
 
     @classmethod
     def measure(cls, rt: Runtime, start_peak: int, seconds: float, weights_from: str) -> BuildMemory:
         peak = peak_memory_bytes(rt.device)
-        numbers = torch.tensor([peak, peak - start_peak], dtype=torch.int64)
+        host = peak_memory_bytes(torch.device("cpu"))
+        numbers = torch.tensor([peak, peak - start_peak, host], dtype=torch.int64)
         if rt.world > 1:  # (a one-rank build inside a process group, as tests make, asks no one)
             dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
-        return cls(int(numbers[0]), int(numbers[1]), seconds, weights_from)
+        return cls(int(numbers[0]), int(numbers[1]), seconds, weights_from, int(numbers[2]))
 
     def describe(self, device: torch.device) -> str:
         where = "device" if device.type == "cuda" else "host"
+        host = f", host {self.host_peak_bytes / 2**30:.2f} GiB" if device.type == "cuda" else ""
         return (f"model built in {self.seconds:.1f} s, weights from {self.weights_from}: peak {where} memory "
                 f"{self.peak_bytes / 2**30:.2f} GiB on the largest rank (+{self.grown_bytes / 2**30:.2f} GiB while "
-                f"building)")
+                f"building){host}")
 
 
 def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:

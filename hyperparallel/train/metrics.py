@@ -6,8 +6,9 @@ metrics.jsonl holds one JSON object per logged step with at least
 over the mean per expert, the largest over the MoE layers, ``moe_imbalance_per_layer``, and with
 the auxiliary loss on ``aux_loss``, its mean over the layers before the coefficient), and one per
 evaluation with ``step, val_loss, val_perplexity, val_tokens``; each start of the trainer first writes
-one for the model's build, ``step, build_peak_mem_bytes, build_grown_mem_bytes, build_s,
-weights_from`` (the largest rank's peak memory, host or device, and its rise while building).
+one for the model's build, ``step, build_peak_mem_bytes, build_grown_mem_bytes,
+build_host_peak_mem_bytes, build_s, weights_from`` (the largest rank's peak memory, the device's
+on GPUs and otherwise the host's, its rise while building, and the host's peak in any case).
 A logged step's figures are means over the steps since the previous log (its ``window``), as
 the Hugging Face Trainer logs them; ``lrs`` is the learning rate of each of those steps. Only
 rank 0 writes; step times are the slowest rank's.
@@ -199,7 +200,8 @@ class MetricsLog:
         if not self.enabled:
             return
         self._write(step, {"step": step, "build_peak_mem_bytes": memory.peak_bytes,
-                           "build_grown_mem_bytes": memory.grown_bytes, "build_s": round(memory.seconds, 3),
+                           "build_grown_mem_bytes": memory.grown_bytes, "build_host_peak_mem_bytes":
+                           memory.host_peak_bytes, "build_s": round(memory.seconds, 3),
                            "weights_from": memory.weights_from})
         self.print(memory.describe(device))
 
