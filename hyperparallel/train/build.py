@@ -165,8 +165,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
 
 def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
     return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
-                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(),
-                       seed=cfg.training.seed, materialize=False)
+                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(), materialize=False)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,10 @@ from hyperparallel.models import init_by_name
 Target = tuple[torch.Tensor, Chunk | None]  # this rank's tensor, and its block of the whole (None: all of it)
 
 
-def materialize_meta(model: nn.Module, device: torch.device) -> int:
+def materialize_meta(model: nn.Module, device: torch.device) -> None:
     """Give every parameter and buffer still on the meta device uninitialized memory on `device`
-    (a parameter shared by several modules stays one); returns the bytes allocated."""
+    (a parameter shared by several modules stays one)."""
     made: dict[int, nn.Parameter] = {}
-    allocated = 0
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is None or not param.is_meta:
@@ -37,13 +36,10 @@ def materialize_meta(model: nn.Module, device: torch.device) -> int:
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 new.__dict__.update(param.__dict__)  # (our marks on a parameter, such as TP's shard info)
                 made[id(param)] = new
-                allocated += new.numel() * new.element_size()
             module._parameters[name] = made[id(param)]
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=device)
-                allocated += buffer.numel() * buffer.element_size()
-    return allocated
 
 
 def local_targets(model: nn.Module) -> dict[str, Target]:
