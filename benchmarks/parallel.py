@@ -139,7 +139,7 @@ def rank_worker(rank: int, world: int, out_dir: str, args) -> None:
             optimizer, scheduler = build_optimization(cfg, built.model)
             replica, replicas = data_rank(built, rt)
             sequences = torch.randint(0, VOCAB, (2 * (args.steps + 2), seq), generator=torch.Generator().manual_seed(1))
-            batches = data.Batches(sequences, data.InOrder(len(sequences)), 2, 1, replica, replicas, 0, True)
+            batches = data.Batches(data.TensorRows(sequences), data.InOrder(len(sequences)), 2, 1, replica, replicas)
             step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(world), world=world,
                              device=rt.device, autocast_bf16=False, max_grad_norm=1.0)
             runs[label] = {"built": built, "optimizer": optimizer, "step": step, "batches": batches, "times": []}

@@ -65,14 +65,17 @@ def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str
 
 
 class _Sequences(torch.utils.data.Dataset):
-    def __init__(self, sequences: torch.Tensor):
-        self.sequences = sequences
+    """The trainer's rows (plain text, packed: every token trained) as HF Trainer examples."""
+
+    def __init__(self, rows):
+        self.rows = rows
 
     def __len__(self):
-        return len(self.sequences)
+        return len(self.rows)
 
     def __getitem__(self, i):
-        return {"input_ids": self.sequences[i], "labels": self.sequences[i]}
+        ids = torch.from_numpy(self.rows.row(i)[0])
+        return {"input_ids": ids, "labels": ids}
 
 
 def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_done, experts: str | None = None,
@@ -111,7 +114,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_Sequences(dataset.sequences), callbacks=[Clock()])
+    trainer = Trainer(model=model, args=args, train_dataset=_Sequences(dataset.train), callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
     trainer.train()
     return losses

@@ -20,7 +20,8 @@ DOCS = "docs/train.md"
 # (the kernels benchmark is not kernels.py: run as a script, a file of that name in benchmarks/
 # would be the `kernels` module transformers probes for, in every benchmark run from there)
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
-              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "fused_kernels.py"}
+              "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "fused_kernels.py",
+              "data": "data.py"}
 
 
 def _benchmark_path(name: str) -> Path:
@@ -147,6 +148,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from hyperparallel.errors import ConfigError
+    from hyperparallel.train import data, preflight
+    from hyperparallel.train.config import load_config
+
+    config = load_config(args.config, args.set)
+    cache = data.cache_root(config.data, config.logging.run_dir)
+    problems = data.input_problems(config.data) + preflight.data_problems(config)
+    unwritable = preflight.unwritable(cache)
+    if unwritable:
+        problems.append(f"data.cache_dir: {unwritable}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    dataset = data.prepare(config.data, model_path=config.model.path, cache=cache,
+                           document_mask=preflight.document_mask(config)[0], progress=True)
+    held = "" if dataset.validation is None else f", {len(dataset.validation):,} held out"
+    print(f"{dataset.num_tokens:,} tokens, {len(dataset.train):,} sequences of {config.data.seq_len}{held}")
+    print(data.describe(dataset, config.data))
+    return 0
+
+
 class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """Help that states an option's default, where it has one worth stating."""
 
@@ -215,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc", type=int, default=1, help="the ranks the run would have (default: 1)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(func=_plan)
+    prepare = commands.add_parser("prepare", help="tokenize a config's data into token shards ahead of training "
+                                                   "(on a cluster: once, on storage every node sees)")
+    prepare.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
+    prepare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key, e.g. --set data.workers=16 (repeatable)")
+    prepare.set_defaults(func=_prepare)
     bench = commands.add_parser("bench", help="run a benchmark and print its side-by-side table")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see its --help)")

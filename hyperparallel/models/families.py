@@ -55,6 +55,10 @@ class ModelFamily:
     extra_config_keys: tuple[str, ...] = ()
     attn_implementations: tuple[str, ...] = ("sdpa", "eager")  # what transformers' modeling code supports
     parallel_plans: tuple[str, ...] = ("tp", "cp")  # the layouts beyond FSDP and EP that support it
+    # None: packed documents whose position_ids restart at each one get each the loss it has alone
+    # (transformers' masking_utils reads the restarts as a block-diagonal causal mask); else why
+    # not, which the trainer gives when it refuses data.document_mask (tests/train/test_document_mask.py)
+    document_mask: str | None = None
 
     @property
     def config_class(self) -> type[PretrainedConfig]:
@@ -177,6 +181,13 @@ FAMILIES: dict[str, ModelFamily] = {
         check=_check_deepseek_v4,
         attn_implementations=("eager",),
         parallel_plans=(),
+        document_mask=(
+            "its compressed attention (the compressed_sparse_attention and heavily_compressed_attention "
+            "layers) compresses a row in windows counted from the row's first token and lets a token see "
+            "the compressed entries 0 .. (position_id + 1) // compress_rate - 1, so with positions "
+            "restarting at each document a later document reads the first one's entries (and windows "
+            "straddle documents)"
+        ),
     ),
 }
 

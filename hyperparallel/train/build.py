@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,20 +33,30 @@ from hyperparallel.parallel.expert_parallel import expert_layout_of
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.distributed import Runtime
+from hyperparallel.train.distributed import Runtime, decided_by_rank0
 from hyperparallel.train.metrics import peak_memory_bytes
+from hyperparallel.train.preflight import document_mask
 from hyperparallel.train.weights import fill_from_hf, fill_from_init, local_targets, materialize_meta
+
+# Preparing a corpus can take hours (its first run; `hyperparallel prepare` does it ahead): the
+# other ranks wait for rank 0 that long, on a group of their own, before the collective timeout.
+PREPARE_TIMEOUT_S = 24 * 3600
 
 
 def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
-    """Rank 0 builds the tokenizer and token caches; the others then read them."""
-    if rt.is_main:
-        dataset = data.prepare(cfg.data)
-    if dist.is_initialized():
-        dist.barrier()
-    if not rt.is_main:
-        dataset = data.prepare(cfg.data)
-    return dataset
+    """Rank 0 tokenizes what the cache lacks (under a lock: one writer per cache, whoever runs)
+    while the others wait; then each opens the shards, memory-mapped, and reads its own rows."""
+    options = {"model_path": cfg.model.path, "cache": data.cache_root(cfg.data, cfg.logging.run_dir),
+               "document_mask": document_mask(cfg)[0]}
+    if not dist.is_initialized():
+        return data.prepare(cfg.data, progress=True, **options)
+    made = {}
+
+    def prepare() -> None:
+        made["dataset"] = data.prepare(cfg.data, progress=True, **options)
+
+    decided_by_rank0(prepare, group=dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S)))
+    return made["dataset"] if rt.is_main else data.open_prepared(cfg.data, **options)
 
 
 def data_rank(built: BuiltModel, rt: Runtime) -> tuple[int, int]:
@@ -56,10 +67,9 @@ def data_rank(built: BuiltModel, rt: Runtime) -> tuple[int, int]:
 
 
 def build_batches(cfg: TrainConfig, dataset: data.Dataset, rt: Runtime, built: BuiltModel) -> data.Batches:
-    order = data.SequenceOrder(len(dataset.sequences), cfg.training.seed)
+    order = data.SequenceOrder(len(dataset.train), cfg.training.seed)
     rank, replicas = data_rank(built, rt)
-    return data.Batches(dataset.sequences, order, cfg.training.global_batch, cfg.training.micro_batch, rank,
-                        replicas, dataset.tokenizer.pad_id, cfg.data.packing)
+    return data.Batches(dataset.train, order, cfg.training.global_batch, cfg.training.micro_batch, rank, replicas)
 
 
 def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:

@@ -94,14 +94,32 @@ def _one_or_many(value):
 
 class DataSection(Section):
     source: Literal["stdlib", "files"] = "stdlib"  # stdlib: this Python's own library sources
-    # .txt/.md/.py text, .jsonl, .parquet: a path or a list of them (globs allowed)
+    # text files, .jsonl/.json, .parquet, .arrow, or Hugging Face `datasets` directories (written by
+    # save_to_disk, or a dataset repository's files): a path or a list of them (globs allowed)
     files: list[str] = Field(default_factory=list)
-    text_field: str = "text"  # the field of jsonl records and parquet columns
-    tokenizer: str = "builtin"  # "builtin" (byte-level BPE trained here on the corpus) or a local path
+    split: str = "train"  # the split read from a DatasetDict directory
+    # auto: from the first record's fields (messages -> chat, prompt + completion ->
+    # prompt_completion, else text)
+    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    text_field: str = "text"  # the field of a text record (jsonl, parquet, arrow)
+    # "builtin" (byte-level BPE trained here on the corpus), a tokenizer.json, or a Hugging Face
+    # tokenizer or model directory; null: model.path's tokenizer when it has one, else builtin
+    tokenizer: str | None = None
+    chat_template: str | None = None  # a Jinja file rendering chat records (null: the tokenizer's)
     vocab_size: int = Field(4096, ge=256)  # of the builtin tokenizer
-    max_corpus_bytes: int = Field(8_000_000, ge=10_000)  # how much text the corpus reads
+    max_corpus_bytes: int | None = Field(None, ge=10_000)  # how much text the corpus reads (null: all)
     seq_len: int = Field(256, ge=8)
     packing: bool = True  # concatenate documents into full sequences; else one document per row
+    # packed documents attend only to themselves, positions restarting at each; null: on with
+    # packing, except where the layout or the model cannot (context parallelism, DeepSeek-V4)
+    document_mask: bool | None = None
+    assistant_only_loss: bool = True  # chat: the loss counts the assistant turns' tokens only
+    completion_only_loss: bool = True  # prompt_completion: the loss counts the completion only
+    overlong: Literal["truncate", "drop"] = "truncate"  # a record longer than seq_len (fine-tuning, unpacked)
+    # where token shards and the builtin tokenizer are kept (null: $HYPERPARALLEL_CACHE, else
+    # data-cache/ beside the run directory's parent; on a cluster, storage every node sees)
+    cache_dir: str | None = None
+    workers: int | None = Field(None, ge=1)  # tokenizing processes (null: this machine's cores, at most 8)
     # held out for the validation loss: a fraction of the corpus's documents (its last ones), or
     # files of its own (a path or a list, globs allowed); null: no validation
     validation: float | list[str] | None = 0.05

@@ -95,10 +95,11 @@ def check_restartable(run_dir_template: str, resolved_by_launcher: bool) -> None
                           f"logging.run_dir=runs/my-job) or launch with hyperparallel train --nproc N --max-restarts K")
 
 
-def decided_by_rank0(decide: Callable[[], Any]) -> Any:
+def decided_by_rank0(decide: Callable[[], Any], group=None) -> Any:
     """`decide()` on rank 0 only (a look at the file system: on shared storage, ranks looking for
     themselves could see different files), its answer (anything JSON holds) on every rank; a
-    mistake it finds (a HyperparallelError) is raised on every rank alike."""
+    mistake it finds (a HyperparallelError) is raised on every rank alike. `group`: the one to
+    wait on (another timeout), the default group's ranks."""
     if not dist.is_initialized():
         return decide()
     box: list = [None]
@@ -107,7 +108,7 @@ def decided_by_rank0(decide: Callable[[], Any]) -> Any:
             box[0] = json.dumps({"answer": decide()})
         except HyperparallelError as error:
             box[0] = json.dumps({"error": type(error).__name__, "message": str(error)})
-    dist.broadcast_object_list(box, src=0)  # (a JSON string: nothing but text is unpickled)
+    dist.broadcast_object_list(box, src=0, group=group)  # (a JSON string: nothing but text is unpickled)
     answer = json.loads(box[0])
     if "error" in answer:
         raise getattr(errors, answer["error"], HyperparallelError)(answer["message"])

@@ -23,16 +23,15 @@ from hyperparallel.train.step import language_model_loss
 
 
 class Evaluator:
-    def __init__(self, built: BuiltModel, sequences: torch.Tensor, *, global_batch: int, micro_batch: int,
-                 eval_batches: int, pad_id: int, packing: bool, rt: Runtime, autocast_bf16: bool):
+    def __init__(self, built: BuiltModel, rows: data.PackedRows | data.DocumentRows, *, global_batch: int,
+                 micro_batch: int, eval_batches: int, rt: Runtime, autocast_bf16: bool):
         self.built, self.device, self.autocast_bf16 = built, rt.device, autocast_bf16
         self.eval_batches = eval_batches
         # the loss is the cross-entropy alone: not with an MoE auxiliary loss a config turned on
         self.cross_entropy_only = ({"output_router_logits": False}
                                    if getattr(built.model.config, "output_router_logits", False) else {})
         rank, replicas = data_rank(built, rt)
-        self.batches = data.Batches(sequences, data.InOrder(len(sequences)), global_batch, micro_batch, rank,
-                                    replicas, pad_id, packing)
+        self.batches = data.Batches(rows, data.InOrder(len(rows)), global_batch, micro_batch, rank, replicas)
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -42,12 +41,12 @@ class Evaluator:
         model.eval()
         try:
             for batch in range(self.eval_batches):
-                for ids, labels in self.batches.micro_batches(batch):
-                    counted = int((labels[:, 1:] != data.IGNORE).sum())  # (the loss predicts each next token)
+                for micro in self.batches.micro_batches(batch):
+                    counted = int((micro.labels[:, 1:] != data.IGNORE).sum())  # (the loss predicts each next token)
                     autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
                                 else nullcontext())
                     with fused_loss(model), autocast:
-                        loss = language_model_loss(self.built, ids, labels, self.device, **self.cross_entropy_only)
+                        loss = language_model_loss(self.built, micro, self.device, **self.cross_entropy_only)
                     total += loss.double().cpu() * counted
                     tokens += counted
         finally:

@@ -19,7 +19,7 @@ from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
 from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
-from hyperparallel.train import checkpointing, elastic, preflight, run_dir
+from hyperparallel.train import checkpointing, data, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
@@ -76,7 +76,7 @@ def _write_run_files(cfg: TrainConfig, run_dir: Path, tokenizer) -> None:
     tmp = run_dir / "config.yaml.tmp"
     tmp.write_text(dump(cfg))
     tmp.replace(run_dir / "config.yaml")
-    tokenizer.save(run_dir / "tokenizer.json")
+    tokenizer.save(run_dir)  # (tokenizer.json, and tokenizer_config.json with the chat template)
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
@@ -117,8 +117,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     evaluate = None
     if dataset.validation is not None:
         evaluate = Evaluator(built, dataset.validation, global_batch=cfg.training.global_batch,
-                             micro_batch=cfg.training.micro_batch, eval_batches=cfg.training.eval_batches,
-                             pad_id=dataset.tokenizer.pad_id, packing=cfg.data.packing, rt=rt,
+                             micro_batch=cfg.training.micro_batch, eval_batches=cfg.training.eval_batches, rt=rt,
                              autocast_bf16=autocast_bf16)
     if rt.is_main:
         _write_run_files(cfg, run_dir_path, dataset.tokenizer)
@@ -197,7 +196,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     if rt.is_main:
         elastic.write_result({"stopped_by": stopped_by, "run_dir": str(run_dir_path)})
     return {"run_dir": str(run_dir_path), "first_step": start, "steps": cfg.training.steps, "first_loss": first_loss,
-            "last_loss": last_loss, "records": log.records, "stopped_by": stopped_by}
+            "last_loss": last_loss, "records": log.records, "stopped_by": stopped_by, "data": dataset.stats}
 
 
 def _log_saved(log: MetricsLog, path: Path | None) -> None:
@@ -225,9 +224,10 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
         layout += f", experts split over {built.ep} ranks (ep"
         layout += f", MegaMoE in {built.waves} waves)" if built.waves else ")"
     log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
-              f"{len(dataset.sequences):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
+              f"{len(dataset.train):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
+    log.print(data.describe(dataset, cfg.data))
     tp_state = tensor_parallel_state(built.model)
     if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."
         by_placement: dict[str, set[str]] = {}

@@ -150,7 +150,7 @@ def runtime_bytes(compile: str = "none") -> int:
 def meta_model(cfg: TrainConfig) -> nn.Module:
     """The trainer's model on the meta device: shapes and dtypes, nothing allocated or initialized.
     Its config and vocabulary are checked as a run's are (`preflight.model_problems`)."""
-    vocab = tokenizer_vocab_size(cfg.data)
+    vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
     problems = model_problems(cfg, vocab)
     if problems:
         raise ConfigError("\n".join(problems))

@@ -23,15 +23,39 @@ from hyperparallel.train.run_dir import checkpoint_root
 
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
-    problems = layout_problems(cfg, world) + data.input_problems(cfg.data)
+    problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg)
     try:
-        vocab = data.tokenizer_vocab_size(cfg.data)
+        vocab = data.tokenizer_vocab_size(cfg.data, cfg.model.path)
     except HyperparallelError as error:
         problems.append(str(error))
         vocab = None
     problems += model_problems(cfg, vocab) + write_problems(cfg, run_dir)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def document_mask(cfg: TrainConfig) -> tuple[bool, str | None]:
+    """(whether packed rows get document masks, why not where they cannot): data.document_mask,
+    or (null) on with packing wherever the layout and the model support it."""
+    if not cfg.data.packing:
+        return False, None
+    reason = None
+    if cfg.parallel.cp > 1:
+        reason = (f"parallel.cp = {cfg.parallel.cp} splits each sequence over ranks whose ring and Ulysses attention "
+                  f"is causal over the whole row")
+    elif get_family(cfg.model.family).document_mask is not None:
+        reason = f"model.family {cfg.model.family}: {get_family(cfg.model.family).document_mask}"
+    if cfg.data.document_mask is None:
+        return reason is None, reason
+    return cfg.data.document_mask and reason is None, reason
+
+
+def data_problems(cfg: TrainConfig) -> list[str]:
+    on, reason = document_mask(cfg)
+    if cfg.data.document_mask and reason is not None:
+        return [f"data.document_mask: {reason}, so packed documents would see each other; set data.document_mask: "
+                f"false (or null: masks wherever supported), or data.packing: false"]
+    return []
 
 
 def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
@@ -133,9 +157,10 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
         experts += _weight_file_problems(cfg)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
         return experts
-    if cfg.data.tokenizer != "builtin":
+    source = data.tokenizer_source(cfg.data, cfg.model.path)
+    if source is not None:
         where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
-        return experts + [f"{where} ({given}) is smaller than the vocabulary of data.tokenizer {cfg.data.tokenizer} "
+        return experts + [f"{where} ({given}) is smaller than the vocabulary of the tokenizer {source} "
                 f"({tokenizer_vocab}); give the model's own tokenizer or a larger vocab_size"]
     source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
     return experts + [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
@@ -185,7 +210,7 @@ def _parallel_problems(cfg: TrainConfig, hf_config, vocab: int | None) -> list[s
 
 def write_problems(cfg: TrainConfig, run_dir: Path) -> list[str]:
     places = [("logging.run_dir", run_dir), ("checkpoint.dir", checkpoint_root(run_dir, cfg.checkpoint.dir)),
-              ("the data cache (HYPERPARALLEL_CACHE)", data.cache_root())]
+              ("data.cache_dir", data.cache_root(cfg.data, cfg.logging.run_dir))]
     problems = []
     for what, path in places:
         if what == "checkpoint.dir" and cfg.checkpoint.dir is None and problems:

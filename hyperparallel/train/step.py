@@ -16,15 +16,20 @@ from hyperparallel.models import fused_loss
 from hyperparallel.parallel.context_parallel import context_parallel_batch
 from hyperparallel.parallel.tensor_parallel import grad_replicas, sync_partial_grads
 from hyperparallel.train.build import BuiltModel
+from hyperparallel.train.data import MicroBatch
 
 
-def language_model_loss(built: BuiltModel, ids: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                        **extra) -> torch.Tensor:
-    """The model's loss on one micro-batch (inside fused_loss and autocast). With context
-    parallelism this rank runs its part of each sequence, and its loss is scaled so that the mean
-    over the cp ranks' gradients is the whole sequence's (`context_parallel_batch`)."""
+def language_model_loss(built: BuiltModel, batch: MicroBatch, device: torch.device, **extra) -> torch.Tensor:
+    """The model's loss on one micro-batch (inside fused_loss and autocast). Packed documents come
+    with position ids that restart at each, from which transformers keeps attention within each
+    document. With context parallelism this rank runs its part of each sequence, and its loss is
+    scaled so that the mean over the cp ranks' gradients is the whole sequence's
+    (`context_parallel_batch`; preflight refuses document masks there)."""
     context = built.context_parallel
+    ids, labels = batch.ids, batch.labels
     if context is None:
+        if batch.positions is not None:
+            extra["position_ids"] = batch.positions.to(device)
         return built.trained(input_ids=ids.to(device), labels=labels.to(device), **extra).loss
     local_ids, shift_labels, positions, items = context_parallel_batch(ids, labels, context.size, context.rank)
     return built.trained(input_ids=local_ids.to(device), labels=shift_labels.to(device),
@@ -61,14 +66,14 @@ class TrainStep:
             return trained.no_sync()
         return nullcontext()
 
-    def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def __call__(self, micro_batches: Iterable[MicroBatch]) -> StepResult:
         model, balancer = self.built.model, self.built.balancer
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, (ids, labels) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):
                 with autocast:
-                    loss = language_model_loss(self.built, ids, labels, self.device)
+                    loss = language_model_loss(self.built, batch, self.device)
                 aux = balancer.aux_loss() if balancer is not None else None
                 ((loss if aux is None else loss + aux) / self.accumulation).backward()
             if balancer is not None:

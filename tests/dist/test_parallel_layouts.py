@@ -145,8 +145,8 @@ def train(cfg: TrainConfig, rt: Runtime, vocab: int, packed: bool, save: Path | 
     built = build_trained_model(cfg, rt, vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
     rank, replicas = data_rank(built, rt)
-    batches = data.Batches(sequences(vocab, packed), data.InOrder(ROWS * STEPS), ROWS, cfg.training.micro_batch,
-                           rank, replicas, PAD, packed)
+    batches = data.Batches(data.TensorRows(sequences(vocab, packed), PAD, packed), data.InOrder(ROWS * STEPS), ROWS,
+                           cfg.training.micro_batch, rank, replicas)
     grads: list[dict] = []
     optimizer.register_step_pre_hook(lambda *_: grads.append(whole(built.model)))
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world, device=rt.device,

@@ -69,7 +69,7 @@ def one_step(cfg: TrainConfig, rt: Runtime, save: Path | None = None) -> float:
     rank, replicas = data_rank(built, rt)
     g = torch.Generator().manual_seed(7)
     rows = torch.randint(1, 512, (ROWS, SEQ), generator=g)
-    batches = data.Batches(rows, data.InOrder(ROWS), ROWS, cfg.training.micro_batch, rank, replicas, PAD, True)
+    batches = data.Batches(data.TensorRows(rows, PAD), data.InOrder(ROWS), ROWS, cfg.training.micro_batch, rank, replicas)
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world,
                      device=rt.device, autocast_bf16=False, max_grad_norm=cfg.training.max_grad_norm)
     loss = agree(step(batches.micro_batches(0)).loss, 0.0, False).loss

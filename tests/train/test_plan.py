@@ -23,7 +23,7 @@ from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import plan as planning
 from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import from_mapping
-from hyperparallel.train.data import tokenizer_vocab_size
+from hyperparallel.train.data import MicroBatch, tokenizer_vocab_size
 from hyperparallel.train.distributed import Runtime
 from hyperparallel.train.step import TrainStep
 
@@ -100,7 +100,7 @@ def real_step_peak(cfg) -> int:
     """The most tensor bytes alive in one steady-state step of the real trainer (1 process, random
     tokens): the CPU allocator's own events, recorded by the profiler."""
     torch.manual_seed(0)
-    vocab = tokenizer_vocab_size(cfg.data)
+    vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
     built = build_trained_model(cfg, Runtime(0, 1, CPU), vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(1), world=1, device=CPU,
@@ -108,10 +108,11 @@ def real_step_peak(cfg) -> int:
     t = cfg.training
     ids = torch.randint(0, vocab, (t.global_batch // t.micro_batch, t.micro_batch, cfg.data.seq_len),
                         generator=torch.Generator().manual_seed(0))
-    step(list(zip(ids, ids, strict=True)))  # the optimizer's state exists from here on
+    batches = [MicroBatch(i, i, None) for i in ids]
+    step(batches)  # the optimizer's state exists from here on
     start = nbytes(built.model.parameters()) + state_bytes(optimizer)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(list(zip(ids, ids, strict=True)))
+        step(batches)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     live = peak = 0
