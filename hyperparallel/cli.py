@@ -161,11 +161,11 @@ def _prepare(args: argparse.Namespace) -> int:
         problems.append(f"data.cache_dir: {unwritable}")
     if problems:
         raise ConfigError("\n".join(problems))
-    dataset = data.prepare(config.data, model_path=config.model.path, cache=cache,
-                           document_mask=preflight.document_mask(config)[0], progress=True)
+    mask, no_mask_reason = preflight.document_mask(config)
+    dataset = data.prepare(config.data, model_path=config.model.path, cache=cache, document_mask=mask, progress=True)
     held = "" if dataset.validation is None else f", {len(dataset.validation):,} held out"
     print(f"{dataset.num_tokens:,} tokens, {len(dataset.train):,} sequences of {config.data.seq_len}{held}")
-    print(data.describe(dataset, config.data))
+    print(data.describe(dataset, config.data, no_mask_reason))
     return 0
 
 

@@ -206,7 +206,11 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         tokenizer = run_tokenizer_file(directory)
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
-            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer), indent=2) + "\n")
+            run_config = tokenizer.with_name("tokenizer_config.json")
+            if run_config.is_file():  # (the run's own: its special tokens and chat template)
+                shutil.copyfile(run_config, tmp / "tokenizer_config.json")
+            else:
+                (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer), indent=2) + "\n")
         _check_out_dir(out)  # nothing appeared there meanwhile
         os.replace(tmp, final)  # an empty directory is replaced too
     except BaseException:

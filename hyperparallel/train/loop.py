@@ -227,7 +227,7 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
               f"{len(dataset.train):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
-    log.print(data.describe(dataset, cfg.data))
+    log.print(data.describe(dataset, cfg.data, preflight.document_mask(cfg)[1]))
     tp_state = tensor_parallel_state(built.model)
     if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."
         by_placement: dict[str, set[str]] = {}

@@ -116,6 +116,9 @@ def test_a_trainer_checkpoint_exports_with_its_tokenizer_and_trains_again(tmp_pa
     assert tokenizer(text).input_ids == trained_with.encode(text, add_special_tokens=False).ids
     assert tokenizer.decode(tokenizer(text).input_ids) == text
     assert (tokenizer.eos_token, tokenizer.pad_token) == (data.EOS, data.PAD)
+    # the run's chat template comes along (the builtin tokenizer's ChatML)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     reference = build_model("qwen3_moe", config=dict(tiny_config("qwen3_moe"), vocab_size=512))
     load(checkpoint, reference)
     torch.testing.assert_close(logits(build_model("qwen3_moe", path=out)), logits(reference), rtol=1e-5, atol=1e-5)

@@ -29,6 +29,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,6 +80,12 @@ LAYOUTS = {
     "qwen3_cp2_dp2_ring": ("qwen3", {"cp": 2, "dp_shard": 2, "cp_mode": "ring", "recompute": "selective"}, {}),
     "qwen3_cp2_dp2_ulysses": ("qwen3", {"cp": 2, "dp_shard": 2, "cp_mode": "ulysses"}, {}),
     "kimi_k2_cp2_dp2_ring": ("kimi_k2", {"cp": 2, "dp_shard": 2, "cp_mode": "ring"}, {}),
+    # packed documents, positions restarting at each (document masks): through TP's and SP's
+    # blocks and EP's dispatch the positions reach attention as in one process
+    "qwen3_tp2_sp_dp2_documents": ("qwen3", {"tp": 2, "dp_shard": 2, "sequence_parallel": True},
+                                   {"documents": True}),
+    "qwen3_moe_tp2_ep2_documents": ("qwen3_moe", {"tp": 2, "dp_shard": 2, "ep": 2},
+                                    {"moe": {"aux_loss_coef": 0.0}, "documents": True}),
 }
 # MXFP8 rounds each element to 3 mantissa bits: the layouts' float32 sums in another order (1e-7
 # apart) are the same FP8 values until one element sits on a rounding boundary and moves by an
@@ -86,7 +93,8 @@ LAYOUTS = {
 # 2.6e-2 of the embedding's largest gradient; in the fourth with another AdamW eps). The MXFP8
 # layout is compared on its first step, where its quantized values are the reference's.
 COMPARED_MX = 1
-PACKED = {"qwen3_cp4_ring", "qwen3_cp4_ulysses", "qwen3_cp2_dp2_ring", "qwen3_cp2_dp2_ulysses", "qwen3_tp2_dp2"}  # the others' rows end in padding
+PACKED = {"qwen3_cp4_ring", "qwen3_cp4_ulysses", "qwen3_cp2_dp2_ring", "qwen3_cp2_dp2_ulysses", "qwen3_tp2_dp2",
+          "qwen3_tp2_sp_dp2_documents", "qwen3_moe_tp2_ep2_documents"}  # the others' rows end in padding
 
 
 def config(layout: str | None, model: str | None = None) -> TrainConfig:
@@ -116,6 +124,31 @@ def sequences(vocab: int, packed: bool) -> torch.Tensor:
     return rows
 
 
+class PackedDocuments:
+    """Rows of packed documents (3 per row, at offsets that vary by row), each document's
+    positions restarting at 0 and its first label not trained: what data.PackedRows gives with
+    document masks."""
+
+    def __init__(self, sequences: torch.Tensor):
+        self.sequences = sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def row(self, i: int):
+        ids = self.sequences[i].numpy().astype("int64")
+        starts = np.asarray([7 + i % 5, 19 + i % 3])
+        return (ids, *data.rows.labels_and_positions(ids, np.ones(SEQ, dtype=bool), starts, SEQ, SEQ, True))
+
+
+def rows_of(layout: str | None, vocab: int):
+    packed = layout in PACKED
+    rows = sequences(vocab, packed)
+    if layout is not None and LAYOUTS[layout][2].get("documents"):
+        return PackedDocuments(rows)
+    return data.TensorRows(rows, PAD, packed)
+
+
 def whole(model, grads: bool = True) -> dict[str, torch.Tensor]:
     """Every gradient (or parameter) whole, from every rank's part placed by its checkpoint chunk."""
     tensors = {n: p.grad if grads else p for n, p in model.named_parameters() if not grads or p.grad is not None}
@@ -141,12 +174,12 @@ def whole(model, grads: bool = True) -> dict[str, torch.Tensor]:
     return out_tensors
 
 
-def train(cfg: TrainConfig, rt: Runtime, vocab: int, packed: bool, save: Path | None = None):
+def train(cfg: TrainConfig, rt: Runtime, vocab: int, layout: str | None, save: Path | None = None):
     built = build_trained_model(cfg, rt, vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
     rank, replicas = data_rank(built, rt)
-    batches = data.Batches(data.TensorRows(sequences(vocab, packed), PAD, packed), data.InOrder(ROWS * STEPS), ROWS,
-                           cfg.training.micro_batch, rank, replicas)
+    batches = data.Batches(rows_of(layout, vocab), data.InOrder(ROWS * STEPS), ROWS, cfg.training.micro_batch, rank,
+                           replicas)
     grads: list[dict] = []
     optimizer.register_step_pre_hook(lambda *_: grads.append(whole(built.model)))
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world, device=rt.device,
@@ -175,7 +208,7 @@ _references: dict[str, tuple] = {}
 def reference(layout: str) -> tuple[list[float], list[dict], dict]:
     if layout not in _references:
         torch.manual_seed(0)
-        _references[layout] = train(one_process(layout), Runtime(0, 1, torch.device("cpu")), 512, layout in PACKED)
+        _references[layout] = train(one_process(layout), Runtime(0, 1, torch.device("cpu")), 512, layout)
     return _references[layout]
 
 
@@ -191,7 +224,7 @@ def on_ranks(rank: int, world: int, out: str) -> dict:
     for layout in LAYOUTS:
         torch.manual_seed(0)
         save = Path(out) / "tp2_checkpoint" if layout == "qwen3_tp2_dp2" else None
-        results[layout] = train(config(layout), rt, 512, layout in PACKED, save=save)
+        results[layout] = train(config(layout), rt, 512, layout, save=save)
     # the tp=2 x dp_shard=2 checkpoint, loaded into other layouts: the same parameters everywhere
     loaded = {}
     for layout in ("qwen3_cp2_dp2_ring", "qwen3_tp4", "dp_shard=4"):

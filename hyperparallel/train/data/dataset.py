@@ -199,13 +199,16 @@ def open_prepared(cfg: DataSection, **kwargs) -> Dataset:
     return prepare(cfg, write=False, **kwargs)
 
 
-def describe(dataset: Dataset, d: DataSection) -> str:
+def describe(dataset: Dataset, d: DataSection, no_mask_reason: str | None = None) -> str:
     """What the data is and what became of its records: the format and its loss mask, packing,
     the shards (made now, at what rate, or found), what was skipped, truncated or dropped."""
     s = dataset.stats
     what = {"text": "plain text", "chat": "chat" + (", the assistant turns trained" if d.assistant_only_loss else ""),
             "prompt_completion": "prompt/completion" + (", the completions trained" if d.completion_only_loss else "")}
-    layout = ("packed, document masks" if dataset.train.document_mask else "packed") if d.packing else "one per row"
+    layout = "one per row"
+    if d.packing:
+        layout = ("packed, document masks" if dataset.train.document_mask else
+                  f"packed, no document masks ({no_mask_reason})" if no_mask_reason else "packed")
     made = (f"found in {s['shards']}" if s["reused"] else
             f"tokenized into {s['shards']} at {s['tokens_per_s']:,} tokens/s")
     counts = [f"{s[k]:,} {label}" for k, label in (("skipped_untrained", "skipped (no trained token)"),

@@ -83,7 +83,7 @@ class TokenStore:
         return np.asarray(self.ends[lo:hi], dtype=np.int64)
 
 
-def _labels_and_positions(ids: np.ndarray, trained: np.ndarray, starts: np.ndarray, length: int,
+def labels_and_positions(ids: np.ndarray, trained: np.ndarray, starts: np.ndarray, length: int,
                           seq_len: int, document_mask: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Labels and position ids of a row whose first `length` tokens are real and whose documents
     begin at `starts` (offsets in the row, 0 excluded); the rest is padding."""
@@ -115,7 +115,7 @@ class PackedRows:
         end = start + self.seq_len
         ids = self.store.tokens(start, end)
         starts = self.store.document_starts(start, end) - start
-        return (ids, *_labels_and_positions(ids, self.store.trained(start, end), starts, self.seq_len, self.seq_len,
+        return (ids, *labels_and_positions(ids, self.store.trained(start, end), starts, self.seq_len, self.seq_len,
                                             self.document_mask))
 
 
@@ -139,7 +139,7 @@ class DocumentRows:
         ids[: end - start] = self.store.tokens(start, end)
         trained[: end - start] = self.store.trained(start, end)
         starts = np.asarray([self.store.doc_start(d) - start for d in range(a + 1, b)], dtype=np.int64)
-        return (ids, *_labels_and_positions(ids, trained, starts, end - start, self.seq_len, self.document_mask))
+        return (ids, *labels_and_positions(ids, trained, starts, end - start, self.seq_len, self.document_mask))
 
 
 def document_index(store: TokenStore, docs: tuple[int, int], seq_len: int, packing: bool, overlong: str,
