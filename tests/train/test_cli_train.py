@@ -65,6 +65,10 @@ def test_train_runs_a_config_with_overrides_then_plot_redraws(cli, tmp_path):
     (["train", "--set", "parallel.dp_shard=3", "--nproc", "2", "--max-restarts", "3"],
      r"error: parallel.dp_shard = 3 .* this run has 2"),
     (["train", "--nproc", "0"], r"error: --nproc must be at least 1, got 0"),
+    (["prepare", "--set", "data.source=files", "--set", "data.files=none*.jsonl"],
+     r"error: data.files: 'none\*.jsonl' matches no file"),
+    (["prepare", "--set", "model.family=deepseek_v4", "--set", "model.config={}", "--set", "data.document_mask=true"],
+     r"error: data.document_mask: model.family deepseek_v4: its compressed attention"),
 ])
 def test_user_errors_print_one_line_and_exit_2(cli, tmp_path, args, message):
     """In this process (tests/conftest.py's `cli`); test_the_real_entry_point_... shows the same
@@ -255,3 +259,24 @@ def test_the_validation_loss_is_the_same_on_one_rank_and_two_sharded_ranks(spawn
     assert a["val_tokens"] == b["val_tokens"] == 2 * 4 * 31
     # measured equal: the same micro-batches through the same weights; only the float64 sum's order differs
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-12)
+
+
+def test_prepare_then_train_a_chat_datasets_directory(cli, tmp_path):
+    """A DatasetDict of chat records written by `datasets.save_to_disk`: `hyperparallel prepare`
+    tokenizes it (its train split), then `train` finds the shards and fine-tunes on them."""
+    datasets = pytest.importorskip("datasets")
+    chats = [{"messages": [{"role": "user", "content": f"word {i} " * (1 + i % 5)},
+                           {"role": "assistant", "content": "noted"}]} for i in range(200)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(chats),
+                          "test": datasets.Dataset.from_list(chats[:10])}).save_to_disk(str(tmp_path / "chats"))
+    raw = tiny_raw(tmp_path / "run", steps=2)
+    raw["data"] = {"source": "files", "files": str(tmp_path / "chats"), "vocab_size": 512, "seq_len": 64,
+                   "validation": None}
+    (tmp_path / "chat.yaml").write_text(yaml.safe_dump(raw))
+    prepared = cli("prepare", str(tmp_path / "chat.yaml"))
+    assert prepared.returncode == 0, prepared.stderr
+    assert "data: 200 documents, chat, the assistant turns trained, packed, document masks; shards tokenized" in prepared.stdout
+    trained = cli("train", str(tmp_path / "chat.yaml"), "--set", "logging.progress=false")
+    assert trained.returncode == 0, trained.stderr
+    assert "data: 200 documents, chat, the assistant turns trained, packed, document masks; shards found" in trained.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
