@@ -55,7 +55,11 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
     def prepare() -> None:
         made["dataset"] = data.prepare(cfg.data, progress=True, **options)
 
-    decided_by_rank0(prepare, group=dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S)))
+    waiting = dist.new_group(backend="gloo", timeout=timedelta(seconds=PREPARE_TIMEOUT_S))
+    try:
+        decided_by_rank0(prepare, group=waiting)
+    finally:
+        dist.destroy_process_group(waiting)
     return made["dataset"] if rt.is_main else data.open_prepared(cfg.data, **options)
 
 

@@ -336,6 +336,8 @@ class TrainConfig(Section):
             data["training"].pop(how)  # how the same numbers are computed, waited for, and looked at
         for how in ("implementation", "waves"):
             data["moe"].pop(how)  # MegaMoE computes what the sequential layer does
+        for where in ("cache_dir", "workers"):
+            data["data"].pop(where)  # where the same token shards are kept, and how many processes made them
         return _flatten(data)
 
     def fingerprint(self) -> str:

@@ -97,7 +97,8 @@ def test_shards_and_tokenizer_are_made_once_then_found_without_reading_the_corpu
     assert not data.prepare(files_section(tmp_path)).stats["reused"]
 
 
-def test_worker_processes_write_the_same_shards_as_one_process(tmp_path):
+def test_worker_processes_write_the_same_shards_as_one_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "CHUNK_CHARS", 2000)  # (many chunks, in flight at once: their order is kept)
     one = data.prepare(files_section(tmp_path, validation=None))
     store = one.train.store
     cfg = files_section(tmp_path, validation=None, workers=2)
@@ -160,6 +161,24 @@ def test_packed_rows_restart_positions_at_each_document_and_do_not_train_across(
                                                                          np.delete(ids, starts))
 
 
+def test_a_document_starting_at_a_rows_last_token_restarts_there(tmp_path):
+    """Documents of 7, 5, 4 and 8 tokens in rows of 8: boundaries at a row's last position (7) and
+    at a row's end (16, the next row's first: no restart inside)."""
+    directory = tmp_path / "store"
+    directory.mkdir()
+    lengths = [7, 5, 4, 8]
+    (directory / "tokens-00000.bin").write_bytes(np.arange(1, 25, dtype=np.uint16).tobytes())
+    (directory / "ends.bin").write_bytes(np.cumsum(lengths).astype(np.int64).tobytes())
+    (directory / "meta.json").write_text(json.dumps({"dtype": "uint16", "tokens": 24, "documents": 4,
+                                                     "shards": [24], "has_mask": False}))
+    rows = data.PackedRows(data.TokenStore(directory), 0, 24, 8, document_mask=True)
+    ids, labels, positions = rows.row(0)
+    assert positions.tolist() == [0, 1, 2, 3, 4, 5, 6, 0] and labels[7] == data.IGNORE
+    ids, labels, positions = rows.row(1)  # tokens 8..15: the second document from its 2nd token, the third from 12
+    assert positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3] and labels.tolist() == [9, 10, 11, 12, data.IGNORE, 14, 15, 16]
+    assert rows.row(2)[2].tolist() == list(range(8))
+
+
 def test_unpacked_rows_are_one_document_each_padded_and_overlong_ones_truncated_or_dropped(tmp_path):
     truncated = data.prepare(files_section(tmp_path, packing=False, validation=None))
     pad = truncated.tokenizer.pad_id
@@ -203,6 +222,18 @@ def test_packed_fine_tuning_rows_hold_whole_records_with_their_loss_masks(tmp_pa
         assert np.array_equal(labels[:length], expect) and (labels[length:] == data.IGNORE).all()
         assert positions[0] == 0 and all(positions[f] == 0 for f in firsts) and (length == 64 or positions[length] == 0)
     assert covered == list(range(store.num_documents)) and len(rows) < store.num_documents
+
+
+def test_records_with_nothing_to_predict_are_skipped_and_an_empty_validation_is_named(tmp_path):
+    records = [{"prompt": "", "completion": ""}] + [{"prompt": f"say {i}", "completion": " ok"} for i in range(20)]
+    records.append({"prompt": "long " * 200, "completion": " ok"})  # (the last: the one held out)
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataSection(source="files", files=[str(tmp_path / "pc.jsonl")], vocab_size=300, seq_len=32, workers=1,
+                      validation=None)
+    dataset = data.prepare(cfg)
+    assert dataset.format == "prompt_completion" and dataset.stats["skipped_untrained"] == 1
+    with pytest.raises(ConfigError, match=r"data.validation: .*gives no sequence .*overlong: drop dropped"):
+        data.prepare(cfg.model_copy(update={"validation": 0.05, "overlong": "drop"}))
 
 
 def test_validation_holds_out_the_end_of_the_corpus_or_reads_files_of_its_own(tmp_path):

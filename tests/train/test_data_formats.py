@@ -381,8 +381,11 @@ def test_the_tokenizer_comes_from_model_path_a_directory_a_file_or_is_builtin(ba
     # ... and builtin when model.path has none
     bare = tmp_path / "bare"
     bare.mkdir()
-    assert tokenization.tokenizer_source(data_cfg(), bare) is None
-    assert tokenization.tokenizer_vocab_size(data_cfg(vocab_size=512), bare) == 512
+    # a pretrained model without a tokenizer.json: refused (its ids are not a new BPE's), unless builtin is asked for
+    with pytest.raises(ConfigError, match=r"data.tokenizer: model.path .*bare has no tokenizer.json"):
+        tokenization.tokenizer_source(data_cfg(), bare)
+    assert tokenization.tokenizer_source(data_cfg(tokenizer="builtin"), bare) is None
+    assert tokenization.tokenizer_vocab_size(data_cfg(vocab_size=512, tokenizer="builtin"), bare) == 512
     # a tokenizer.json alone: its vocabulary, EOS found in it, no template until data.chat_template gives one
     alone_file = family_dir(base_backend, tmp_path, "qwen3") / "tokenizer.json"
     alone = tokenization.load_tokenizer(data_cfg(str(alone_file)), None, never, "-", cache_dir=tmp_path / "cache")

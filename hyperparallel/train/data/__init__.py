@@ -10,8 +10,8 @@ rows of them, memory-mapped, in an order that is a pure function of the step.
 - `rows`, `batches`: a rank's rows (packed, with document masks) and micro-batches.
 - `dataset`: all of it for a run (`prepare`; `open_prepared` on the ranks that wait).
 
-The package imports none of its modules until a name is used (`lazy_exports`): the tokenizing
-workers import only what they run, not torch.
+The package imports none of its modules until a name is used (`lazy_exports`): `shards` and
+what it imports need no torch (a spawned tokenizing worker imports only them).
 """
 
 from hyperparallel.lazy_exports import lazy_exports

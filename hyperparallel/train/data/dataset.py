@@ -61,6 +61,8 @@ def corpus_format(cfg: DataSection, sources: list[Source], key: str) -> str:
     if cfg.format != "auto":
         return cfg.format
     for source in sources:
+        if source.kind == "text":  # (a text file is a text record: not read to be told so)
+            return "text"
         for _, record in records(source, cfg.text_field, key):
             return formats.detect_format(record)
     return "text"
@@ -92,7 +94,8 @@ def _shards(cfg: DataSection, sources: list[Source], fmt: str, tokenizer, cache:
             raise ConfigError(f"data.cache_dir: {directory} is missing on this rank while rank 0 prepared it: every "
                               f"rank must see the same cache (shared storage), or run `hyperparallel prepare` on "
                               f"every node first")
-        workers = cfg.workers or min(8, os.cpu_count() or 1)
+        workers = cfg.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                     else os.cpu_count() or 1)  # (the cores this job may use: cgroups, SLURM)
         shards.write_shards(directory, shards.capped_records(sources, settings, key), tokenizer, settings,
                             workers=workers, progress=progress,
                             description={"key": key, "format": fmt, "tokenizer": tokenizer.key,
@@ -131,7 +134,7 @@ def _rows(cfg: DataSection, store: TokenStore, fmt: str, pad_id: int, document_m
     mask = document_mask and cfg.packing
     if fmt == "text" and cfg.packing:
         lo, hi = tokens or (0, store.num_tokens)
-        return PackedRows(store, lo, hi, cfg.seq_len, mask, pad_id)
+        return PackedRows(store, lo, hi, cfg.seq_len, mask)
     index, counts = document_index(store, docs or (0, store.num_documents), cfg.seq_len, cfg.packing, cfg.overlong)
     return DocumentRows(store, index, counts, cfg.seq_len, mask, pad_id)
 
@@ -159,9 +162,10 @@ def _split(cfg: DataSection, store: TokenStore, fmt: str, pad_id: int, document_
 
 def _check_rows(rows, what: str, cfg: DataSection, store: TokenStore) -> None:
     if len(rows) == 0:
+        why = (" (data.overlong: drop dropped every record)" if rows.stats["dropped"] else
+               " (truncated to seq_len, no record keeps a trained token)" if rows.stats["untrained"] else "")
         raise ConfigError(f"{what}: the corpus ({store.num_tokens} tokens) gives no sequence of data.seq_len = "
-                          f"{cfg.seq_len}" + (" (data.overlong: drop dropped every record)" if rows.stats["dropped"]
-                                              else ""))
+                          f"{cfg.seq_len}{why}")
 
 
 def prepare(cfg: DataSection, *, model_path: str | None = None, cache: Path | None = None,
@@ -180,6 +184,7 @@ def prepare(cfg: DataSection, *, model_path: str | None = None, cache: Path | No
     validation = None
     if isinstance(cfg.validation, float):
         train, validation, num_tokens = _split(cfg, store, fmt, tokenizer.pad_id, document_mask)
+        _check_rows(validation, "data.validation", cfg, store)
     else:
         train, num_tokens = _rows(cfg, store, fmt, tokenizer.pad_id, document_mask), store.num_tokens
         if extra is not None:

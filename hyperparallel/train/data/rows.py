@@ -79,7 +79,7 @@ class TokenStore:
     def document_starts(self, start: int, end: int) -> np.ndarray:
         """The documents' first tokens strictly inside (start, end), as indices into the stream."""
         lo = int(np.searchsorted(self.ends, start, side="right"))
-        hi = int(np.searchsorted(self.ends, end - 1, side="left"))
+        hi = int(np.searchsorted(self.ends, end, side="left"))  # (a document ending at `end` starts none inside)
         return np.asarray(self.ends[lo:hi], dtype=np.int64)
 
 
@@ -102,8 +102,8 @@ def labels_and_positions(ids: np.ndarray, trained: np.ndarray, starts: np.ndarra
 class PackedRows:
     """Rows of the token range [lo, hi) of a store, cut consecutively (plain text, packed)."""
 
-    def __init__(self, store: TokenStore, lo: int, hi: int, seq_len: int, document_mask: bool, pad_id: int):
-        self.store, self.lo, self.seq_len, self.document_mask = store, lo, seq_len, document_mask
+    def __init__(self, store: TokenStore, lo: int, hi: int, seq_len: int, document_mask: bool):
+        self.store, self.lo, self.hi, self.seq_len, self.document_mask = store, lo, hi, seq_len, document_mask
         self.n = (hi - lo) // seq_len
         self.stats = {"truncated": 0, "dropped": 0, "untrained": 0}
 
@@ -144,29 +144,37 @@ class DocumentRows:
 
 def document_index(store: TokenStore, docs: tuple[int, int], seq_len: int, packing: bool, overlong: str,
                    ) -> tuple[np.ndarray, dict]:
-    """The rows of documents [docs[0], docs[1]) as (first, end) document ranges, and what was
-    truncated, dropped or left with no trained token; made once, kept beside the shards."""
+    """The rows of documents [docs[0], docs[1]) as (first, end) document ranges (memory-mapped),
+    and what was truncated, dropped or left with no trained token; made once, kept beside the
+    shards."""
     name = hashlib.sha256(json.dumps([docs, seq_len, packing, overlong]).encode()).hexdigest()[:12]
-    path = store.directory / f"rows-{name}.npy"
+    path = store.directory / f"rows-{name}.bin"
     counts_path = path.with_suffix(".json")
     with locked(store.directory / "rows.lock"):
         if not counts_path.is_file():
-            index, counts = _pack(store, docs, seq_len, packing, overlong)
-            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
-            np.save(tmp, index)
-            os.replace(tmp, path)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            try:
+                with open(tmp, "wb") as out:
+                    counts = _pack(store, docs, seq_len, packing, overlong, out)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
             tmp = counts_path.with_name(f"{counts_path.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps(counts))
             os.replace(tmp, counts_path)  # (last: its presence says the index is whole)
-    return np.load(path, mmap_mode="r"), json.loads(counts_path.read_text())
+    counts = json.loads(counts_path.read_text())
+    rows = counts["rows"]
+    index = np.memmap(path, dtype=np.int64, mode="r", shape=(rows, 2)) if rows else np.zeros((0, 2), np.int64)
+    return index, {k: v for k, v in counts.items() if k != "rows"}
 
 
-def _pack(store: TokenStore, docs: tuple[int, int], seq_len: int, packing: bool, overlong: str):
-    rows: list[tuple[int, int]] = []
-    counts = {"truncated": 0, "dropped": 0, "untrained": 0}
+def _pack(store: TokenStore, docs: tuple[int, int], seq_len: int, packing: bool, overlong: str, out) -> dict:
+    """Write the rows (int64 pairs) to `out`, a block of documents at a time (bounded memory)."""
+    counts = {"rows": 0, "truncated": 0, "dropped": 0, "untrained": 0}
     row_first, row_tokens = None, 0
     step = 1 << 20
-    for block in range(docs[0], docs[1], step):  # (the lengths a block at a time: bounded memory)
+    for block in range(docs[0], docs[1], step):
+        rows: list[tuple[int, int]] = []
         last = min(block + step, docs[1])
         ends = np.asarray(store.ends[block:last], dtype=np.int64)
         lengths = np.diff(np.concatenate([[store.doc_start(block)], ends]))
@@ -191,9 +199,11 @@ def _pack(store: TokenStore, docs: tuple[int, int], seq_len: int, packing: bool,
             if length >= seq_len or not packing:
                 rows.append((doc, doc + 1))
                 row_first = None
-    if row_first is not None:
-        rows.append((row_first, docs[1]))
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 2), counts
+        if last == docs[1] and row_first is not None:
+            rows.append((row_first, docs[1]))
+        out.write(np.asarray(rows, dtype=np.int64).reshape(-1, 2).tobytes())
+        counts["rows"] += len(rows)
+    return counts
 
 
 class TensorRows:

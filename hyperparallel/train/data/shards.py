@@ -26,6 +26,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -37,7 +39,7 @@ import numpy as np
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.train.data import formats
-from hyperparallel.train.data.sources import Source, records
+from hyperparallel.train.data.sources import Source, fields_of, records
 
 VERSION = 1  # of the layout: a change makes new keys, never a misread of old directories
 SHARD_TOKENS = 1 << 28  # tokens per shard file (512 MiB of uint16)
@@ -60,7 +62,10 @@ class EncodeSettings:
 
 
 def shard_key(files_key: str, tokenizer_key: str, settings: EncodeSettings) -> str:
-    text = json.dumps([VERSION, files_key, tokenizer_key, settings.__dict__], sort_keys=True)
+    fields = dict(settings.__dict__)
+    if settings.format == "text":  # (the loss-mask settings change nothing of plain text's shards)
+        fields.pop("assistant_only_loss"), fields.pop("completion_only_loss")
+    text = json.dumps([VERSION, files_key, tokenizer_key, fields], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -77,7 +82,12 @@ def locked(path: Path):
     """An exclusive lock on `path` (a file beside what it guards), held for the block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:  # (Lustre without -o flock, some FUSE mounts)
+            raise ConfigError(f"data.cache_dir: {path.parent} cannot be locked ({os.strerror(error.errno)}): put the "
+                              f"cache on a file system with flock, or run `hyperparallel prepare` once before "
+                              f"training") from None
         try:
             yield
         finally:
@@ -107,7 +117,7 @@ def capped_records(sources: list[Source], settings: EncodeSettings, key: str) ->
     the cap cut there; a record of another format ends the corpus before it instead)."""
     budget = settings.max_corpus_bytes
     for source in sources:
-        for where, record in records(source, settings.text_field, key):
+        for where, record in records(source, settings.text_field, key, fields_of(settings.format, settings.text_field)):
             if budget is None:
                 yield where, record
                 continue
@@ -138,6 +148,7 @@ _worker: dict = {}
 
 
 def _start_worker(tokenizer, settings: EncodeSettings) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the parent, which stops them: one message)
     _worker.update(tokenizer=tokenizer, settings=settings)
 
 
@@ -154,7 +165,7 @@ def encode_chunk(chunk: list[tuple[str, dict]], tokenizer=None, settings: Encode
             record, settings.format, tokenizer, text_field=settings.text_field,
             assistant_only_loss=settings.assistant_only_loss, completion_only_loss=settings.completion_only_loss,
             where=where)
-        if len(tokens) == 0 or not mask.any():
+        if not mask[1:].any():  # (the first token is never a target: it has nothing before it)
             skipped += 1
             continue
         ids.append(np.asarray(tokens, dtype=np.uint32))
@@ -183,18 +194,24 @@ def _encode_texts(chunk: list[tuple[str, dict]], tokenizer, text_field: str):
     return flat, None, np.asarray([len(p) for p in parts], dtype=np.int64), skipped
 
 
+def _start_method() -> str:
+    """fork on Linux (as torch's DataLoader and `datasets` fork theirs: the workers run no torch,
+    only the tokenizer and JSON, and spawned children would import the user's __main__ again);
+    spawn elsewhere (macOS's system libraries do not survive a fork)."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
 @contextlib.contextmanager
 def _pool(workers: int, tokenizer, settings: EncodeSettings):
-    """Worker processes, forked where the system can (as torch's DataLoader and `datasets` fork
-    theirs: the workers run no torch, only the tokenizer and JSON; spawned children would import
-    the user's __main__ again). TOKENIZERS_PARALLELISM is set while they fork: they then run one
-    thread each, without the tokenizer's warning about threads it used before the fork."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    """`workers` processes. TOKENIZERS_PARALLELISM is set while they start: they then run one
+    thread each, without the tokenizer's warning about threads it used before a fork."""
+    from concurrent.futures import ProcessPoolExecutor
+
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = multiprocessing.get_context(method).Pool(workers, initializer=_start_worker,
-                                                        initargs=(tokenizer, settings))
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(_start_method()),
+                                   initializer=_start_worker, initargs=(tokenizer, settings))
     finally:
         if before is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
@@ -206,19 +223,25 @@ def _pool(workers: int, tokenizer, settings: EncodeSettings):
 
 def _encoded(batches: Iterator[list], tokenizer, settings: EncodeSettings, workers: int) -> Iterator[tuple]:
     """encode_chunk over the chunks in order: in this process with one worker, else in `workers`
-    spawned processes with at most 2 x workers chunks in flight (memory stays bounded)."""
+    processes with at most 2 x workers chunks in flight (memory stays bounded)."""
+    from concurrent.futures.process import BrokenProcessPool
+
     if workers <= 1:
         for chunk in batches:
             yield encode_chunk(chunk, tokenizer, settings)
         return
-    with _pool(workers, tokenizer, settings) as pool:
-        pending: deque = deque()
-        for chunk in batches:
-            pending.append(pool.apply_async(encode_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    try:
+        with _pool(workers, tokenizer, settings) as pool:
+            pending: deque = deque()
+            for chunk in batches:
+                pending.append(pool.submit(encode_chunk, chunk))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise ConfigError(f"data.workers: a tokenizing process died (out of memory?); lower data.workers "
+                          f"(it was {workers})") from None
 
 
 # ------------------------------------------------------------------------------- the writer
@@ -282,11 +305,15 @@ def write_shards(directory: Path, items: Iterable[tuple[str, dict]], tokenizer, 
     with locked(directory.with_name(directory.name + ".lock")):
         if is_complete(directory):  # (another writer finished it while this one waited)
             return read_meta(directory)
-        for stale in directory.parent.glob(f"{directory.name}.tmp-*"):  # (a writer that died; none runs now)
+        # a writer of this machine that died: none runs now (where flock is per machine, as on NFS
+        # with local_lock, another machine's writer may, so its directories are left alone)
+        host = socket.gethostname()
+        for stale in directory.parent.glob(f"{directory.name}.tmp-{host}-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+        tmp = directory.with_name(f"{directory.name}.tmp-{host}-{os.getpid()}")
         tmp.mkdir(parents=True)
-        dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+        # (by the largest id, not the count: a vocabulary's ids may leave gaps)
+        dtype = np.dtype(np.uint16 if max(tokenizer.backend.get_vocab().values()) < 1 << 16 else np.uint32)
         writer = _ShardWriter(tmp, dtype, settings.has_mask)
         skipped, start = 0, time.perf_counter()
         bar = _progress(progress)
@@ -314,5 +341,11 @@ def write_shards(directory: Path, items: Iterable[tuple[str, dict]], tokenizer, 
                 "seconds": round(seconds, 3), "tokens_per_s": round(writer.tokens / max(seconds, 1e-9)),
                 "workers": workers, **description}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, directory)  # (under the lock, and only complete directories exist: it is absent)
+        try:
+            os.replace(tmp, directory)  # (under the lock only complete directories exist: it is absent)
+        except OSError:
+            if not is_complete(directory):  # (else another machine's writer finished the same one first)
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return read_meta(directory)
         return meta

@@ -1,11 +1,12 @@
 """Where a corpus's records come from, read a bounded piece at a time.
 
 A source is a file of one of these kinds, by its name:
-- text (any other suffix: .txt, .md, .py, ...): the file is one document, `{text_field: ...}`;
+- text (any other suffix: .txt, .md, .py, ...): the file is one document, `{text_field: ...}`,
+  read whole (a corpus of large files belongs in jsonl, parquet or arrow);
 - .jsonl / .json: one JSON record per line (a .json holding one array is read whole);
-- .parquet: row group by row group, only the columns asked for;
+- .parquet: a batch of rows at a time, only the columns the format reads;
 - .arrow: Arrow IPC (the stream format `datasets.save_to_disk` writes, or the file format),
-  record batch by record batch.
+  record batch by record batch, only the columns the format reads.
 A directory in data.files is a Hugging Face `datasets` directory: one `save_to_disk` wrote
 (state.json names its arrow files; a DatasetDict's dataset_dict.json names its splits, of which
 `data.split` is read), or a dataset repository's files (every .jsonl, .json, .parquet and .arrow
@@ -50,17 +51,27 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not any(s in p.relative_to(root).parts[0] for s in skipped))
 
 
+def _json_file(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"data.files: {path} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"data.files: {path} is not a JSON object")
+    return value
+
+
 def _dataset_directory(directory: Path, split: str, key: str) -> tuple[list[Path], list[str]]:
     """The files of a `datasets` directory (see the module's docstring), or why not."""
     splits = directory / "dataset_dict.json"
     if splits.is_file():
-        names = json.loads(splits.read_text()).get("splits", [])
+        names = _json_file(splits).get("splits", [])
         if split not in names:
             return [], [f"{key}: {directory} is a DatasetDict with splits {names}, not {split!r} (set data.split)"]
         directory = directory / split
     state = directory / "state.json"
     if state.is_file():
-        files = [directory / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+        files = [directory / f["filename"] for f in _json_file(state).get("_data_files", [])]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             return [], [f"{key}: {directory}'s state.json names files that are missing: {', '.join(missing)}"]
@@ -83,7 +94,10 @@ def find(patterns: list[str], key: str, split: str = "train") -> tuple[list[Sour
             problems.append(f"{key}: {pattern!r} matches no file")
         for match in map(Path, matches):
             if match.is_dir():
-                files, found = _dataset_directory(match, split, key)
+                try:
+                    files, found = _dataset_directory(match, split, key)
+                except ConfigError as error:
+                    files, found = [], [str(error)]
                 problems += found
                 sources += [Source(f, _kind(f)) for f in files]
             elif not match.is_file():
@@ -117,22 +131,32 @@ def files_key(sources: list[Source]) -> str:
 # ------------------------------------------------------------------------------------ records
 
 
-def records(source: Source, text_field: str, key: str) -> Iterator[tuple[str, dict]]:
+def fields_of(fmt: str, text_field: str) -> list[str]:
+    """The fields a format reads: the only columns decoded from a parquet or arrow file."""
+    return {"text": [text_field], "chat": ["messages", "tools"]}.get(fmt, ["prompt", "completion", "tools"])
+
+
+def records(source: Source, text_field: str, key: str, fields: list[str] | None = None) -> Iterator[tuple[str, dict]]:
     """(where, record) for each record of a source, a bounded piece of the file at a time;
-    `where` names it for messages ("data.files: FILE line 7", "data.files: FILE row 12")."""
+    `where` names it for messages ("data.files: FILE line 7", "data.files: FILE row 12").
+    `fields`: of a table's columns, those read (the ones it has; None: all)."""
     path = source.path
     if source.kind == "text":
         yield f"{key}: {path}", {text_field: path.read_text(encoding="utf-8", errors="replace")}
     elif source.kind in ("jsonl", "json"):
         yield from _json_records(path, key)
     elif source.kind == "parquet":
-        yield from _parquet_records(path, key)
+        yield from _parquet_records(path, key, fields)
     else:
-        yield from _arrow_records(path, key)
+        yield from _arrow_records(path, key, fields)
+
+
+def _columns(names: list[str], fields: list[str] | None) -> list[str] | None:
+    return None if fields is None else [n for n in names if n in fields]
 
 
 def _json_records(path: Path, key: str) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # (-sig: a byte-order mark is no JSON)
         first = f.read(1)
         while first.isspace():
             first = f.read(1)
@@ -161,7 +185,7 @@ def _checked(record, where: str) -> tuple[str, dict]:
     return where, record
 
 
-def _parquet_records(path: Path, key: str) -> Iterator[tuple[str, dict]]:
+def _parquet_records(path: Path, key: str, fields: list[str] | None) -> Iterator[tuple[str, dict]]:
     import pyarrow
     import pyarrow.parquet as pq
 
@@ -170,13 +194,13 @@ def _parquet_records(path: Path, key: str) -> Iterator[tuple[str, dict]]:
     except (pyarrow.ArrowException, OSError) as error:
         raise ConfigError(f"{key}: {path} is not a readable parquet file ({str(error).splitlines()[0]})") from None
     row = 0
-    for batch in table.iter_batches(batch_size=_BATCH_ROWS):
+    for batch in table.iter_batches(batch_size=_BATCH_ROWS, columns=_columns(table.schema_arrow.names, fields)):
         for record in batch.to_pylist():
             yield f"{key}: {path} row {row}", record
             row += 1
 
 
-def _arrow_records(path: Path, key: str) -> Iterator[tuple[str, dict]]:
+def _arrow_records(path: Path, key: str, fields: list[str] | None) -> Iterator[tuple[str, dict]]:
     import pyarrow
     import pyarrow.ipc as ipc
 
@@ -191,8 +215,11 @@ def _arrow_records(path: Path, key: str) -> Iterator[tuple[str, dict]]:
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     except (pyarrow.ArrowException, OSError) as error:
         raise ConfigError(f"{key}: {path} is not a readable Arrow file ({str(error).splitlines()[0]})") from None
+    columns = _columns(reader.schema.names, fields)
     row = 0
     for batch in batches:
+        if columns is not None:
+            batch = batch.select(columns)
         for start in range(0, batch.num_rows, _BATCH_ROWS):
             for record in batch.slice(start, _BATCH_ROWS).to_pylist():
                 yield f"{key}: {path} row {row}", record

@@ -183,9 +183,13 @@ def tokenizer_source(cfg: DataSection, model_path: str | os.PathLike | None) -> 
     if cfg.tokenizer == "builtin":
         return None
     if cfg.tokenizer is None:
-        if model_path is not None and (Path(model_path).expanduser() / TOKENIZER_FILE).is_file():
-            return Path(model_path).expanduser()
-        return None
+        if model_path is None or not Path(model_path).expanduser().is_dir():
+            return None  # (a model.path that is no directory is model.path's problem, named by itself)
+        if not (Path(model_path).expanduser() / TOKENIZER_FILE).is_file():  # (a pretrained model's ids are its own)
+            raise ConfigError(f"data.tokenizer: model.path {model_path} has no {TOKENIZER_FILE} to tokenize with; give "
+                              f"data.tokenizer (a tokenizer.json, or a tokenizer directory), or data.tokenizer: builtin "
+                              f"to train one here")
+        return Path(model_path).expanduser()
     path = Path(cfg.tokenizer).expanduser()
     if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
         raise ConfigError(f"data.tokenizer: {path} holds no {TOKENIZER_FILE} (give a tokenizer.json, a Hugging Face "
