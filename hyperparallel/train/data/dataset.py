@@ -92,8 +92,9 @@ def _shards(cfg: DataSection, sources: list[Source], fmt: str, tokenizer, cache:
     if not reused:
         if not write:
             raise ConfigError(f"data.cache_dir: {directory} is missing on this rank while rank 0 prepared it: every "
-                              f"rank must see the same cache (shared storage), or run `hyperparallel prepare` on "
-                              f"every node first")
+                              f"rank must see the same cache (shared storage) and the same corpus files (their "
+                              f"paths, sizes and times key the shards), or run `hyperparallel prepare` on every "
+                              f"node first")
         workers = cfg.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else os.cpu_count() or 1)  # (the cores this job may use: cgroups, SLURM)
         shards.write_shards(directory, shards.capped_records(sources, settings, key), tokenizer, settings,
