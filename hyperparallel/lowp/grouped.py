@@ -12,7 +12,9 @@ product sums over:
 Groups are the experts' runs of sorted rows, of any size, zero included (zero rows padding a
 group to an aligned size change no block: blocks restart at each group). The activation stays in
 high precision; the down projection keeps only gate_up for backward and rebuilds the activation
-there. Outputs and input grads come back in the input's dtype, weight grads in the weight's.
+there. Every product runs in the rows' dtype (the compute dtype: autocast's when on), on MX
+operands dequantized to it (docs/mx.md); outputs and input grads come back in it, weight grads in
+the weight's. Nothing is read back to the host.
 
 Weight copies: W's two MX copies (along K for forward, along N for dgrad) are made once per
 weight version (`hyperparallel.versions.key`) and reused across micro-batches, backward and
@@ -30,6 +32,7 @@ from torch import nn
 
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.lowp.dtypes import compute_dtype
 from hyperparallel.mx.grouped_products import grouped_weight_grad_mm
 from hyperparallel.mx.tensor import MXTensor
 
@@ -116,7 +119,8 @@ def _project_wgrad(ctx, dy, offsets, saved: list, x=None):
         else:
             x_cols = mx.quantize_grouped(x_in, offsets, scale_mode=r.scale_mode, backend=r.backend)
         dy_cols = mx.quantize_grouped(dy, offsets, scale_mode=r.scale_mode, backend=r.backend)
-        return mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.w_dtype, backend=r.backend)
+        # in the compute dtype (the rows'), as every product here; then into the weight's dtype
+        return mx.mx_grouped_mm(dy_cols.t(), x_cols, offsets, ctx.x_dtype, backend=r.backend).to(ctx.w_dtype)
     return grouped_weight_grad_mm(dy.t(), x_in, offsets).to(ctx.w_dtype)  # [E, N, K]
 
 
@@ -215,7 +219,9 @@ class MXExpertsRecipe:
         return 32 if device.type == "cpu" else 1
 
     def compute_dtype(self, hidden_states: torch.Tensor) -> torch.dtype:
-        return hidden_states.dtype  # MX operands are quantized from the rows as they come
+        # the rows come in it (autocast's, when on), so every product dequantizes its MX operands
+        # to it: bf16 products for a bf16 model or under bf16 autocast
+        return compute_dtype(hidden_states)
 
     def weight_copies(self, name: str, weight: torch.Tensor, need_along_n: bool) -> tuple[MXTensor, MXTensor | None]:
         r = self._recipe()

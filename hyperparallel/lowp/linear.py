@@ -10,8 +10,12 @@ backward only X's column-wise copy (when the weight needs a gradient) and W's co
 W's two copies are made once per weight version (`hyperparallel.versions.key`: its `_version`
 and its generation, which optimizer steps and FSDP gathers of new values bump) and reused across
 micro-batches and recompute.
-Outputs and input grads come back in the input's dtype, the weight grad in the weight's; the
-bias is added in fp32.
+Every product runs in the compute dtype (`lowp.dtypes.compute_dtype`: torch.autocast's when it is
+on, else the input's), on operands dequantized to it (docs/mx.md: exact, but for two corners):
+bf16 products for a bf16 model or under bf16 autocast, as nn.Linear's. The output comes back in
+the compute dtype (nn.Linear's under autocast), the input grad in the input's dtype, the weight
+grad in the weight's; the bias joins the product's fp32 accumulator, as in nn.Linear's addmm.
+Nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
+from hyperparallel.lowp.dtypes import compute_dtype
 from hyperparallel.mx.tensor import MXTensor
 
 
@@ -30,7 +35,8 @@ def _mx(data: torch.Tensor, scale: torch.Tensor, axis: int, mode: str) -> MXTens
 
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_row_data, w_row_scale, w_col_data, w_col_scale, mode, wgrad, save_input):
+    def forward(ctx, x, weight, bias, w_row_data, w_row_scale, w_col_data, w_col_scale, mode, wgrad, save_input,
+                dtype):
         needs_wgrad = ctx.needs_input_grad[1]
         keep_columnwise = needs_wgrad and wgrad == "mxfp8" and save_input == "columnwise"
         if keep_columnwise:
@@ -38,20 +44,18 @@ class _MXLinearFunction(torch.autograd.Function):
         else:
             x_row = mx.quantize(x, axis=1, scale_mode=mode)
         w_row = _mx(w_row_data, w_row_scale, 1, mode)
-        y = mx.mx_mm(x_row, w_row.t(), out_dtype=torch.float32)
-        if bias is not None:
-            y = y + bias.float()
+        y = mx.mx_mm(x_row, w_row.t(), out_dtype=dtype, bias=bias)
         saved_input = (x_col.data, x_col.scale) if keep_columnwise else ((x, x) if needs_wgrad else (None, None))
         ctx.save_for_backward(w_col_data, w_col_scale, *saved_input)
         ctx.keep_columnwise, ctx.mode, ctx.wgrad = keep_columnwise, mode, wgrad
-        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
-        return y.to(x.dtype)
+        ctx.x_dtype, ctx.w_dtype, ctx.dtype, ctx.has_bias = x.dtype, weight.dtype, dtype, bias is not None
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         w_col_data, w_col_scale, saved_a, saved_b = ctx.saved_tensors  # unpack once (recompute allows no more)
         mode = ctx.mode
-        dy = dy.contiguous()
+        dy = dy.contiguous().to(ctx.dtype)
         needs_dgrad, needs_wgrad, needs_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         mx_wgrad = needs_wgrad and ctx.wgrad == "mxfp8"
         if mx_wgrad:
@@ -60,18 +64,18 @@ class _MXLinearFunction(torch.autograd.Function):
             dy_row = mx.quantize(dy, axis=1, scale_mode=mode)
         dx = dw = dbias = None
         if needs_dgrad:
-            dx = mx.mx_mm(dy_row, _mx(w_col_data, w_col_scale, 0, mode), out_dtype=ctx.x_dtype)
+            dx = mx.mx_mm(dy_row, _mx(w_col_data, w_col_scale, 0, mode), out_dtype=ctx.dtype).to(ctx.x_dtype)
         if mx_wgrad:
             if ctx.keep_columnwise:
                 x_col = _mx(saved_a, saved_b, 0, mode)
             else:
                 x_col = mx.quantize(saved_a, axis=0, scale_mode=mode)
-            dw = mx.mx_mm(dy_col.t(), x_col, out_dtype=torch.float32).to(ctx.w_dtype)
-        elif needs_wgrad:  # wgrad: high_precision
-            dw = (dy.t() @ saved_a).to(ctx.w_dtype)
+            dw = mx.mx_mm(dy_col.t(), x_col, out_dtype=ctx.dtype).to(ctx.w_dtype)
+        elif needs_wgrad:  # wgrad: high_precision, in the compute dtype
+            dw = (dy.t() @ saved_a.to(ctx.dtype)).to(ctx.w_dtype)
         if needs_dbias and ctx.has_bias:
             dbias = dy.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, dbias, None, None, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None, None, None
 
 
 class MXLinear(nn.Module):
@@ -109,7 +113,7 @@ class MXLinear(nn.Module):
         x2d = x.reshape(-1, self.in_features).contiguous()
         c = self.config
         y = _MXLinearFunction.apply(x2d, self.weight, self.bias, *self._quantized_weight(), c.scale_mode, c.wgrad,
-                                    c.save_input)
+                                    c.save_input, compute_dtype(x2d))
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

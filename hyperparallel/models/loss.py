@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperparallel.moe import compute_dtype
+from hyperparallel.lowp.dtypes import compute_dtype
 
 IGNORE_INDEX = -100
 # Rows of logits computed at once: the logits of one chunk (rows x vocab float32) stay near the

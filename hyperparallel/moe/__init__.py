@@ -11,7 +11,7 @@ __getattr__, __dir__, _exported = lazy_exports(__name__, {
     "balance": ("LoadBalancer", "routers"),
     "block": ("MoEBlock",),
     "experts": ("GroupedExperts", "HighPrecision", "unsupported_reason"),
-    "grouped_matmul": ("compute_dtype", "grouped_mm", "native_grouped_mm_supported"),
+    "grouped_matmul": ("grouped_mm", "native_grouped_mm_supported"),
     "megamoe": ("MegaMoE",),
     "megamoe_graphs": ("MoEShape", "default_waves", "plan_graphs"),
     "permutation": ("add_rows_to_tokens", "gather_rows", "padded_slots", "sort_by_expert"),

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from hyperparallel.errors import ShapeError
+from hyperparallel.lowp.dtypes import compute_dtype
 from hyperparallel.lowp.grouped import gated
-from hyperparallel.moe.grouped_matmul import compute_dtype, grouped_mm
+from hyperparallel.moe.grouped_matmul import grouped_mm
 from hyperparallel.moe.permutation import add_rows_to_tokens, gather_rows, padded_slots, sort_by_expert
 from hyperparallel.moe.stages import HighPrecisionStages
 

@@ -27,14 +27,6 @@ def native_grouped_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     return b.is_contiguous() or b.transpose(-2, -1).is_contiguous()
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype matmuls on `x` run in: torch.autocast's for x's device when it is on, else x's own."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
 # torch._grouped_mm as custom ops: torch.compile sees them as opaque calls with a known output
 # shape (its own meta function for _grouped_mm refuses float32), and the backward below runs on
 # grouped matmuls too. torch's own backward for _grouped_mm fails on the CPU when the incoming

@@ -8,7 +8,8 @@ eager padded layout's length (free on the CPU).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from hyperparallel.mx.groups import has_values
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,10 +24,6 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.T
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return order, torch.cumsum(counts, 0).to(torch.int32)
-
-
-def has_values(t: torch.Tensor) -> bool:
-    return t.device.type != "meta" and not isinstance(t, FakeTensor)
 
 
 def padded_slots(token_of_row, expert_of_row, offsets, num_tokens: int, align: int):

@@ -11,13 +11,18 @@ Rows of the scale tensor that no block uses hold byte 0.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from hyperparallel.errors import ShapeError
 from hyperparallel.mx.format import BLOCK_SIZE, num_blocks
 
 
 def check_offsets(offsets: torch.Tensor, rows: int) -> None:
-    """Offsets are cumulative group ends: 1-D, integer, non-decreasing, last == rows."""
+    """Offsets are cumulative group ends: 1-D, integer, non-decreasing, last == rows.
+
+    The values are checked by device-side assertions (`torch._assert_async`): on a GPU they never
+    wait for the device (a bad value fails the next synchronizing call); on the CPU they are
+    checked at once."""
     if not isinstance(offsets, torch.Tensor):
         raise ShapeError(f"offsets must be a 1-D integer tensor of group ends, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.numel() == 0:
@@ -25,13 +30,30 @@ def check_offsets(offsets: torch.Tensor, rows: int) -> None:
             f"offsets must be a non-empty 1-D int32/int64 tensor of cumulative group ends, "
             f"got shape {tuple(offsets.shape)} and dtype {offsets.dtype}"
         )
-    if torch.compiler.is_compiling():
-        return  # the values are data: reading them would break the graph (checked when eager)
-    ends = offsets.detach().to("cpu", torch.int64)
-    if int(ends[-1]) != rows:
-        raise ShapeError(f"offsets must end at the row count {rows}, but the last offset is {int(ends[-1])}")
-    if int(ends[0]) < 0 or bool((ends[1:] < ends[:-1]).any()):
-        raise ShapeError(f"offsets must be non-negative and non-decreasing, got {ends.tolist()}")
+    if torch.compiler.is_compiling() or not has_values(offsets):
+        return  # the values are data: asserting on them would break the graph (checked when eager)
+    _assert(offsets[-1] == rows, f"offsets must end at the row count {rows}")
+    _assert((offsets[0] >= 0) & (offsets[1:] >= offsets[:-1]).all(), "offsets must be non-negative and non-decreasing")
+
+
+def check_same_offsets(own: torch.Tensor | None, offsets: torch.Tensor, message: str) -> None:
+    """A grouped MXTensor's own offsets equal `offsets` (asserted on the device, as check_offsets)."""
+    if own is None or own.shape != offsets.shape:
+        raise ShapeError(message)
+    if not torch.compiler.is_compiling() and has_values(offsets):
+        _assert((own.to(offsets.device, torch.int64) == offsets.long()).all(), message)
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether `t` holds values (not a meta tensor, nor a fake one of torch.compile or `hyperparallel plan`)."""
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+def _assert(condition: torch.Tensor, message: str) -> None:
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as exc:  # the CPU checks at once: the library's own error type
+        raise ShapeError(message) from exc
 
 
 def grouped_scale_rows(rows: int, num_groups: int) -> int:

@@ -1,81 +1,59 @@
-"""MX matrix products, emulated exactly: dequantize, then one library matmul.
+"""MX matrix products: dequantize each operand to the product's compute dtype, then one library
+matmul (oneDNN on the CPU, cuBLAS on a GPU) accumulating in fp32.
 
-Each operand is dequantized to a dtype that holds every one of its values exactly, and the
-product runs in a fast library matmul with fp32 accumulation (oneDNN on the CPU, cuBLAS on the
-GPU). The result equals the product of the dequantized operands to fp32 accumulation accuracy,
-which is what MX hardware computes. The exact dtype is bf16 when the block scales keep every
-value a normal bf16 (bf16 dot-product units treat subnormals as zero), else fp32, else fp64;
-the ``reference`` backend always uses fp64.
+The operand dtype follows from the dtypes alone, never from the values: the output dtype when it
+is bf16 or fp16 (the compute dtype of a bf16 / fp16 model, or of torch.autocast), fp32 for an fp32
+output, fp64 for the ``reference`` backend. So the product reads nothing back to the host, and on
+a GPU it runs on the same tensor cores as a bf16 product. See [Note: MX values in the compute
+dtype] for why this is exact, and where it is not.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hyperparallel.errors import ShapeError
-from hyperparallel.mx.format import BLOCK_SIZE, SCALE_BIAS, SCALE_NAN, element_format
+from hyperparallel.mx.format import element_format
 from hyperparallel.mx.grouped_products import grouped_rows_mm, grouped_weight_grad_mm
-from hyperparallel.mx.groups import check_offsets, grouped_scale_index
+from hyperparallel.mx.groups import check_offsets, check_same_offsets
 from hyperparallel.mx.tensor import MXTensor
 
-# Magnitudes of the smallest nonzero and largest element of each format, as powers of two.
-_ELEM_RANGE = {torch.float8_e4m3fn: (-9, 9), torch.float8_e5m2: (-16, 16)}
-_NORMAL_RANGE = {torch.bfloat16: (-126, 128), torch.float32: (-149, 128)}
+# [Note: MX values in the compute dtype]
+# An MX value is an FP8 element (E4M3: 3 mantissa bits; E5M2: 2) times a power of two, so it has
+# at most 4 significant bits: bf16 (8) and fp16 (11) hold it exactly whenever its exponent is in
+# their range. What `quantize` makes from a tensor of a dtype stays in that dtype's range, except
+# at two corners:
+# - underflow: elements below the dtype's smallest normal (bf16 2^-126, fp16 2^-14) are its
+#   subnormals, exact down to multiples of its smallest subnormal (bf16 2^-133, fp16 2^-24) and
+#   rounded to that below. A block is affected only if its largest value is below about 2^-117
+#   (bf16) or 2^-7 (fp16, with E4M3 elements spanning 2^17); each affected element moves by at
+#   most half that smallest subnormal: the precision the input itself has there. bf16 dot-product
+#   units of some CPUs flush subnormals to zero, as they do for a bf16 product of the input.
+# - overflow: with `rceil` a value within one FP8 step of the dtype's largest finite value can
+#   round up to the next power of two, which is inf in that dtype (bf16 above 2^128 - 2^123,
+#   fp16 above 61440). An fp32 output computes in fp32, where every MX value of an E4M3 or E5M2
+#   element is exact (E8M0 scales go down to 2^-127: elements down to 2^-143, above fp32's
+#   smallest subnormal 2^-149), again except the overflow corner near fp32's largest value.
+# The ``reference`` backend computes in fp64, which holds every MX value.
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _blocks_below_are_zero(mx: MXTensor, byte: int) -> bool:
-    """Whether every block whose scale byte is below `byte` holds only zeros. All-zero blocks
-    get scale byte 0, which would otherwise rule out bf16 for the whole operand."""
-    if byte <= 0:
-        return True
-    small = mx.scale.view(torch.uint8) < byte
-    if not bool(small.any()):
-        return True
-    if mx.group_offsets is not None:
-        # Grouped: scale rows that no block uses hold byte 0 and scale nothing; look at the data
-        # rows each used scale row scales (on the untransposed [M, K], blocked along M).
-        data, small = (mx.data, small) if mx.axis == 0 else (mx.data.t(), small.t())
-        scale_row = grouped_scale_index(mx.group_offsets, data.shape[0]).to(small.device)
-        return not bool((data.view(torch.uint8)[small[scale_row]] & 0x7F).any())
-    data = mx.data.view(torch.uint8).movedim(mx.axis, -1)
-    blocks = F.pad(data, (0, -data.shape[-1] % BLOCK_SIZE)).reshape(*data.shape[:-1], -1, BLOCK_SIZE)
-    return not bool((blocks[small.movedim(mx.axis, -1)] & 0x7F).any())
-
-
-def _exact_dtype(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> torch.dtype:
+def operand_dtype(out_dtype: torch.dtype, backend: str | None = None) -> torch.dtype:
+    """The dtype an MX product with this output dequantizes its operands to."""
     if backend == "reference":
         return torch.float64
-    if torch.compiler.is_compiling():
-        # A graph cannot choose a dtype from the scales' values. fp32 holds every element of every
-        # block that quantize() makes from finite inputs, except one whose largest value rounds up
-        # to 2^128 or more (an fp32 input within one FP8 step of fp32's max), which becomes inf.
-        return torch.float32
-    lo_elem, hi_elem = _ELEM_RANGE[mx.elem_dtype]
-    s = mx.scale.view(torch.uint8)
-    if s.numel() == 0:
-        return torch.bfloat16
-    hi_byte = int(s.max())
-    if hi_byte == SCALE_NAN:  # NaN blocks dequantize to NaN in any dtype: range over the others
-        finite = s[s != SCALE_NAN]
-        hi_byte = int(finite.max()) if finite.numel() else SCALE_BIAS
-    e_max = hi_byte - SCALE_BIAS
-    candidates = (torch.bfloat16, torch.float32) if out_dtype == torch.bfloat16 else (torch.float32,)
-    for dtype in candidates:
-        lo, hi = _NORMAL_RANGE[dtype]
-        smallest_exact_byte = lo - lo_elem + SCALE_BIAS  # blocks scaled lower may underflow
-        if e_max + hi_elem < hi and _blocks_below_are_zero(mx, smallest_exact_byte):
-            return dtype
-    return torch.float64
+    return out_dtype if out_dtype in _COMPUTE_DTYPES else torch.float32
 
 
 def _operand(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> torch.Tensor:
-    return mx.dequantize(_exact_dtype(mx, out_dtype, backend), backend=backend)
+    return mx.dequantize(operand_dtype(out_dtype, backend), backend=backend)
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    dtype = torch.promote_types(a.dtype, b.dtype)
-    return torch.mm(a.to(dtype), b.to(dtype)).to(out_dtype)
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    # the bias joins the fp32 accumulator before the one rounding to the operand dtype, as in
+    # nn.Linear's addmm
+    y = torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+    return y.to(out_dtype)
 
 
 def _require(mx, name, ndim, axis):
@@ -91,15 +69,19 @@ def _require(mx, name, ndim, axis):
         )
 
 
-def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None) -> torch.Tensor:
-    """a [M, K] (blocked along K, axis 1) @ b [K, N] (blocked along K, axis 0) -> [M, N]."""
+def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16, *, bias: torch.Tensor | None = None,
+          backend: str | None = None) -> torch.Tensor:
+    """a [M, K] (blocked along K, axis 1) @ b [K, N] (blocked along K, axis 0) (+ bias [N]) -> [M, N],
+    computed in `operand_dtype(out_dtype)`."""
     _require(a, "a", 2, 1)
     _require(b, "b", 2, 0)
     if a.shape[1] != b.shape[0]:
         raise ShapeError(f"mx_mm: a is {tuple(a.shape)} and b is {tuple(b.shape)}; a.shape[1] must equal b.shape[0]")
     if a.group_offsets is not None or b.group_offsets is not None:
         raise ShapeError("mx_mm takes ungrouped operands; use mx_grouped_mm for grouped ones")
-    return _matmul(_operand(a, out_dtype, backend), _operand(b, out_dtype, backend), out_dtype)
+    if bias is not None and tuple(bias.shape) != (b.shape[1],):
+        raise ShapeError(f"mx_mm: bias must be [{b.shape[1]}], got {tuple(bias.shape)}")
+    return _matmul(_operand(a, out_dtype, backend), _operand(b, out_dtype, backend), out_dtype, bias)
 
 
 def mx_grouped_mm(
@@ -139,7 +121,7 @@ def mx_grouped_mm(
         raise ShapeError(f"mx_grouped_mm: a is {tuple(a.shape)} and b is {tuple(b.shape)}; the grouped M must match")
     check_offsets(offsets, M)
     for name, mx in (("a", a), ("b", b)):
-        if mx.group_offsets is None or not torch.equal(mx.group_offsets.cpu().long(), offsets.cpu().long()):
-            raise ShapeError(f"mx_grouped_mm: {name} must be quantized with quantize_grouped and these offsets")
+        check_same_offsets(mx.group_offsets, offsets, f"mx_grouped_mm: {name} must be quantized with quantize_grouped "
+                                                      f"and these offsets")
     av, bv = _operand(a, out_dtype, backend), _operand(b, out_dtype, backend)
     return grouped_weight_grad_mm(av, bv, offsets).to(out_dtype)

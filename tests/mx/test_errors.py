@@ -32,7 +32,7 @@ def test_bad_axis_mode_format_block():
 
 def test_offsets_must_end_at_row_count():
     x = torch.randn(40, 8)
-    with pytest.raises(ShapeError, match="must end at the row count 40, but the last offset is 39"):
+    with pytest.raises(ShapeError, match="must end at the row count 40"):
         mx.quantize_grouped(x, torch.tensor([10, 39]))
     with pytest.raises(ShapeError, match="non-decreasing"):
         mx.quantize_grouped(x, torch.tensor([20, 10, 40]))

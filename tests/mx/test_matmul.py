@@ -7,7 +7,7 @@ import torch
 
 from hyperparallel import mx
 from hyperparallel.errors import ShapeError
-from hyperparallel.mx.matmul import _exact_dtype
+from hyperparallel.mx.matmul import operand_dtype
 
 BACKENDS = ["cpu", "reference"]
 
@@ -36,16 +36,22 @@ def test_mx_mm(backend, out_dtype, shape):
     assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
 
 
-def test_mx_mm_with_extreme_scales_is_still_exact():
-    # Scales near both ends of E8M0 push values outside bf16's normal range: the product must
-    # switch to a wider dtype rather than flush or overflow.
-    a = mx.quantize(torch.randn(16, 64) * 2.0**-120, 1)
-    b = mx.quantize(torch.randn(64, 8) * 2.0**100, 0)
-    assert _exact_dtype(a, torch.bfloat16, None) == torch.float32
-    out = mx.mx_mm(a, b, torch.float32)
-    assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
-    plain = mx.quantize(torch.randn(16, 64), 1)
-    assert _exact_dtype(plain, torch.bfloat16, None) == torch.bfloat16
+def test_operand_dtype_follows_the_output_dtype_alone():
+    assert operand_dtype(torch.bfloat16) == torch.bfloat16
+    assert operand_dtype(torch.float16) == torch.float16
+    assert operand_dtype(torch.float32) == torch.float32
+    assert operand_dtype(torch.bfloat16, "reference") == torch.float64
+
+
+def test_fp32_products_are_exact_at_both_ends_of_e8m0():
+    # Block scales near both ends of E8M0 (2^-127, 2^119): every MX value is an fp32 number.
+    x = torch.randn(8, 64) * 2.0**120
+    x[:, 0] = 1.5 * 2.0**127
+    for a in (mx.quantize(x, 1), mx.quantize(torch.randn(16, 64) * 2.0**-120, 1)):
+        b = mx.quantize(torch.randn(64, 4) * 2.0**-125, 0)
+        assert torch.equal(a.dequantize(torch.float32).double(), a.dequantize(torch.float64))
+        out = mx.mx_mm(a, b, torch.float32)
+        assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,29 +121,34 @@ def test_nan_block_poisons_only_its_outputs():
     assert_fp32_accumulation_accurate(out[finite_rows], a64, b64)
 
 
-def test_scales_beyond_float32_use_float64():
-    # block scales near 2^120 put values at the edge of float32: the product runs in float64
-    x = torch.randn(8, 64) * 2.0**120
-    x[:, 0] = 1.5 * 2.0**127  # scale 2^119: its elements reach 448 * 2^119 > float32 max
-    a = mx.quantize(x, 1)
-    b = mx.quantize(torch.randn(64, 4) * 2.0**-125, 0)
-    assert _exact_dtype(a, torch.float32, None) == torch.float64
-    out = mx.mx_mm(a, b, torch.float32)
-    assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
-
-
-def test_zero_blocks_keep_the_bf16_path_and_tiny_ones_do_not():
+def test_bf16_operands_round_only_below_bf16s_subnormals():
+    # [Note: MX values in the compute dtype]: a block whose values sit below bf16's normal range
+    # dequantizes to bf16 subnormals, each within half of bf16's smallest subnormal (2^-133) of
+    # its exact value; every other block is exact.
     x = torch.randn(16, 128)
-    x[3, 32:64] = 0.0  # an all-zero block: scale byte 0
+    # one block of tiny values: its scale clamps to E8M0's smallest, 2^-127, and its E4M3
+    # subnormal elements go down to 2^-136 (here 3 * 2^-136), below bf16's 2^-133
+    x[3, 32:64] = torch.linspace(-1, 1, 32) * 2.0**-121
+    x[3, 33] = 3 * 2.0**-136
     a = mx.quantize(x, 1)
-    assert int(a.scale.view(torch.uint8).min()) == 0
-    assert _exact_dtype(a, torch.bfloat16, None) == torch.bfloat16
-    x[3, 40] = 2.0**-130  # now that block holds a value bf16 cannot: widen
-    tiny = mx.quantize(x, 1)
-    assert _exact_dtype(tiny, torch.bfloat16, None) == torch.float32
-    for operand in (a, tiny):
-        b = mx.quantize(torch.randn(128, 8), 0)
-        out = mx.mx_mm(operand, b, torch.bfloat16)
-        assert_fp32_accumulation_accurate(out, operand.dequantize(torch.float64), b.dequantize(torch.float64))
-    col = mx.quantize(x.t().contiguous(), 0)  # the same along axis 0
-    assert _exact_dtype(col, torch.bfloat16, None) == torch.float32
+    exact, in_bf16 = a.dequantize(torch.float64), a.dequantize(torch.bfloat16).double()
+    err = (in_bf16 - exact).abs()
+    assert float(err.max()) <= 2.0**-134 and float(err.max()) > 0  # the corner is real, and bounded
+    err[3, 32:64] = 0
+    assert float(err.max()) == 0
+    b = mx.quantize(torch.randn(128, 8), 0)
+    rows = torch.tensor([0, 1, 2, 4])  # rows without the tiny block: bf16 products exact to fp32 accumulation
+    out = mx.mx_mm(a, b, torch.bfloat16)
+    assert_fp32_accumulation_accurate(out[rows], exact[rows], b.dequantize(torch.float64))
+
+
+def test_bias_joins_the_accumulator():
+    g = torch.Generator().manual_seed(3)
+    a = mx.quantize(torch.randn(8, 64, generator=g).bfloat16(), 1)
+    b = mx.quantize(torch.randn(64, 16, generator=g).bfloat16(), 0)
+    bias = torch.randn(16, generator=g).bfloat16()
+    out = mx.mx_mm(a, b, torch.bfloat16, bias=bias)
+    expected = torch.addmm(bias, a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16))
+    assert torch.equal(out, expected)
+    with pytest.raises(ShapeError, match="bias must be \\[16\\]"):
+        mx.mx_mm(a, b, bias=torch.zeros(8))
