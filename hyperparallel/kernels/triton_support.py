@@ -9,13 +9,19 @@ the module's namespace, which is where Triton resolves calls between jit functio
 again whenever TRITON_INTERPRET changed since. So TRITON_INTERPRET=1 (the kernels run by the
 interpreter, on CPU tensors: how the tests run them) is honoured when it is set any time before
 a call, even after triton was imported (importing torch can import it).
+
+[Note: recorded launches] Inside `recorded_launches()` every JitKernels' build() binds its names
+to recorders instead: ``kernel[grid](*args, **kwargs)`` appends a `Launch` and runs nothing, and
+CPU tensors are accepted as a GPU's would be. So a kernel module's own wrappers, called on small
+CPU tensors, say which specializations they launch; kernels.aot compiles those ahead of time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -27,6 +33,8 @@ try:
 except Exception as exc:  # a broken install must not break importing hyperparallel
     triton = tl = None
     IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+_recording: list[Launch] | None = None  # the launches recorded now (see [Note: recorded launches])
 
 
 def interpret() -> bool:
@@ -45,7 +53,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None if torch.cuda.is_available() else "CUDA is not available in this process"
     if device.type == "cpu":
-        if interpret():
+        if interpret() or _recording is not None:
             return None
         return "triton kernels take CUDA tensors (CPU tensors only with TRITON_INTERPRET=1)"
     return f"triton kernels take CUDA tensors, not {device.type} tensors"
@@ -73,6 +81,43 @@ COMBINES = {"max": ("_elementwise_max", _max_combine), "min": ("_elementwise_min
             "sum": ("_sum_combine", _sum_combine)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch recorded by `recorded_launches`: ``kernels``' kernel `name`, [grid](*args, **kwargs)."""
+
+    kernels: JitKernels
+    name: str
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a jit function while launches are recorded."""
+
+    def __init__(self, kernels: JitKernels, name: str):
+        self._kernels, self._name = kernels, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _recording.append(Launch(self._kernels, self._name, tuple(grid), args, kwargs))
+        return launch
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """The launches of every JitKernels' kernels inside, recorded instead of run (see [Note:
+    recorded launches]); the kernels are jitted again at the next build() after."""
+    global _recording
+    if triton is None:
+        raise RuntimeError(unavailable_reason(torch.device("cuda")))
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
 class JitKernels:
     """One module's Triton kernels, jitted on first use (see [Note: kernels jitted on first use]).
 
@@ -88,25 +133,38 @@ class JitKernels:
         self._namespace = namespace
         self._combines = dict(combines or {})
         self._sources: dict[str, Callable] = {}
-        self._built_for: bool | None = None  # the interpret mode the kernels were jitted in
+        self._built_for: bool | str | None = None  # the interpret mode the kernels were jitted in, or "record"
 
     def register(self, fn: Callable) -> Callable:
         """A decorator: `fn` becomes a jit function of the module at the next build()."""
         self._sources[fn.__name__] = fn
         return fn
 
+    @property
+    def module(self) -> str:
+        return self._namespace["__name__"]
+
     def build(self) -> None:
         """Jit every registered function (again, if TRITON_INTERPRET changed since), rebinding
-        the module's names."""
-        mode = interpret()
-        if self._built_for is mode:
+        the module's names; recorders instead while launches are recorded."""
+        mode = "record" if _recording is not None else interpret()
+        if self._built_for == mode:
             return
         for name, fn in self._sources.items():
-            self._namespace[name] = triton.jit(fn)
+            self._namespace[name] = _Recorder(self, name) if mode == "record" else triton.jit(fn)
         for name, kind in self._combines.items():
             standard, fallback = COMBINES[kind]
-            self._namespace[name] = getattr(tl.standard, standard, None) or triton.jit(fallback)
+            own = getattr(tl.standard, standard, None)
+            if mode is False and not isinstance(own, triton.runtime.JITFunction):
+                own = None  # made while the interpreter was on (triton imported then): it cannot compile
+            self._namespace[name] = own or triton.jit(fallback)
         self._built_for = mode
 
+    def jitted(self, name: str):
+        """The jit function of kernel `name` as a launch now gets it."""
+        self.build()
+        return self._namespace[name]
 
-__all__ = ["COMBINES", "IMPORT_ERROR", "JitKernels", "interpret", "on_device", "tl", "triton", "unavailable_reason"]
+
+__all__ = ["COMBINES", "IMPORT_ERROR", "JitKernels", "Launch", "interpret", "on_device", "recorded_launches", "tl",
+           "triton", "unavailable_reason"]
