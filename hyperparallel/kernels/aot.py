@@ -66,6 +66,19 @@ def _mx() -> None:
                 t.dequantize(dtype, backend="triton")
 
 
+def _mx_gemm() -> None:
+    """hyperparallel.mx.backends.triton_mm: the SM90 MX GEMM, each output dtype, element formats
+    (E4M3 forward, E5M2 gradients), with and without a bias, the tiles it launches with."""
+    from hyperparallel import mx
+    from hyperparallel.mx.backends import triton_mm
+
+    for out_dtype, elem_b, bias in itertools.product((torch.bfloat16, torch.float16, torch.float32),
+                                                     (torch.float8_e4m3fn, torch.float8_e5m2), (False, True)):
+        a = mx.quantize(torch.zeros(256, 512), 1, backend="reference")
+        b = mx.quantize(torch.zeros(512, 256), 0, elem_dtype=elem_b, backend="reference")
+        triton_mm.mx_mm(a, b, out_dtype, torch.zeros(256) if bias else None)
+
+
 # The routers of the families models registers, as MegaGate takes them: (score, experts, top_k,
 # groups, top groups, correction bias, routed scaling factor, hash-routed).
 _ROUTERS = {
@@ -112,7 +125,8 @@ def _mega_mhc() -> None:
         head.float().sum().backward()
 
 
-DRIVERS: dict[str, Callable[[], None]] = {"mx": _mx, "mega_gate": _mega_gate, "mega_mhc": _mega_mhc}
+DRIVERS: dict[str, Callable[[], None]] = {"mx": _mx, "mx_gemm": _mx_gemm, "mega_gate": _mega_gate,
+                                          "mega_mhc": _mega_mhc}
 
 
 # ------------------------------------------------------------------------------ specializations

@@ -6,6 +6,10 @@ is bf16 or fp16 (the compute dtype of a bf16 / fp16 model, or of torch.autocast)
 output, fp64 for the ``reference`` backend. So the product reads nothing back to the host, and on
 a GPU it runs on the same tensor cores as a bf16 product. See [Note: MX values in the compute
 dtype] for why this is exact, and where it is not.
+
+That is the `dequantize` GEMM path. `mx_mm` runs on MX tensor cores (SM100+) or on a Triton
+kernel that decodes the tiles in registers (SM90) where the device has them
+(`hyperparallel.mx.gemm_path`): the same products, accumulated in another order.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from hyperparallel.errors import ShapeError
+from hyperparallel.mx import gemm_path
+from hyperparallel.mx.backends import triton_mm
 from hyperparallel.mx.format import element_format
 from hyperparallel.mx.grouped_products import grouped_rows_mm, grouped_weight_grad_mm
 from hyperparallel.mx.groups import check_offsets, check_same_offsets
@@ -81,6 +87,11 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16, *, 
         raise ShapeError("mx_mm takes ungrouped operands; use mx_grouped_mm for grouped ones")
     if bias is not None and tuple(bias.shape) != (b.shape[1],):
         raise ShapeError(f"mx_mm: bias must be [{b.shape[1]}], got {tuple(bias.shape)}")
+    path, _ = gemm_path.plan(a, b, out_dtype, backend)
+    if path == "scaled_mm":
+        return gemm_path.scaled_mm(a, b, out_dtype, bias)
+    if path == "triton":
+        return triton_mm.mx_mm(a, b, out_dtype, bias)
     return _matmul(_operand(a, out_dtype, backend), _operand(b, out_dtype, backend), out_dtype, bias)
 
 

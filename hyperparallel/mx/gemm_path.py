@@ -1,0 +1,105 @@
+"""Which GEMM an MX product runs on: chosen by the device's capability, or forced.
+
+    scaled_mm   SM100+ (Blackwell: MX tensor cores): torch._scaled_mm on the FP8 data with the
+                E8M0 scales in cuBLAS's tiled layout (`blocked_scales`); bf16 output, K a
+                multiple of 32, M, N and K multiples of 16
+    triton      SM90 (Hopper: FP8 but no MX units): one Triton kernel that decodes the FP8 tiles
+                and their scales to bf16 inside the tile and runs bf16 tensor-core products
+                (`backends/triton_mm.py`)
+    dequantize  everywhere: each operand dequantized to the compute dtype, then one library
+                matmul (the CPU's path, and the fallback)
+
+Every path computes the same products (exact MX values, fp32 accumulation): they differ in
+accumulation order only. `HYPERPARALLEL_MX_GEMM` (read at each call) or `plan(..., forced=)`
+forces one; a forced path that cannot serve a product raises BackendError with the reason, an
+automatic choice falls back to `dequantize`, and `plan` says why. Grouped products (MoE experts)
+take the dequantize path on every device: one torch._grouped_mm over bf16 operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hyperparallel.errors import BackendError
+from hyperparallel.mx.tensor import MXTensor
+
+PATHS = ("dequantize", "triton", "scaled_mm")
+ENV = "HYPERPARALLEL_MX_GEMM"
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def scaled_mm_reason(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str | None:
+    """Why torch._scaled_mm with MX scales cannot run this product (None: it can)."""
+    capability = _capability(a.device)
+    if capability is None or capability < (10, 0):
+        where = f"compute capability {capability[0]}.{capability[1]}" if capability else f"a {a.device.type} tensor"
+        return f"scaled_mm needs MX tensor cores (compute capability 10.0+, Blackwell); this is {where}"
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e8m0fnu"):
+        return f"scaled_mm needs torch._scaled_mm with float8_e8m0fnu scales; torch {torch.__version__} lacks it"
+    if out_dtype != torch.bfloat16:
+        return f"scaled_mm writes bf16 here, not {out_dtype}"
+    if a.elem_dtype != b.elem_dtype:
+        return "scaled_mm takes operands of one element format"
+    (M, K), N = a.shape, b.shape[1]
+    if K % 32 or M % 16 or N % 16:
+        return f"scaled_mm needs K a multiple of 32 and M, N multiples of 16; this is {M}x{K}x{N}"
+    if not (a.data.is_contiguous() and b.data.t().is_contiguous()):
+        return "scaled_mm needs a row-major and b column-major (b.t() of a row-major [N, K])"
+    return None
+
+
+def triton_reason(a: MXTensor, out_dtype: torch.dtype) -> str | None:
+    from hyperparallel.kernels.triton_support import unavailable_reason
+
+    reason = unavailable_reason(a.device)
+    if reason:
+        return f"the triton GEMM cannot run: {reason}"
+    capability = _capability(a.device)
+    if capability is not None and capability < (8, 0):
+        return f"the triton GEMM needs bf16 tensor cores (compute capability 8.0+); this is {capability}"
+    return None
+
+
+def plan(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str | None = None,
+         forced: str | None = None) -> tuple[str, str]:
+    """(path, why) for a [M, K] x b [K, N] -> out_dtype on a's device."""
+    forced = forced or os.environ.get(ENV) or None
+    if forced is not None and forced not in PATHS:
+        raise BackendError(f"{ENV}={forced!r} is no MX GEMM path; choose one of {PATHS}")
+    if backend == "reference":
+        if forced not in (None, "dequantize"):
+            raise BackendError(f"the reference backend computes in fp64 on the dequantize path, not {forced}")
+        return "dequantize", "the reference backend: fp64 products"
+    checks = {"scaled_mm": lambda: scaled_mm_reason(a, b, out_dtype), "triton": lambda: triton_reason(a, out_dtype)}
+    if forced is not None:
+        reason = checks[forced]() if forced in checks else None
+        if reason:
+            raise BackendError(f"{ENV}={forced}: {reason}")
+        return forced, "forced"
+    capability = _capability(a.device)
+    if capability is None:
+        return "dequantize", f"{a.device.type}: no MX or FP8 GEMM units to use"
+    wanted = "scaled_mm" if capability >= (10, 0) else "triton" if capability >= (9, 0) else None
+    if wanted is None:
+        return "dequantize", f"compute capability {capability[0]}.{capability[1]}: no FP8 units"
+    reason = checks[wanted]()
+    return (wanted, f"compute capability {capability[0]}.{capability[1]}") if reason is None else ("dequantize", reason)
+
+
+def scaled_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b on MX tensor cores: torch._scaled_mm with the scales in cuBLAS's tiled layout."""
+    from hyperparallel.mx.blocked_scales import to_blocked
+
+    scale_a = to_blocked(a.scale.contiguous())
+    scale_b = to_blocked(b.scale.t().contiguous())  # b's scales as [N, K/32], like a's
+    out = torch._scaled_mm(a.data, b.data, scale_a, scale_b, out_dtype=out_dtype)
+    # (cuBLAS's bias epilogue with block scales is not relied on: unchecked without a Blackwell GPU;
+    # the bias is added to the bf16 product, one more rounding than the other paths)
+    return out if bias is None else out + bias.to(out_dtype)

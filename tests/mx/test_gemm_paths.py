@@ -1,0 +1,133 @@
+"""The GEMM paths of MX products: cuBLAS's scale layout, the choice by compute capability, and the
+Triton kernel (run by Triton's interpreter on CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_interpreter import imports, triton_interpreter  # noqa: F401 (a fixture)
+
+with imports():
+    import torch
+
+    from hyperparallel import mx
+    from hyperparallel.errors import BackendError
+    from hyperparallel.mx import gemm_path
+    from hyperparallel.mx.backends import triton_mm
+    from hyperparallel.mx.blocked_scales import to_blocked, to_blocked_reference
+    from tests.mx.test_matmul import assert_fp32_accumulation_accurate
+
+SMALL_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (128, 4), (130, 5), (256, 8), (33, 12), (300, 3)])
+def test_the_scale_layout_is_cublas_tiles(shape):
+    scale = torch.randint(0, 255, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(shape[0]))
+    blocked = to_blocked(scale.view(torch.float8_e8m0fnu))
+    assert blocked.dtype == torch.float8_e8m0fnu
+    assert torch.equal(blocked.view(torch.uint8), to_blocked_reference(scale))
+    rows, cols = -(-shape[0] // 128) * 128, -(-shape[1] // 4) * 4
+    assert blocked.numel() == rows * cols  # padded to whole 128 x 4 tiles
+    if shape[0] > 32:  # row 1 of a tile sits 16 bytes in, row 32 right after row 0's 4 columns
+        assert int(blocked.view(torch.uint8)[16]) == int(scale[1, 0])
+        assert int(blocked.view(torch.uint8)[4]) == int(scale[32, 0])
+
+
+def mx_operands(m, k, n, device="cpu"):
+    g = torch.Generator().manual_seed(m + k + n)
+    a = mx.quantize(torch.randn(m, k, generator=g).bfloat16().to(device), 1)
+    b = mx.quantize(torch.randn(n, k, generator=g).bfloat16().to(device), 1).t()  # a weight's row-wise copy, as MXLinear's
+    return a, b
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Pretend a CUDA device of the given capability (the operands stay CPU tensors: only the
+    choice is tested, so the device they report is patched too)."""
+    def pretend(major_minor):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: major_minor)
+        monkeypatch.setattr(gemm_path, "_capability", lambda device: major_minor)
+        monkeypatch.setattr("hyperparallel.kernels.triton_support.unavailable_reason", lambda device: None)
+    return pretend
+
+
+@pytest.mark.parametrize("major_minor, expected", [((10, 0), "scaled_mm"), ((12, 0), "scaled_mm"), ((9, 0), "triton"),
+                                                   ((8, 0), "dequantize")])
+def test_the_path_follows_the_compute_capability(capability, major_minor, expected):
+    capability(major_minor)
+    a, b = mx_operands(64, 128, 32)
+    path, why = gemm_path.plan(a, b, torch.bfloat16)
+    assert path == expected, why
+
+
+def test_the_cpu_and_the_reference_backend_dequantize():
+    a, b = mx_operands(64, 128, 32)
+    assert gemm_path.plan(a, b, torch.bfloat16)[0] == "dequantize"
+    assert gemm_path.plan(a, b, torch.bfloat16, backend="reference") == ("dequantize", "the reference backend: fp64 products")
+
+
+def test_blackwell_falls_back_with_the_reason_when_a_product_does_not_fit(capability):
+    capability((10, 0))
+    a, b = mx_operands(64, 100, 32)  # K not a multiple of 32
+    assert gemm_path.plan(a, b, torch.bfloat16) == (
+        "dequantize", "scaled_mm needs K a multiple of 32 and M, N multiples of 16; this is 64x100x32")
+    a, b = mx_operands(64, 128, 32)
+    path, why = gemm_path.plan(a, b, torch.float32)
+    assert path == "dequantize" and why == "scaled_mm writes bf16 here, not torch.float32"
+
+
+def test_a_forced_path_runs_or_says_why_not(monkeypatch):
+    a, b = mx_operands(64, 128, 32)
+    monkeypatch.setenv(gemm_path.ENV, "scaled_mm")
+    with pytest.raises(BackendError, match="HYPERPARALLEL_MX_GEMM=scaled_mm: scaled_mm needs MX tensor cores .* this is a cpu tensor"):
+        mx.mx_mm(a, b)
+    monkeypatch.setenv(gemm_path.ENV, "tensor_cores")
+    with pytest.raises(BackendError, match="'tensor_cores' is no MX GEMM path; choose one of"):
+        mx.mx_mm(a, b)
+    monkeypatch.setenv(gemm_path.ENV, "dequantize")
+    assert gemm_path.plan(a, b, torch.bfloat16) == ("dequantize", "forced")
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(40, 96, 24), (33, 70, 17)])
+def test_the_triton_gemm_is_the_mx_product(out_dtype, shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] *= 2.0**-100  # a block of small scale
+    a = mx.quantize(x, 1)
+    b = mx.quantize(torch.randn(k, n, generator=g), 0, elem_dtype=torch.float8_e5m2)
+    bias = torch.randn(n, generator=g)
+    out = triton_mm.mx_mm(a, b, out_dtype, bias, tile=SMALL_TILE)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    # the bias as one more term of the sum: a row of b against a column of ones
+    a64 = torch.cat([a.dequantize(torch.float64), torch.ones(m, 1, dtype=torch.float64)], 1)
+    b64 = torch.cat([b.dequantize(torch.float64), bias.double()[None]], 0)
+    assert_fp32_accumulation_accurate(out, a64, b64)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_forcing_triton_runs_mx_mm_through_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_mm, "TILE", SMALL_TILE)
+    monkeypatch.setattr(triton_mm, "mx_mm", lambda *args: calls.append(args) or torch.zeros(40, 24))
+    monkeypatch.setenv(gemm_path.ENV, "triton")
+    a, b = mx_operands(40, 64, 24)
+    mx.mx_mm(a, b)
+    assert len(calls) == 1
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_nan_blocks_and_the_smallest_scale_decode_exactly():
+    x = torch.randn(32, 64)
+    x[3, 5] = float("nan")
+    x[7, 32:] = torch.linspace(-1, 1, 32) * 2.0**-121  # scale byte 0 (2^-127), E4M3 subnormals
+    a = mx.quantize(x, 1)
+    b = mx.quantize(torch.eye(64), 0)
+    out = triton_mm.mx_mm(a, b, torch.float32, tile=SMALL_TILE)  # a @ I: a's values themselves
+    expected = a.dequantize(torch.float32)
+    assert out[3].isnan().all()  # NaN x 0 is NaN: the NaN block's row, as in any product
+    others = torch.arange(32) != 3
+    assert torch.equal(out[others], expected[others])
