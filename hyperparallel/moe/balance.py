@@ -73,11 +73,12 @@ class LoadBalancer:
             r.clear_record()
 
     @torch.no_grad()
-    def after_step(self) -> dict[str, float | list[float]]:
-        """The step's global loads: update the biases (mode bias); return the step's figures."""
-        figures: dict[str, float | list[float]] = {}
+    def after_step(self) -> dict[str, torch.Tensor]:
+        """The step's global loads: update the biases (mode bias); return the step's figures as
+        device tensors, read nothing back (`read_figures` turns them into numbers, when logging)."""
+        figures: dict[str, torch.Tensor] = {}
         if self._aux_values:
-            figures["aux_loss"] = float(torch.stack(self._aux_values).mean())
+            figures["aux_loss"] = torch.stack(self._aux_values).mean()
         self._aux_values = []
         per_layer, self._step_counts = self._step_counts, None
         if per_layer is None:
@@ -88,10 +89,22 @@ class LoadBalancer:
         imbalance = []
         for router, load in zip(self.routers, counts.double().split([c.numel() for c in per_layer]), strict=True):
             mean = load.mean()
-            imbalance.append(float(load.max() / mean) if mean > 0 else 1.0)
+            imbalance.append(torch.where(mean > 0, load.max() / mean, torch.ones_like(mean)))
             if self.mode == "bias" and router.e_score_correction_bias is not None:
                 bias = router.e_score_correction_bias
                 bias.add_(self.bias_update_rate * torch.sign(mean - load).to(bias.dtype))
-        figures["moe_imbalance"] = max(imbalance)
-        figures["moe_imbalance_per_layer"] = [round(v, 4) for v in imbalance]
+        figures["moe_imbalance_per_layer"] = torch.stack(imbalance)
         return figures
+
+
+def read_figures(figures: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
+    """`LoadBalancer.after_step`'s figures as numbers: aux_loss, moe_imbalance (the largest layer's)
+    and moe_imbalance_per_layer (one host read each)."""
+    read: dict[str, float | list[float]] = {}
+    if "aux_loss" in figures:
+        read["aux_loss"] = float(figures["aux_loss"])
+    if "moe_imbalance_per_layer" in figures:
+        per_layer = figures["moe_imbalance_per_layer"].tolist()
+        read["moe_imbalance"] = max(per_layer)
+        read["moe_imbalance_per_layer"] = [round(v, 4) for v in per_layer]
+    return read

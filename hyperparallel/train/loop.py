@@ -79,6 +79,11 @@ def _write_run_files(cfg: TrainConfig, run_dir: Path, tokenizer) -> None:
     tokenizer.save(run_dir)  # (tokenizer.json, and tokenizer_config.json with the chat template)
 
 
+def logged(done: int, start: int, last: int, every: int) -> bool:
+    """Whether the step that makes `done` steps writes a record (or a stop request does)."""
+    return done % every == 0 or done == last or done == start + 1
+
+
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
           on_step: Callable[[int, dict | None], None] | None = None) -> dict:
     """Train as `cfg` says; returns a summary (steps run, first and last loss, run dir, and
@@ -158,6 +163,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 t0 = time.perf_counter()
                 with tracer.step(step):
                     result = step_fn(batches.micro_batches(step))
+                if rt.device.type == "cuda" and logged(step + 1, start, last, cfg.logging.every):
+                    # the step's work done before its time is read: a logged step's time is the
+                    # device's (the others' read the host's, one step's queue apart at most)
+                    torch.cuda.synchronize(rt.device)
                 agreed = agree(result.loss, time.perf_counter() - t0, stop.requested is not None)
                 tracer.after_step(step)
                 first_loss = agreed.loss if first_loss is None else first_loss
@@ -165,7 +174,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 done = step + 1
                 window.add(agreed.loss, result.grad_norm, result.lr, agreed.step_time_s, result.moe)
                 record = None
-                if done % cfg.logging.every == 0 or done == last or done == start + 1 or agreed.stop:
+                if logged(done, start, last, cfg.logging.every) or agreed.stop:
                     record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                                          world=rt.world, peak_tflops=peak, peak_mem_bytes=peak_memory_bytes(rt.device))
                 log.step(done, record)

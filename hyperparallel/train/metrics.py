@@ -77,12 +77,12 @@ class LogWindow:
 
     def __init__(self):
         self.losses: list[float] = []
-        self.grad_norms: list[float] = []
+        self.grad_norms: list[torch.Tensor] = []  # device tensors, read at take(): no host read per step
         self.lrs: list[float] = []
         self.moe: list[dict] = []
         self.seconds = 0.0
 
-    def add(self, loss: float, grad_norm: float, lr: float, step_time_s: float, moe: dict | None = None) -> None:
+    def add(self, loss: float, grad_norm: torch.Tensor, lr: float, step_time_s: float, moe: dict | None = None) -> None:
         self.losses.append(loss)
         self.grad_norms.append(grad_norm)
         self.lrs.append(lr)
@@ -91,12 +91,15 @@ class LogWindow:
             self.moe.append(moe)
 
     def _moe_means(self) -> dict:
+        from hyperparallel.moe.balance import read_figures
+
+        figures = [read_figures(m) for m in self.moe]
         means = {}
         for key in ("moe_imbalance", "aux_loss"):
-            values = [m[key] for m in self.moe if key in m]
+            values = [m[key] for m in figures if key in m]
             if values:
                 means[key] = sum(values) / len(values)
-        layers = [m["moe_imbalance_per_layer"] for m in self.moe if "moe_imbalance_per_layer" in m]
+        layers = [m["moe_imbalance_per_layer"] for m in figures if "moe_imbalance_per_layer" in m]
         if layers:
             means["moe_imbalance_per_layer"] = [round(sum(v) / len(v), 4) for v in zip(*layers, strict=True)]
         return means
@@ -108,7 +111,7 @@ class LogWindow:
         step_time = self.seconds / n
         tflops = flops_per_step / step_time / 1e12 / world
         record = {
-            "step": step, "loss": sum(self.losses) / n, "lr": self.lrs[-1], "grad_norm": sum(self.grad_norms) / n,
+            "step": step, "loss": sum(self.losses) / n, "lr": self.lrs[-1], "grad_norm": torch.stack(self.grad_norms).double().mean().item(),
             "tokens_per_s": tokens_per_step * n / self.seconds, "step_time_s": step_time, "tflops": tflops,
             "mfu": tflops / peak_tflops, "peak_mem_bytes": peak_mem_bytes, "window": n, "lrs": list(self.lrs),
             **self._moe_means(),

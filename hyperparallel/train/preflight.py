@@ -23,7 +23,7 @@ from hyperparallel.train.run_dir import checkpoint_root
 
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
-    problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg)
+    problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg) + compile_problems(cfg)
     try:
         vocab = data.tokenizer_vocab_size(cfg.data, cfg.model.path)
     except HyperparallelError as error:
@@ -48,6 +48,18 @@ def document_mask(cfg: TrainConfig) -> tuple[bool, str | None]:
     if cfg.data.document_mask is None:
         return reason is None, reason
     return cfg.data.document_mask and reason is None, reason
+
+
+def compile_problems(cfg: TrainConfig, cuda: bool | None = None) -> list[str]:
+    """DVM's kernels run on the CPU: on GPUs a run would fall back to ATen, op by op, unannounced."""
+    if cuda is None:
+        import torch  # (preflight imports no torch for the checks that need none)
+
+        cuda = torch.cuda.is_available()
+    if cfg.training.compile == "dvm" and cuda:
+        return ["training.compile: dvm runs its fused kernels on the CPU, and this run trains on CUDA GPUs; "
+                "use training.compile: inductor (the default) or none"]
+    return []
 
 
 def data_problems(cfg: TrainConfig) -> list[str]:

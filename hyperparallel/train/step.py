@@ -40,9 +40,9 @@ def language_model_loss(built: BuiltModel, batch: MicroBatch, device: torch.devi
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # this rank's mean over its micro-batches (the language-model loss alone)
-    grad_norm: float
+    grad_norm: torch.Tensor  # on the device: read when a record is logged (metrics.LogWindow)
     lr: float  # the learning rate the step used
-    moe: dict = field(default_factory=dict)  # the load balancing's figures (aux_loss, moe_imbalance)
+    moe: dict = field(default_factory=dict)  # the load balancing's figures, device tensors (moe.balance.read_figures)
 
 
 class TrainStep:
@@ -68,7 +68,7 @@ class TrainStep:
 
     def __call__(self, micro_batches: Iterable[MicroBatch]) -> StepResult:
         model, balancer = self.built.model, self.built.balancer
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):
@@ -78,17 +78,16 @@ class TrainStep:
                 ((loss if aux is None else loss + aux) / self.accumulation).backward()
             if balancer is not None:
                 balancer.after_backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
         sync_partial_grads(model)  # (tensor parallelism: replicated weights' partial gradients)
         if self.built.sharded:
-            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=self.replicas).item()
+            grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=self.replicas)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         moe = balancer.after_step() if balancer is not None else {}  # after the step, as DeepSeek-V3 updates its bias
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return StepResult(loss_sum.item() / self.accumulation, grad_norm, lr, moe)
+        # the step's one host read: the loss, which the ranks agree on (train.distributed.agree)
+        return StepResult(loss_sum.item() / self.accumulation, grad_norm.detach(), lr, moe)

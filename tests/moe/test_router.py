@@ -27,6 +27,7 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.models import build_model, make_config
 from hyperparallel.models.families import router_from_hf
 from hyperparallel.moe import LoadBalancer, TopKRouter, switch_aux_loss
+from hyperparallel.moe.balance import read_figures
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 AUX_LOSS = {"rtol": 2e-6, "atol": 0.0}
@@ -235,7 +236,7 @@ def test_aux_loss_mode_averages_the_layers_and_reports_the_step():
     torch.testing.assert_close(loss, 0.01 * torch.stack(want).mean(), **AUX_LOSS)
     loss.backward()
     balancer.after_backward()
-    figures = balancer.after_step()
+    figures = read_figures(balancer.after_step())
     assert figures["aux_loss"] == pytest.approx(float(torch.stack(want).mean().detach()), rel=2e-6)
 
 
@@ -270,7 +271,7 @@ def run_balance(rank: int) -> list[dict]:
             loss = sum((router(h)[1] * h[:, :1]).sum() for router, h in zip(model, layer_inputs(x), strict=True))
             loss.backward()
             balancer.after_backward()
-        figures = balancer.after_step()
+        figures = read_figures(balancer.after_step())
         results.append({"bias": [r.e_score_correction_bias.clone() for r in model], "figures": figures})
     return results
 

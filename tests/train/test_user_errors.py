@@ -239,3 +239,13 @@ def yaml_config(family: str) -> dict:
     import yaml
 
     return yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text())
+
+
+def test_dvm_on_cuda_gpus_is_refused_before_any_work():
+    from hyperparallel.train.preflight import compile_problems
+
+    dvm = _config("qwen3", training={"compile": "dvm"})
+    assert compile_problems(dvm, cuda=False) == []
+    (problem,) = compile_problems(dvm, cuda=True)
+    assert problem.startswith("training.compile: dvm runs its fused kernels on the CPU") and "inductor" in problem
+    assert compile_problems(_config("qwen3", training={"compile": "inductor"}), cuda=True) == []
