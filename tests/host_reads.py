@@ -2,7 +2,8 @@
 
 A TorchDispatchMode sees every ATen operation a piece of code runs, on any device, so the CPU
 path of the same code shows which of its operations would be device-to-host syncs on a GPU:
-reading a value (`item`, `int()`, `float()`, `bool()`, `tolist`: `_local_scalar_dense`),
+reading a value (`item`, `int()`, `float()`, `bool()`: `_local_scalar_dense`; `tolist`, which
+on the CPU reads memory without an operation, is recorded as "tolist" by wrapping it),
 `equal`, anything whose output size depends on values (`nonzero`, boolean-mask indexing,
 `masked_select`, `unique`, `repeat_interleave` without `output_size`), and copies from a device
 to the CPU. `torch._assert_async` is not one: on CUDA it asserts on the device.
@@ -19,6 +20,7 @@ this package that wrap them) are recorded with their operands' dtypes in `produc
 from __future__ import annotations
 
 import collections
+import threading
 import traceback
 
 import torch
@@ -60,6 +62,28 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.reads: collections.Counter = collections.Counter()
         self.products: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        # Tensor.tolist on a CPU tensor runs no ATen operation, so the mode would not see it (on a
+        # device it copies to the CPU first: that copy is what is counted). Only this thread's.
+        reads, owner = self.reads, threading.get_ident()
+        self._own_tolist = torch.Tensor.__dict__.get("tolist")
+        original = torch.Tensor.tolist
+
+        def tolist(tensor):
+            if threading.get_ident() == owner and tensor.device.type == "cpu":
+                reads[("tolist", _site())] += 1
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._own_tolist is None:
+            del torch.Tensor.tolist
+        else:
+            torch.Tensor.tolist = self._own_tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

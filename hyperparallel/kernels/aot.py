@@ -210,7 +210,11 @@ def compile_cubin(spec: Specialization, target) -> bytes:
 
 
 def first_line(error: BaseException) -> str:
+    """The error in one line; Triton's CompilationError opens with its place ("at 3:27:") and
+    ends with the cause: both."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and re.fullmatch(r"at \d+:\d+:", lines[0]):
+        return f"{type(error).__name__} {lines[0]} {lines[-1]}"
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 

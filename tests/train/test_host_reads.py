@@ -45,6 +45,8 @@ def test_a_step_reads_its_loss_and_logging_reads_the_rest(tmp_path, monkeypatch)
         assert {op for op, _ in sites} == {"_local_scalar_dense"} and {s.split(":")[0] for _, s in sites} == {
             "train/step.py"}, sites
         assert reads.total() == 1 + MICRO_BATCHES, sites  # the loss; transformers' packed-sequence check
-    # a record of a window of 3 steps: the grad norms' mean, and per step its layers' imbalance
+    # a record of a window of 3 steps: the grad norms' mean, and per step its aux loss and its
+    # layers' imbalance (`moe.balance.read_figures`)
     sites = {(op, site.split(":")[0]): count for (op, site), count in logs[1].sites().items()}
-    assert sites == {("_local_scalar_dense", "train/metrics.py"): 1, ("_local_scalar_dense", "moe/balance.py"): 3}
+    assert sites == {("_local_scalar_dense", "train/metrics.py"): 1, ("_local_scalar_dense", "moe/balance.py"): 3,
+                     ("tolist", "moe/balance.py"): 3}, sites
