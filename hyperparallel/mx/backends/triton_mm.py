@@ -55,11 +55,11 @@ def _mx_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K,
                   ELEM_A: tl.constexpr, ELEM_B: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                   BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N  # (not tl.cdiv: a jit function of triton.language, see JitKernels)
     rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # (tl.zeros is a jit function too)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         in_k = rk < K
