@@ -14,8 +14,8 @@ Every product runs in the compute dtype (`lowp.dtypes.compute_dtype`: torch.auto
 on, else the input's), on operands dequantized to it (docs/mx.md: exact, but for two corners):
 bf16 products for a bf16 model or under bf16 autocast, as nn.Linear's. The output comes back in
 the compute dtype (nn.Linear's under autocast), the input grad in the input's dtype, the weight
-grad in the weight's; the bias joins the product's fp32 accumulator, as in nn.Linear's addmm.
-Nothing is read back to the host.
+grad in the weight's; the bias, in the compute dtype, joins the product's fp32 accumulator, as in
+nn.Linear's addmm. Nothing is read back to the host.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 Every path computes the same products (exact MX values, fp32 accumulation): they differ in
 accumulation order only. `HYPERPARALLEL_MX_GEMM` (read at each call) or `plan(..., forced=)`
 forces one; a forced path that cannot serve a product raises BackendError with the reason, an
-automatic choice falls back to `dequantize`, and `plan` says why. Grouped products (MoE experts)
+automatic choice falls back to `dequantize`, and `plan` says why. Under torch.compile the
+automatic choice on SM90 is `dequantize` (see `plan`). Grouped products (MoE experts)
 take the dequantize path on every device: one torch._grouped_mm over bf16 operands.
 """
 
@@ -50,12 +51,11 @@ def scaled_mm_reason(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str | 
     (M, K), N = a.shape, b.shape[1]
     if K % 32 or M % 16 or N % 16:
         return f"scaled_mm needs K a multiple of 32 and M, N multiples of 16; this is {M}x{K}x{N}"
-    if not (a.data.is_contiguous() and b.data.t().is_contiguous()):
-        return "scaled_mm needs a row-major and b column-major (b.t() of a row-major [N, K])"
     return None
 
 
-def triton_reason(a: MXTensor, out_dtype: torch.dtype) -> str | None:
+def triton_reason(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str | None:
+    """Why the Triton GEMM cannot run this product (None: it can)."""
     from hyperparallel.kernels.triton_support import unavailable_reason
 
     reason = unavailable_reason(a.device)
@@ -64,6 +64,9 @@ def triton_reason(a: MXTensor, out_dtype: torch.dtype) -> str | None:
     capability = _capability(a.device)
     if capability is not None and capability < (8, 0):
         return f"the triton GEMM needs bf16 tensor cores (compute capability 8.0+); this is {capability}"
+    M, K, N = a.shape[0], a.shape[1], b.shape[1]
+    if max(M * K, K * N, M * N) >= 2**31:  # its offsets are int32 (the faster address arithmetic)
+        return f"the triton GEMM takes operands of under 2^31 elements; this is {M}x{K}x{N}"
     return None
 
 
@@ -77,7 +80,7 @@ def plan(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str | None =
         if forced not in (None, "dequantize"):
             raise BackendError(f"the reference backend computes in fp64 on the dequantize path, not {forced}")
         return "dequantize", "the reference backend: fp64 products"
-    checks = {"scaled_mm": lambda: scaled_mm_reason(a, b, out_dtype), "triton": lambda: triton_reason(a, out_dtype)}
+    checks = {"scaled_mm": lambda: scaled_mm_reason(a, b, out_dtype), "triton": lambda: triton_reason(a, b, out_dtype)}
     if forced is not None:
         reason = checks[forced]() if forced in checks else None
         if reason:
@@ -89,17 +92,28 @@ def plan(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str | None =
     wanted = "scaled_mm" if capability >= (10, 0) else "triton" if capability >= (9, 0) else None
     if wanted is None:
         return "dequantize", f"compute capability {capability[0]}.{capability[1]}: no FP8 units"
+    if wanted == "triton" and torch.compiler.is_compiling():
+        # the kernel is launched through our own JIT wrapper, which torch.compile cannot trace; the
+        # dequantize path is plain ATen, which inductor fuses (its dequantize into one kernel)
+        return "dequantize", "under torch.compile the triton GEMM is not traced: the dequantize path"
     reason = checks[wanted]()
     return (wanted, f"compute capability {capability[0]}.{capability[1]}") if reason is None else ("dequantize", reason)
 
 
 def scaled_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b on MX tensor cores: torch._scaled_mm with the scales in cuBLAS's tiled layout."""
+    """a @ b on MX tensor cores: torch._scaled_mm with the scales in cuBLAS's tiled layout.
+
+    cuBLAS takes a row-major and b column-major (K contiguous in both). MXLinear's forward operands
+    are already so; its input- and weight-grad operands are transposed views of copies blocked
+    along the other dimension, whose FP8 bytes are copied here into that layout (one byte per
+    element, a quarter of what the dequantize path writes)."""
     from hyperparallel.mx.blocked_scales import to_blocked
 
+    a_data = a.data.contiguous()
+    b_data = b.data.t().contiguous().t()  # [K, N] with K contiguous
     scale_a = to_blocked(a.scale.contiguous())
     scale_b = to_blocked(b.scale.t().contiguous())  # b's scales as [N, K/32], like a's
-    out = torch._scaled_mm(a.data, b.data, scale_a, scale_b, out_dtype=out_dtype)
+    out = torch._scaled_mm(a_data, b_data, scale_a, scale_b, out_dtype=out_dtype)
     # (cuBLAS's bias epilogue with block scales is not relied on: unchecked without a Blackwell GPU;
     # the bias is added to the bf16 product, one more rounding than the other paths)
     return out if bias is None else out + bias.to(out_dtype)

@@ -21,8 +21,9 @@ def check_offsets(offsets: torch.Tensor, rows: int) -> None:
     """Offsets are cumulative group ends: 1-D, integer, non-decreasing, last == rows.
 
     The values are checked by device-side assertions (`torch._assert_async`): on a GPU they never
-    wait for the device (a bad value fails the next synchronizing call); on the CPU they are
-    checked at once."""
+    wait for the device, and a bad value fails the next synchronizing call as a device-side assert,
+    which leaves the CUDA context unusable (the process must exit: a bug in the caller's offsets,
+    not an error to recover from); on the CPU they are checked at once and raise ShapeError."""
     if not isinstance(offsets, torch.Tensor):
         raise ShapeError(f"offsets must be a 1-D integer tensor of group ends, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.numel() == 0:

@@ -56,8 +56,8 @@ def _operand(mx: MXTensor, out_dtype: torch.dtype, backend: str | None) -> torch
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    # the bias joins the fp32 accumulator before the one rounding to the operand dtype, as in
-    # nn.Linear's addmm
+    # the bias (rounded to the operand dtype, as nn.Linear's bias is in a bf16 model) joins the
+    # fp32 accumulator before the one rounding of the output, as in nn.Linear's addmm
     y = torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
     return y.to(out_dtype)
 

@@ -1,5 +1,9 @@
 """The GEMM paths of MX products: cuBLAS's scale layout, the choice by compute capability, and the
-Triton kernel (run by Triton's interpreter on CPU tensors)."""
+Triton kernel (run by Triton's interpreter on CPU tensors).
+
+The interpreter multiplies the decoded tiles in fp32 (its numpy has no bf16: see
+`triton_mm.bf16_operands`), so the kernel's bf16 `tl.dot` branch runs only on a GPU
+(tests/gpu/, scripts/gpu_check.sh); the decode, the masks and the accumulation are checked here."""
 
 from __future__ import annotations
 
@@ -131,3 +135,52 @@ def test_nan_blocks_and_the_smallest_scale_decode_exactly():
     assert out[3].isnan().all()  # NaN x 0 is NaN: the NaN block's row, as in any product
     others = torch.arange(32) != 3
     assert torch.equal(out[others], expected[others])
+
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("elem_dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_every_fp8_code_decodes_as_torch_does(elem_dtype):
+    # each of the 256 codes alone in its row (E5M2's infinities 0x7C / 0xFC and its NaNs among them),
+    # times a b whose first row is ones: each output is the code's value times 1, plus zeros
+    data = torch.zeros(256, 32, dtype=torch.uint8)
+    data[:, 0] = torch.arange(256, dtype=torch.uint8)
+    scale = torch.full((256, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^0
+    a = mx.MXTensor(data.view(elem_dtype), scale, 1)
+    ones_row = torch.zeros(32, 8)
+    ones_row[0] = 1
+    out = triton_mm.mx_mm(a, mx.quantize(ones_row, 0), torch.float32, tile=SMALL_TILE)
+    expected = data[:, :1].view(elem_dtype).float().expand(256, 8)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_every_mxlinear_product_takes_scaled_mm_on_blackwell_in_cublas_layout(capability, monkeypatch):
+    # forward, input grad and weight grad: three products of three operand layouts, each given to
+    # torch._scaled_mm as cuBLAS takes them (a row-major, b column-major, scales in whole tiles)
+    from hyperparallel.lowp import LowPrecisionConfig, MXLinear
+
+    capability((10, 0))
+    calls = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        (m, k), n = a.shape, b.shape[1]
+        calls.append((a.is_contiguous(), b.t().is_contiguous(), scale_a.numel(), scale_b.numel()))
+        assert scale_a.numel() == -(-m // 128) * 128 * -(-(k // 32) // 4) * 4
+        assert scale_b.numel() == -(-n // 128) * 128 * -(-(k // 32) // 4) * 4
+        return torch.zeros(m, n, dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    layer = MXLinear.from_linear(torch.nn.Linear(64, 96).bfloat16(), LowPrecisionConfig())
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    assert calls == [(True, True, 128 * 4, 128 * 4), (True, True, 128 * 4, 128 * 4), (True, True, 128 * 4, 128 * 4)]
+
+
+def test_hopper_under_torch_compile_takes_the_traceable_path(capability, monkeypatch):
+    capability((9, 0))
+    a, b = mx_operands(64, 128, 32)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert gemm_path.plan(a, b, torch.bfloat16) == (
+        "dequantize", "under torch.compile the triton GEMM is not traced: the dequantize path")
+    capability((10, 0))
+    assert gemm_path.plan(a, b, torch.bfloat16)[0] == "scaled_mm"  # torch._scaled_mm is an ATen op

@@ -37,12 +37,13 @@ def _decoded(byte, scale_byte, ELEM: tl.constexpr):
         normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
         sub = m.to(tl.float32) * 0.001953125  # m * 2^-9
         nan = (e == 15) & (m == 7)
-    else:  # E5M2: bias 15, 2 mantissa bits, exponent 31 inf / NaN
+    else:  # E5M2: bias 15, 2 mantissa bits, exponent 31: inf (m 0) or NaN
         e = (byte >> 2) & 0x1F
         m = byte & 0x3
         normal = (sign | ((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
         sub = m.to(tl.float32) * 0.0000152587890625  # m * 2^-16
-        nan = e == 31
+        nan = (e == 31) & (m != 0)
+        normal = tl.where((e == 31) & (m == 0), (sign | 0x7F800000).to(tl.float32, bitcast=True), normal)  # inf
     value = tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
     # 2^(s - 127): an fp32 exponent field, 2^-127 (byte 0) the subnormal 0x00400000, 255 NaN
     scale = tl.where(scale_byte == 0, 0x00400000, scale_byte << 23).to(tl.float32, bitcast=True)
