@@ -2,7 +2,8 @@
 # The GPU check: one prepared run for a lent GPU machine (docs/gpu.md). Installs the carried
 # wheels (.whl/, from scripts/gpu_wheels.sh), builds the native libraries, then runs, each step
 # under a timeout and whatever the previous ones did:
-#   tests_gpu       tests/gpu: Triton kernels on CUDA vs their references, MX modules CUDA vs CPU
+#   tests_gpu       tests/gpu: Triton kernels on CUDA vs their references, MX modules CUDA vs CPU,
+#                   ring attention on the GPU vs torch's SDPA
 #   tests_existing  the CUDA cases of the existing tests (tests/dist, tests/multicore, tests/mx)
 #   bench           benchmarks/mx_gpu.py: MX GEMM per path vs bf16, the seed MoE experts
 #   train_bf16      a few steps of the trainer on configs/qwen3_moe.yaml, MXFP8 off ...
@@ -56,9 +57,9 @@ step() {
     say "step $name (timeout ${budget}s): $*"
     local t0=$SECONDS rc
     if declare -F "$1" >/dev/null; then  # a function of this script: `timeout` runs programs only
-        timeout -k 10 "$budget" bash -c '"$@"' _ "$@" >"$logfile" 2>&1
+        timeout -s INT -k 10 "$budget" bash -c '"$@"' _ "$@" >"$logfile" 2>&1
     else
-        timeout -k 10 "$budget" "$@" >"$logfile" 2>&1
+        timeout -s INT -k 10 "$budget" "$@" >"$logfile" 2>&1
     fi
     rc=$?
     local took=$((SECONDS - t0))

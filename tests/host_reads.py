@@ -2,8 +2,9 @@
 
 A TorchDispatchMode sees every ATen operation a piece of code runs, on any device, so the CPU
 path of the same code shows which of its operations would be device-to-host syncs on a GPU:
-reading a value (`item`, `int()`, `float()`, `bool()`: `_local_scalar_dense`; `tolist`, which
-on the CPU reads memory without an operation, is recorded as "tolist" by wrapping it),
+reading a value (`item`, `int()`, `float()`, `bool()`: `_local_scalar_dense`; `tolist`, `cpu`
+and `numpy`, which on a CPU tensor run no operation, are recorded under their names by wrapping
+them),
 `equal`, anything whose output size depends on values (`nonzero`, boolean-mask indexing,
 `masked_select`, `unique`, `repeat_interleave` without `output_size`), and copies from a device
 to the CPU. `torch._assert_async` is not one: on CUDA it asserts on the device.
@@ -20,11 +21,14 @@ this package that wrap them) are recorded with their operands' dtypes in `produc
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import hyperparallel
 
 _VALUE_READS = {"_local_scalar_dense", "equal", "nonzero", "nonzero_static", "argwhere", "masked_select",
                 "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive"}
@@ -32,12 +36,18 @@ _PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_sca
              "mx_grouped_mm_native", "grouped_mm", "grouped_mm_weight_grad"}
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(hyperparallel.__file__)) + os.sep
+# Tensor methods that read a CPU tensor's memory without an ATen operation (on a device each
+# copies to the CPU first: that copy is what is counted there)
+_CPU_READS = ("tolist", "cpu", "numpy")
+
+
 def _site() -> str:
-    frames = [f for f in traceback.extract_stack() if "/hyperparallel/" in f.filename]
+    frames = [f for f in traceback.extract_stack() if os.path.abspath(f.filename).startswith(_PACKAGE)]
     if not frames:
         return "?"
     frame = frames[-1]
-    return f"{frame.filename.rsplit('/hyperparallel/', 1)[-1]}:{frame.lineno}"
+    return f"{os.path.relpath(os.path.abspath(frame.filename), _PACKAGE)}:{frame.lineno}"
 
 
 def _is_read(func, name: str, args, kwargs) -> bool:
@@ -64,25 +74,27 @@ class HostReads(TorchDispatchMode):
         self.products: collections.Counter = collections.Counter()
 
     def __enter__(self):
-        # Tensor.tolist on a CPU tensor runs no ATen operation, so the mode would not see it (on a
-        # device it copies to the CPU first: that copy is what is counted). Only this thread's.
+        # the methods of _CPU_READS, wrapped to count their CPU reads: only this thread's
         reads, owner = self.reads, threading.get_ident()
-        self._own_tolist = torch.Tensor.__dict__.get("tolist")
-        original = torch.Tensor.tolist
+        self._own = {name: torch.Tensor.__dict__.get(name) for name in _CPU_READS}
 
-        def tolist(tensor):
-            if threading.get_ident() == owner and tensor.device.type == "cpu":
-                reads[("tolist", _site())] += 1
-            return original(tensor)
+        def counted(name, original):
+            def method(tensor, *args, **kwargs):
+                if threading.get_ident() == owner and tensor.device.type == "cpu":
+                    reads[(name, _site())] += 1
+                return original(tensor, *args, **kwargs)
+            return method
 
-        torch.Tensor.tolist = tolist
+        for name in _CPU_READS:
+            setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._own_tolist is None:
-            del torch.Tensor.tolist
-        else:
-            torch.Tensor.tolist = self._own_tolist
+        for name, own in self._own.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

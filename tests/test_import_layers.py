@@ -4,7 +4,7 @@ The "depends on" column of the doc's package table is read as the rule: a packag
 module) of hyperparallel may import, at module level or inside a function, only the packages that
 its row names in backticks, and the shared modules every layer uses (`errors`, `versions`,
 `lazy_exports`, the package's `__version__`). "all of the above" (the trainer) may import every
-package listed above its row. So the doc and the code cannot drift apart: an import the doc does
+package listed above its row. "`X` only in F.py" lets only the row's file F.py import X. So the doc and the code cannot drift apart: an import the doc does
 not allow fails here, naming the file and line, and so does a row naming a package that is none.
 """
 
@@ -25,8 +25,18 @@ SHARED = {"errors", "versions", "lazy_exports", "__init__", "__main__", "__versi
 
 def allowed_imports(doc: str) -> dict[str, set[str]]:
     """Each row of the "## Packages" table: its name (no `.py`) -> the names it may import."""
+    return _rules(doc)[0]
+
+
+def only_in(doc: str) -> dict[str, dict[str, str]]:
+    """Each row's names that one file of it alone may import: row -> {name: file name}."""
+    return _rules(doc)[1]
+
+
+def _rules(doc: str) -> tuple[dict[str, set[str]], dict[str, dict[str, str]]]:
     table = doc.split("## Packages", 1)[1].split("\n## ", 1)[0]
     rules: dict[str, set[str]] = {}
+    files: dict[str, dict[str, str]] = {}
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
         if len(cells) < 3 or not cells[0].startswith("`"):  # (a "what it is" cell may hold " | ")
@@ -36,7 +46,8 @@ def allowed_imports(doc: str) -> dict[str, set[str]]:
             rules[name] = set(rules)
         else:
             rules[name] = {m.split(".")[0].removesuffix(".py") for m in re.findall(r"`([\w.]+)`", depends)}
-    return rules
+        files[name] = dict(re.findall(r"`(\w+)` only in ([\w]+\.py)", depends))
+    return rules, files
 
 
 def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -67,8 +78,10 @@ def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     return found
 
 
-def violations(rules: dict[str, set[str]], package: Path = PACKAGE) -> list[str]:
-    """Every import of a file under `package` (the hyperparallel directory) that `rules` does not allow."""
+def violations(rules: dict[str, set[str]], package: Path = PACKAGE,
+               files: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """Every import of a file under `package` (the hyperparallel directory) that `rules` (and the
+    one-file permissions `files`) do not allow."""
     root = package.parent
     bad = []
     for path in sorted(package.rglob("*.py")):
@@ -82,17 +95,22 @@ def violations(rules: dict[str, set[str]], package: Path = PACKAGE) -> list[str]
         for line, imported in imports_of(path, root=root):
             if imported != layer and imported not in SHARED and imported not in rules[layer]:
                 bad.append(f"{path.relative_to(root)}:{line}: {layer} imports {imported}, which its row does not name")
+            elif (files or {}).get(layer, {}).get(imported, path.name) != path.name:
+                bad.append(f"{path.relative_to(root)}:{line}: {layer} imports {imported}, which its row allows only "
+                           f"in {files[layer][imported]}")
     return bad
 
 
 def test_every_import_between_packages_is_one_the_architecture_table_allows():
-    rules = allowed_imports((ROOT / "docs" / "architecture.md").read_text())
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rules = allowed_imports(doc)
     assert {"kernels", "mx", "models", "parallel", "checkpoint", "train", "cli"} <= set(rules)
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     modules = {p.stem for p in PACKAGE.glob("*.py")}
     unknown = {name: deps - packages - modules for name, deps in rules.items() if deps - packages - modules}
     assert not unknown, f"rows naming no package of hyperparallel: {unknown}"
-    assert violations(rules) == []
+    assert only_in(doc)["kernels"] == {"mx": "aot.py"}
+    assert violations(rules, files=only_in(doc)) == []
 
 
 def test_the_check_finds_an_import_the_table_does_not_allow(tmp_path):
@@ -106,7 +124,12 @@ def test_the_check_finds_an_import_the_table_does_not_allow(tmp_path):
                                                 "    from ..parallel import mesh\n")
     (package / "nowhere").mkdir()
     (package / "nowhere" / "__init__.py").write_text("")
-    assert violations(rules, package) == [
+    (package / "kernels").mkdir()
+    (package / "kernels" / "native.py").write_text("from hyperparallel import mx\n")  # mx only in aot.py
+    (package / "kernels" / "aot.py").write_text("from hyperparallel import mx\n")
+    files = only_in((ROOT / "docs" / "architecture.md").read_text())
+    assert violations(rules, package, files) == [
+        "hyperparallel/kernels/native.py:1: kernels imports mx, which its row allows only in aot.py",
         "hyperparallel/models/loss.py:7: models imports parallel, which its row does not name",
         "hyperparallel/nowhere/__init__.py: nowhere has no row in docs/architecture.md's package table"]
 

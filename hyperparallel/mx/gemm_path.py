@@ -2,18 +2,20 @@
 
     scaled_mm   SM100+ (Blackwell: MX tensor cores): torch._scaled_mm on the FP8 data with the
                 E8M0 scales in cuBLAS's tiled layout (`blocked_scales`); bf16 output, K a
-                multiple of 32, M, N and K multiples of 16
-    triton      SM90 (Hopper: FP8 but no MX units): one Triton kernel that decodes the FP8 tiles
-                and their scales to bf16 inside the tile and runs bf16 tensor-core products
-                (`backends/triton_mm.py`)
+                multiple of 32, M and N multiples of 16. The automatic choice there.
+    triton      SM89+ (FP8 conversions; Hopper has no MX units): one Triton kernel that decodes
+                the FP8 tiles and their scales to bf16 inside the tile and runs bf16 tensor-core
+                products (`backends/triton_mm.py`). Only when forced, until a GPU measures it
+                faster than `dequantize` (see AUTOMATIC).
     dequantize  everywhere: each operand dequantized to the compute dtype, then one library
-                matmul (the CPU's path, and the fallback)
+                matmul (cuBLAS / oneDNN). The automatic choice below SM100, and the fallback.
 
-Every path computes the same products (exact MX values, fp32 accumulation): they differ in
-accumulation order only. `HYPERPARALLEL_MX_GEMM` (read at each call) or `plan(..., forced=)`
-forces one; a forced path that cannot serve a product raises BackendError with the reason, an
-automatic choice falls back to `dequantize`, and `plan` says why. Under torch.compile the
-automatic choice on SM90 is `dequantize` (see `plan`). Grouped products (MoE experts)
+Every path computes the same products (exact MX values, fp32 accumulation) in another order,
+but for a bias (`scaled_mm` adds it to the bf16 product) and fp16 outputs (`triton` multiplies
+bf16 operands, `dequantize` fp16: docs/mx.md "Matmul"'s corners differ).
+`HYPERPARALLEL_MX_GEMM` (read at each call) or `plan(..., forced=)` forces one; a forced path
+that cannot serve a product raises BackendError with the reason, an automatic choice falls back
+to `dequantize`, and `plan` says why. Grouped products (MoE experts)
 take the dequantize path on every device: one torch._grouped_mm over bf16 operands.
 """
 
@@ -28,6 +30,17 @@ from hyperparallel.mx.tensor import MXTensor
 
 PATHS = ("dequantize", "triton", "scaled_mm")
 ENV = "HYPERPARALLEL_MX_GEMM"
+
+# [Note: the automatic path on Hopper] The path taken unforced, by the lowest compute capability
+# it needs (the first that the device reaches). Hopper (9.x) takes `dequantize`, not `triton`:
+# exact MX at block 32 has no FP8 tensor-core form there that beats bf16 (the accumulator would be
+# rescaled every 32 of K), and the Triton kernel's decode costs about as many issue slots as its
+# bf16 products (benchmarks/mx_sass.py: ~1.1-1.4x the tensor cores' cycles, so at best Triton's
+# bf16 speed, ~0.6-0.8x cuBLAS's), while `dequantize` adds two memory passes to cuBLAS's bf16 GEMM
+# (~0.8-0.9x bf16 at the seed's sizes). scripts/gpu_check.sh measures both on an H200; a
+# measurement that favours `triton` moves it here (under torch.compile too, once its launch is
+# traceable: a torch.library.triton_op).
+AUTOMATIC = (((10, 0), "scaled_mm"),)
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -62,8 +75,11 @@ def triton_reason(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str | Non
     if reason:
         return f"the triton GEMM cannot run: {reason}"
     capability = _capability(a.device)
-    if capability is not None and capability < (8, 0):
-        return f"the triton GEMM needs bf16 tensor cores (compute capability 8.0+); this is {capability}"
+    if capability is not None and capability < (8, 9):
+        return ("the triton GEMM needs FP8 conversions (compute capability 8.9+); "
+                f"this is {capability[0]}.{capability[1]}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"the triton GEMM writes bf16, fp16 or fp32, not {out_dtype}"
     M, K, N = a.shape[0], a.shape[1], b.shape[1]
     if max(M * K, K * N, M * N) >= 2**31:  # its offsets are int32 (the faster address arithmetic)
         return f"the triton GEMM takes operands of under 2^31 elements; this is {M}x{K}x{N}"
@@ -89,15 +105,12 @@ def plan(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str | None =
     capability = _capability(a.device)
     if capability is None:
         return "dequantize", f"{a.device.type}: no MX or FP8 GEMM units to use"
-    wanted = "scaled_mm" if capability >= (10, 0) else "triton" if capability >= (9, 0) else None
+    where = f"compute capability {capability[0]}.{capability[1]}"
+    wanted = next((path for needs, path in AUTOMATIC if capability >= needs), None)
     if wanted is None:
-        return "dequantize", f"compute capability {capability[0]}.{capability[1]}: no FP8 units"
-    if wanted == "triton" and torch.compiler.is_compiling():
-        # the kernel is launched through our own JIT wrapper, which torch.compile cannot trace; the
-        # dequantize path is plain ATen, which inductor fuses (its dequantize into one kernel)
-        return "dequantize", "under torch.compile the triton GEMM is not traced: the dequantize path"
+        return "dequantize", f"{where}: no MX tensor cores (the fastest exact path here, docs/mx.md)"
     reason = checks[wanted]()
-    return (wanted, f"compute capability {capability[0]}.{capability[1]}") if reason is None else ("dequantize", reason)
+    return (wanted, where) if reason is None else ("dequantize", reason)
 
 
 def scaled_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:

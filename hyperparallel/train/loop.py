@@ -164,8 +164,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 with tracer.step(step):
                     result = step_fn(batches.micro_batches(step))
                 if rt.device.type == "cuda" and logged(step + 1, start, last, cfg.logging.every):
-                    # the step's work done before its time is read: a logged step's time is the
-                    # device's (the others' read the host's, one step's queue apart at most)
+                    # every stream's work done before a logged step's time is read (the loss read
+                    # already waits for the current stream's: docs/train.md "Host reads")
                     torch.cuda.synchronize(rt.device)
                 agreed = agree(result.loss, time.perf_counter() - t0, stop.requested is not None)
                 tracer.after_step(step)

@@ -56,13 +56,26 @@ def capability(monkeypatch):
     return pretend
 
 
-@pytest.mark.parametrize("major_minor, expected", [((10, 0), "scaled_mm"), ((12, 0), "scaled_mm"), ((9, 0), "triton"),
+@pytest.mark.parametrize("major_minor, expected", [((10, 0), "scaled_mm"), ((12, 0), "scaled_mm"), ((9, 0), "dequantize"),
                                                    ((8, 0), "dequantize")])
 def test_the_path_follows_the_compute_capability(capability, major_minor, expected):
     capability(major_minor)
     a, b = mx_operands(64, 128, 32)
     path, why = gemm_path.plan(a, b, torch.bfloat16)
     assert path == expected, why
+
+
+def test_hopper_takes_the_triton_gemm_only_when_forced(capability, monkeypatch):
+    # see gemm_path's [Note: the automatic path on Hopper]
+    capability((9, 0))
+    a, b = mx_operands(64, 128, 32)
+    assert gemm_path.plan(a, b, torch.bfloat16) == (
+        "dequantize", "compute capability 9.0: no MX tensor cores (the fastest exact path here, docs/mx.md)")
+    assert gemm_path.plan(a, b, torch.bfloat16, forced="triton") == ("triton", "forced")
+    capability((8, 0))
+    with pytest.raises(BackendError, match=r"HYPERPARALLEL_MX_GEMM=triton: the triton GEMM needs FP8 conversions "
+                                           r"\(compute capability 8.9\+\); this is 8.0"):
+        gemm_path.plan(a, b, torch.bfloat16, forced="triton")
 
 
 def test_the_cpu_and_the_reference_backend_dequantize():
@@ -154,33 +167,59 @@ def test_every_fp8_code_decodes_as_torch_does(elem_dtype):
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def test_every_mxlinear_product_takes_scaled_mm_on_blackwell_in_cublas_layout(capability, monkeypatch):
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] scale bytes back from cuBLAS's tiled layout (to_blocked undone by the
+    index formula of to_blocked_reference)."""
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    r = torch.arange(padded_rows)[:, None]
+    c = torch.arange(padded_cols)[None, :]
+    tile = (r // 128) * (padded_cols // 4) + c // 4
+    index = tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    return blocked.view(torch.uint8)[index][:rows, :cols]
+
+
+def cublas_mx_product(a, b, scale_a, scale_b, out_dtype):
+    """What torch._scaled_mm computes with MX block scales, from the operands as cuBLAS reads them:
+    a [M, K] row-major, b [K, N] column-major, each operand's scales [rows, K/32] tiled."""
+    assert a.is_contiguous() and b.t().is_contiguous(), "cuBLAS takes a row-major and b column-major"
+    (m, k), n = a.shape, b.shape[1]
+    assert scale_a.numel() == -(-m // 128) * 128 * -(-(k // 32) // 4) * 4  # whole tiles
+    assert scale_b.numel() == -(-n // 128) * 128 * -(-(k // 32) // 4) * 4
+    powers_a = torch.exp2(from_blocked(scale_a, m, k // 32).double() - 127).repeat_interleave(32, 1)
+    powers_b = torch.exp2(from_blocked(scale_b, n, k // 32).double() - 127).repeat_interleave(32, 1)
+    return ((a.double() * powers_a) @ (b.t().double() * powers_b).t()).to(out_dtype)
+
+
+def test_the_scale_layout_undone_gives_the_scales_back():
+    scale = torch.randint(0, 255, (300, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(from_blocked(to_blocked(scale), 300, 7), scale)
+
+
+def test_every_mxlinear_product_on_blackwell_equals_the_dequantize_path(capability, monkeypatch):
     # forward, input grad and weight grad: three products of three operand layouts, each given to
-    # torch._scaled_mm as cuBLAS takes them (a row-major, b column-major, scales in whole tiles)
+    # torch._scaled_mm (here its arithmetic, from the bytes and tiled scales it is handed) as
+    # cuBLAS takes them; the results equal the dequantize path's on the CPU
     from hyperparallel.lowp import LowPrecisionConfig, MXLinear
 
-    capability((10, 0))
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 160, bias=False).bfloat16()
+    x = torch.randn(96, 64, generator=g).bfloat16()
+    dy = torch.randn(96, 160, generator=g).bfloat16()
+
+    def run():
+        layer = MXLinear.from_linear(linear, LowPrecisionConfig())
+        layer.weight.grad = None
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        return y, xi.grad, layer.weight.grad
+
+    expected = run()  # the CPU: the dequantize path
     calls = []
-
-    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
-        (m, k), n = a.shape, b.shape[1]
-        calls.append((a.is_contiguous(), b.t().is_contiguous(), scale_a.numel(), scale_b.numel()))
-        assert scale_a.numel() == -(-m // 128) * 128 * -(-(k // 32) // 4) * 4
-        assert scale_b.numel() == -(-n // 128) * 128 * -(-(k // 32) // 4) * 4
-        return torch.zeros(m, n, dtype=out_dtype)
-
-    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
-    layer = MXLinear.from_linear(torch.nn.Linear(64, 96).bfloat16(), LowPrecisionConfig())
-    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
-    layer(x).sum().backward()
-    assert calls == [(True, True, 128 * 4, 128 * 4), (True, True, 128 * 4, 128 * 4), (True, True, 128 * 4, 128 * 4)]
-
-
-def test_hopper_under_torch_compile_takes_the_traceable_path(capability, monkeypatch):
-    capability((9, 0))
-    a, b = mx_operands(64, 128, 32)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert gemm_path.plan(a, b, torch.bfloat16) == (
-        "dequantize", "under torch.compile the triton GEMM is not traced: the dequantize path")
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, out_dtype: calls.append(args[0].shape) or
+                        cublas_mx_product(*args, out_dtype))
     capability((10, 0))
-    assert gemm_path.plan(a, b, torch.bfloat16)[0] == "scaled_mm"  # torch._scaled_mm is an ATen op
+    got = run()
+    assert calls == [(96, 64), (96, 160), (160, 96)]  # forward [M, K], input grad, weight grad (dy.t())
+    for g_, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g_, e, rtol=2**-7, atol=0)  # measured: equal (one bf16 ulp for another CPU's order)
