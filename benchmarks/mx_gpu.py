@@ -10,7 +10,8 @@ that cannot run on this device is listed with the reason (scaled_mm needs Blackw
 cores). Times are CUDA events around each call (the median of --repeat after --warmup calls);
 on the CPU, perf_counter after the same calls. "quant+mm" quantizes the activation [M, K] and
 the weight [N, K] (both along K) and multiplies; "mm" is the product of operands quantized
-beforehand, as a cached weight copy and a quantized activation would be. TFLOP/s count 2 M N K.
+beforehand, as a cached weight copy and a quantized activation would be; "grads mm" the same
+product in the operand layout of MXLinear's input- and weight-grad products. TFLOP/s count 2 M N K.
 The MoE case is benchmarks/lowp.py's `moe_case` built on the device: the same weights and
 inputs through GroupedExperts in bf16 and with the MXFP8 recipe. scripts/gpu_check.sh runs this
 on a lent H200 (docs/gpu.md).
@@ -118,6 +119,9 @@ def gemm_rows(device, sizes, paths, timer: Timer) -> list[dict]:
         flops = 2.0 * M * N * K
         bf16_ms = timer.median_ms(lambda x=x, w=w: torch.mm(x, w.t()))
         a, b = mx.quantize(x, 1), mx.quantize(w, 1).t()
+        # the same product in the layout of MXLinear's input- and weight-grad products: a a
+        # transposed view of a copy blocked down its rows, b N-contiguous
+        a_grads, b_grads = mx.quantize(x.t().contiguous(), 0).t(), mx.quantize(w.t().contiguous(), 0)
         for path in paths:
             row = {"M": M, "K": K, "N": N, "path": path, "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9}
             previous = with_path(path)
@@ -129,6 +133,7 @@ def gemm_rows(device, sizes, paths, timer: Timer) -> list[dict]:
 
                 row["quant_mm_ms"] = timer.median_ms(quant_mm)
                 row["mm_ms"] = timer.median_ms(lambda a=a, b=b: mx.mx_mm(a, b))
+                row["grads_mm_ms"] = timer.median_ms(lambda a=a_grads, b=b_grads: mx.mx_mm(a, b))
             except BackendError as error:
                 row["skipped"] = str(error)
             finally:
@@ -138,8 +143,9 @@ def gemm_rows(device, sizes, paths, timer: Timer) -> list[dict]:
                 row["mm_tflops"] = flops / row["mm_ms"] / 1e9
                 row["quant_mm_vs_bf16"] = row["quant_mm_ms"] / bf16_ms
                 row["mm_vs_bf16"] = row["mm_ms"] / bf16_ms
+                row["grads_mm_vs_bf16"] = row["grads_mm_ms"] / bf16_ms
             rows.append(row)
-        del x, w, a, b
+        del x, w, a, b, a_grads, b_grads
     return rows
 
 
@@ -170,15 +176,17 @@ def print_tables(result: dict) -> None:
     print(f"MXFP8 on {result['device_name']}, torch {result['torch']}, triton {result['triton']}, "
           f"warmup {result['warmup']}, median of {result['repeat']}")
     print(f"| {'M':>6} | {'K':>5} | {'N':>5} | {'path':<10} | {'bf16 ms':>8} | {'bf16 TF/s':>9} | "
-          f"{'quant+mm ms':>11} | {'x bf16':>6} | {'TF/s':>6} | {'mm ms':>7} | {'x bf16':>6} | {'TF/s':>6} |")
-    print("|" + "|".join("-" * (w + 2) for w in (6, 5, 5, 10, 8, 9, 11, 6, 6, 7, 6, 6)) + "|")
+          f"{'quant+mm ms':>11} | {'x bf16':>6} | {'TF/s':>6} | {'mm ms':>7} | {'x bf16':>6} | {'TF/s':>6} | "
+          f"{'grads mm ms':>11} | {'x bf16':>6} |")
+    print("|" + "|".join("-" * (w + 2) for w in (6, 5, 5, 10, 8, 9, 11, 6, 6, 7, 6, 6, 11, 6)) + "|")
     for r in result["gemm"]:
         head = f"| {r['M']:>6} | {r['K']:>5} | {r['N']:>5} | {r['path']:<10} | {r['bf16_ms']:>8.3f} | {r['bf16_tflops']:>9.1f} |"
         if "skipped" in r:
             print(f"{head} skipped: {r['skipped']}")
         else:
             print(f"{head} {r['quant_mm_ms']:>11.3f} | {r['quant_mm_vs_bf16']:>6.2f} | {r['quant_mm_tflops']:>6.1f} | "
-                  f"{r['mm_ms']:>7.3f} | {r['mm_vs_bf16']:>6.2f} | {r['mm_tflops']:>6.1f} |")
+                  f"{r['mm_ms']:>7.3f} | {r['mm_vs_bf16']:>6.2f} | {r['mm_tflops']:>6.1f} | "
+                  f"{r['grads_mm_ms']:>11.3f} | {r['grads_mm_vs_bf16']:>6.2f} |")
     m = result.get("moe")
     if m:
         print(f"\nMoE experts {m['experts']}x top{m['top_k']}, {m['tokens']} tokens, hidden {m['hidden']}, "

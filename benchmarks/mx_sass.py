@@ -1,8 +1,7 @@
 """The Hopper MX GEMM's main loop in SASS, counted without a GPU: what its FP8 decode costs
 against the tensor-core work it feeds, beside a plain bf16 Triton GEMM of the same tile.
 
-    python benchmarks/mx_sass.py               # sm_90, the tiles below, both operand layouts
-    python benchmarks/mx_sass.py --target sm_100
+    python benchmarks/mx_sass.py               # sm_90 (Hopper), the tiles below, both operand layouts
 
 Each kernel is compiled as Triton's JIT compiles a real launch (pointers 16-byte aligned, sizes
 and strides multiples of 16, unit strides constant), disassembled with the cuobjdump Triton
@@ -107,15 +106,14 @@ def loop_counts(cubin: bytes, tool: str, tmp: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default="sm_90", help="a CUDA target, sm_90 (Hopper) or sm_100 (Blackwell)")
-    args = parser.parse_args(argv)
-    target = GPUTarget("cuda", int(args.target.removeprefix("sm_")), 32)
+    # (sm_90 only: Blackwell's tensor-core instructions and rates differ, and it takes scaled_mm)
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    target = GPUTarget("cuda", 90, 32)
     triton_mm._KERNELS.build()
     kernels = {"mx": (triton_mm._KERNELS.jitted("_mx_mm_kernel"), "*u8"), "bf16": (bf16_gemm, "*bf16")}
     tool = cuobjdump()
     tmp = Path(__import__("tempfile").mkdtemp())
-    print(f"{args.target}, triton {triton.__version__}; the MX kernel's tile now: {triton_mm.TILE}")
+    print(f"sm_90, triton {triton.__version__}; the MX kernel's tile now: {triton_mm.TILE}")
     print("| tile M x N x K, warps, stages | layout | kernel | loop instr. | MMA instr. | regs | spilled B | issue clk "
           "| mma clk | issue / mma | mx / bf16 instr. | most frequent |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -154,7 +154,7 @@ step setup 60 "$WORK/setup.log" install_wheels
 step build 120 "$WORK/build.log" build_native
 step versions 60 "$WORK/versions.log" versions
 cat "$WORK/versions.log" >>"$LOG"
-step tests_gpu 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -p no:cacheprovider -q -rfEs --durations=15 \
+step tests_gpu 240 "$OUT/pytest_gpu.log" "$PY" -m pytest -p no:cacheprovider -q -rfEs --durations=15 \
     --junitxml="$WORK/junit_tests_gpu.xml" tests/gpu
 # without a GPU (a dry run) the benchmark's smoke mode, so that its code runs all the same
 BENCH_ARGS=()

@@ -4,7 +4,8 @@ The "depends on" column of the doc's package table is read as the rule: a packag
 module) of hyperparallel may import, at module level or inside a function, only the packages that
 its row names in backticks, and the shared modules every layer uses (`errors`, `versions`,
 `lazy_exports`, the package's `__version__`). "all of the above" (the trainer) may import every
-package listed above its row. "`X` only in F.py" lets only the row's file F.py import X. So the doc and the code cannot drift apart: an import the doc does
+package listed above its row. "`X` only in F.py" lets only the row's file F.py (its path in the
+package) import X. So the doc and the code cannot drift apart: an import the doc does
 not allow fails here, naming the file and line, and so does a row naming a package that is none.
 """
 
@@ -95,7 +96,7 @@ def violations(rules: dict[str, set[str]], package: Path = PACKAGE,
         for line, imported in imports_of(path, root=root):
             if imported != layer and imported not in SHARED and imported not in rules[layer]:
                 bad.append(f"{path.relative_to(root)}:{line}: {layer} imports {imported}, which its row does not name")
-            elif (files or {}).get(layer, {}).get(imported, path.name) != path.name:
+            elif (files or {}).get(layer, {}).get(imported, "/".join(parts[1:])) != "/".join(parts[1:]):
                 bad.append(f"{path.relative_to(root)}:{line}: {layer} imports {imported}, which its row allows only "
                            f"in {files[layer][imported]}")
     return bad

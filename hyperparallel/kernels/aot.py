@@ -67,21 +67,29 @@ def _mx() -> None:
 
 
 def _mx_gemm() -> None:
-    """hyperparallel.mx.backends.triton_mm: the SM90 MX GEMM, each output dtype and pair of
-    element formats (MXLinear's E4M3 x E4M3, and E5M2 on either side as `mx_mm` takes it), and
-    with a bias of each dtype a Linear has (fp32 master weights, or the model's bf16 / fp16), the
-    tiles it launches with."""
+    """hyperparallel.mx.backends.triton_mm: the MX GEMM that decodes in the tile, launched as
+    `mx.mx_mm` launches it when forced (HYPERPARALLEL_MX_GEMM=triton): each output dtype and pair
+    of element formats, and with a bias (which mx_mm rounds to the operand dtype) as MXLinear's
+    forward has (E4M3 x E4M3), the tiles it launches with."""
     from hyperparallel import mx
-    from hyperparallel.mx.backends import triton_mm
+    from hyperparallel.mx import gemm_path
 
     formats = (torch.float8_e4m3fn, torch.float8_e5m2)
-    out_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    cases = [(out, ea, eb, None) for out, ea, eb in itertools.product(out_dtypes, formats, formats)]
-    cases += [(out, formats[0], formats[0], bias) for out in out_dtypes for bias in dict.fromkeys((torch.float32, out))]
-    for out_dtype, elem_a, elem_b, bias_dtype in cases:
-        a = mx.quantize(torch.zeros(256, 512), 1, elem_dtype=elem_a, backend="reference")
-        b = mx.quantize(torch.zeros(512, 256), 0, elem_dtype=elem_b, backend="reference")
-        triton_mm.mx_mm(a, b, out_dtype, None if bias_dtype is None else torch.zeros(256, dtype=bias_dtype))
+    cases = [(out, ea, eb, False) for out, ea, eb in
+             itertools.product((torch.bfloat16, torch.float16, torch.float32), formats, formats)]
+    cases += [(out, formats[0], formats[0], True) for out in (torch.bfloat16, torch.float16, torch.float32)]
+    previous = os.environ.get(gemm_path.ENV)
+    os.environ[gemm_path.ENV] = "triton"
+    try:
+        for out_dtype, elem_a, elem_b, bias in cases:
+            a = mx.quantize(torch.zeros(256, 512), 1, elem_dtype=elem_a, backend="reference")
+            b = mx.quantize(torch.zeros(512, 256), 0, elem_dtype=elem_b, backend="reference")
+            mx.mx_mm(a, b, out_dtype, bias=torch.zeros(256) if bias else None)
+    finally:
+        if previous is None:
+            del os.environ[gemm_path.ENV]
+        else:
+            os.environ[gemm_path.ENV] = previous
 
 
 # The routers of the families models registers, as MegaGate takes them: (score, experts, top_k,

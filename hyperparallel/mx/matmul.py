@@ -7,8 +7,8 @@ output, fp64 for the ``reference`` backend. So the product reads nothing back to
 a GPU it runs on the same tensor cores as a bf16 product. See [Note: MX values in the compute
 dtype] for why this is exact, and where it is not.
 
-That is the `dequantize` GEMM path. `mx_mm` runs on MX tensor cores (SM100+) or on a Triton
-kernel that decodes the tiles in registers (SM90) where the device has them
+That is the `dequantize` GEMM path, `mx_mm`'s everywhere but on MX tensor cores (SM100+), where
+it runs torch._scaled_mm; a Triton kernel that decodes the tiles in registers runs when forced
 (`hyperparallel.mx.gemm_path`): the same products, accumulated in another order.
 """
 
@@ -90,8 +90,8 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.bfloat16, *, 
     path, _ = gemm_path.plan(a, b, out_dtype, backend)
     if path == "scaled_mm":
         return gemm_path.scaled_mm(a, b, out_dtype, bias)
-    if path == "triton":
-        return triton_mm.mx_mm(a, b, out_dtype, bias)
+    if path == "triton":  # (the bias rounded to the operand dtype first, as _matmul's)
+        return triton_mm.mx_mm(a, b, out_dtype, None if bias is None else bias.to(operand_dtype(out_dtype)))
     return _matmul(_operand(a, out_dtype, backend), _operand(b, out_dtype, backend), out_dtype, bias)
 
 

@@ -2,7 +2,7 @@
 with the MXFP8 recipe, bf16, forward and backward, on the same weights and inputs.
 
 Both sides quantize the same values to the same bytes (tests/gpu/test_mx_cuda.py); the products
-then accumulate in fp32 in another order (cuBLAS or the Triton GEMM against oneDNN), and each
+then accumulate in fp32 in another order (cuBLAS, or the forced Triton GEMM, against oneDNN), and each
 bf16 rounding after that can move a value by an ulp, which the next quantization can turn into a
 different FP8 code: so the outputs and gradients agree to about bf16's precision, in norm.
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from hyperparallel.lowp import LowPrecisionConfig, MXLinear, convert
 from hyperparallel.moe import GroupedExperts
+from hyperparallel.mx import gemm_path
 from tests.gpu.helpers import CUDA, assert_near, leaf_like, requires_cuda
 
 pytestmark = requires_cuda
@@ -44,9 +45,12 @@ def compare(got, want, what: str) -> None:
         assert_near(dw, rdw, GRAD_REL, f"{what} weight grad {k}")
 
 
+@pytest.mark.parametrize("gemm", [None, "triton"], ids=["automatic", "triton"])
 @pytest.mark.parametrize("wgrad", ["mxfp8", "high_precision"])
 @pytest.mark.parametrize("tokens,features", [(256, (512, 384)), (4096, (2048, 2048)), (100, (96, 72))])
-def test_mx_linear_cuda_matches_cpu(tokens, features, wgrad):
+def test_mx_linear_cuda_matches_cpu(tokens, features, wgrad, gemm, monkeypatch):
+    # automatic: the device's path (Hopper: dequantize); triton: the forced Triton GEMM on all
+    # three of MXLinear's products (the CPU side dequantizes either way)
     fan_in, fan_out = features
     torch.manual_seed(0)
     base = nn.Linear(fan_in, fan_out, bias=True).to(torch.bfloat16)
@@ -61,6 +65,10 @@ def test_mx_linear_cuda_matches_cpu(tokens, features, wgrad):
         g = torch.Generator().manual_seed(tokens)
         x = torch.randn(tokens, fan_in, generator=g).to(torch.bfloat16)
         cot = torch.randn(tokens, fan_out, generator=g).to(torch.bfloat16)
+        if gemm is not None and device == CUDA:
+            monkeypatch.setenv(gemm_path.ENV, gemm)
+        else:
+            monkeypatch.delenv(gemm_path.ENV, raising=False)
         results.append(run(model, x, cot))
     compare(results[0], results[1], "MXLinear")
 

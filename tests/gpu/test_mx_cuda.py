@@ -1,6 +1,7 @@
 """MX quantization and products on a CUDA GPU: the Triton backend on CUDA tensors, byte for byte
 against the pure-torch reference on the same inputs on the CPU; `mx_mm` on each GEMM path
-(`HYPERPARALLEL_MX_GEMM`) against the reference's fp64 product.
+(`HYPERPARALLEL_MX_GEMM`) against the reference's fp64 product, the forced Triton GEMM on every
+operand layout, format and code.
 
 Run by scripts/gpu_check.sh on a lent GPU (docs/gpu.md); skipped without one.
 """
@@ -148,3 +149,58 @@ def test_mx_mm_each_gemm_path(path, out_dtype, shape, monkeypatch):
     rtol = 2**-7 if out_dtype == torch.bfloat16 else 1e-5
     scale = want.abs().max().item()
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=rtol, atol=scale * 1e-5)
+
+
+def operands(M: int, K: int, N: int, layout: str, elem_b: torch.dtype):
+    """a [M, K] and b [K, N], both blocked along K, in MXLinear's layouts: "forward" (a row-major,
+    b a weight's [N, K] copy transposed: K contiguous in both) or "grads" (a a transposed view of a
+    copy blocked down its rows, b N-contiguous: the input- and weight-grad products')."""
+    g = torch.Generator().manual_seed(M + K + N)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(CUDA)
+    w = torch.randn(K, N, generator=g).to(torch.bfloat16).to(CUDA)
+    if layout == "forward":
+        return mx.quantize(x, 1), mx.quantize(w.t().contiguous(), 1, elem_dtype=elem_b).t()
+    return mx.quantize(x.t().contiguous(), 0).t(), mx.quantize(w, 0, elem_dtype=elem_b)
+
+
+@pytest.mark.parametrize("path", ["triton", "dequantize"])
+@pytest.mark.parametrize("layout", ["forward", "grads"])
+@pytest.mark.parametrize("elem_b", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(100, 70, 72), (300, 512, 384)], ids=lambda s: "x".join(map(str, s)))
+def test_mx_mm_on_every_layout_and_format(path, layout, elem_b, bias, out_dtype, shape, monkeypatch):
+    # the forced Triton GEMM (the hardware's FP8 conversion and bf16 tensor-core products, which the
+    # interpreter does not run) on both operand layouts MXLinear hands it, K not a multiple of 32,
+    # E5M2 operands and a bias; the dequantize path beside it
+    M, K, N = shape
+    a, b = operands(M, K, N, layout, elem_b)
+    b_bias = torch.randn(N, generator=torch.Generator().manual_seed(N)).to(out_dtype).to(CUDA) if bias else None
+    monkeypatch.delenv(gemm_path.ENV, raising=False)
+    want = mx.mx_mm(a, b, out_dtype, bias=b_bias, backend="reference")
+    monkeypatch.setenv(gemm_path.ENV, path)
+    got = mx.mx_mm(a, b, out_dtype, bias=b_bias)
+    assert got.device.type == CUDA.type and got.dtype == out_dtype and got.shape == (M, N)
+    rtol = 2**-7 if out_dtype == torch.bfloat16 else 1e-5  # as test_mx_mm_each_gemm_path
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=rtol, atol=want.abs().max().item() * 1e-5)
+
+
+@pytest.mark.parametrize("elem", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+# (scales that keep every value an fp32 normal or infinite: below that a GPU may flush, docs/mx.md;
+# scale bytes 0 and 255 are bit arithmetic, the same on the interpreter, tests/mx/test_gemm_paths.py)
+@pytest.mark.parametrize("scale_byte", [20, 127, 140, 254])
+def test_the_triton_gemm_decodes_every_code_on_the_gpu(elem, scale_byte, monkeypatch):
+    # each of the 256 codes alone in its row, times a b whose first row is ones: each output is the
+    # code's value times its block's scale, as the hardware's conversion gives it (NaN and infinity
+    # codes included; the interpreter's conversion ignores them, tests/mx/test_gemm_paths.py)
+    data = torch.zeros(256, 32, dtype=torch.uint8)
+    data[:, 0] = torch.arange(256, dtype=torch.uint8)
+    scale = torch.full((256, 1), scale_byte, dtype=torch.uint8)
+    a = mx.MXTensor(data.view(elem).to(CUDA), scale.view(torch.float8_e8m0fnu).to(CUDA), 1)
+    ones_row = torch.zeros(32, 8)
+    ones_row[0] = 1
+    monkeypatch.setenv(gemm_path.ENV, "triton")
+    got = mx.mx_mm(a, mx.quantize(ones_row.to(CUDA), 0), torch.float32)
+    power = 2.0 ** (scale_byte - 127)
+    want = (data[:, :1].view(elem).double() * power).float().expand(256, 8)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)

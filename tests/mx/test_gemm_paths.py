@@ -126,6 +126,31 @@ def test_the_triton_gemm_is_the_mx_product(out_dtype, shape):
 
 
 @pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("block_k", [64, 128])  # two and four MX blocks a tile, the last ones partly past K
+@pytest.mark.parametrize("layout", ["forward", "grads"])
+@pytest.mark.parametrize("k", [70, 200])
+def test_the_triton_gemm_on_wider_tiles_and_both_layouts(block_k, layout, k):
+    # forward: a row-major, b K-contiguous (a weight's [N, K] copy transposed); grads: a a
+    # transposed view of a copy blocked down its rows, b N-contiguous (MXLinear's dgrad / wgrad)
+    m, n = 37, 29
+    g = torch.Generator().manual_seed(k + block_k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    if layout == "forward":
+        a, b = mx.quantize(x, 1), mx.quantize(w.t().contiguous(), 1, elem_dtype=torch.float8_e5m2).t()
+    else:
+        a, b = mx.quantize(x.t().contiguous(), 0).t(), mx.quantize(w, 0, elem_dtype=torch.float8_e5m2)
+    tile = dict(SMALL_TILE, BLOCK_K=block_k)
+    out = triton_mm.mx_mm(a, b, torch.float32, tile=tile)
+    assert_fp32_accumulation_accurate(out, a.dequantize(torch.float64), b.dequantize(torch.float64))
+
+
+def test_the_triton_gemm_takes_whole_mx_blocks_along_k():
+    a, b = mx_operands(32, 64, 32)
+    with pytest.raises(ValueError, match="BLOCK_K must be whole MX blocks \\(a multiple of 32\\), not 48"):
+        triton_mm.mx_mm(a, b, torch.float32, tile=dict(SMALL_TILE, BLOCK_K=48))
+
+
+@pytest.mark.usefixtures("triton_interpreter")
 def test_forcing_triton_runs_mx_mm_through_the_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(triton_mm, "TILE", SMALL_TILE)

@@ -112,6 +112,8 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, bias: torch.Tensor |
     """a [M, K] (blocked along K) @ b [K, N] (blocked along K) (+ bias) -> [M, N] in out_dtype,
     computed in bf16 for a bf16 / fp16 output, fp32 for fp32 (as mx_mm's dequantize path)."""
     tile = dict(TILE if tile is None else tile)
+    if tile["BLOCK_K"] % 32:
+        raise ValueError(f"the MX GEMM's BLOCK_K must be whole MX blocks (a multiple of 32), not {tile['BLOCK_K']}")
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
