@@ -38,7 +38,7 @@ ENV = "HYPERPARALLEL_MX_GEMM"
 # rescaled every 32 of K), and the Triton kernel's decode costs about as many issue slots as its
 # bf16 products (benchmarks/mx_sass.py: ~1.1-1.4x the tensor cores' cycles, so at best Triton's
 # bf16 speed, ~0.6-0.8x cuBLAS's), while `dequantize` adds two memory passes to cuBLAS's bf16 GEMM
-# (~0.8-0.9x bf16 at the seed's sizes). scripts/gpu_check.sh measures both on an H200; a
+# (~0.8-0.9x bf16's speed at the seed's sizes). scripts/gpu_check.sh measures both on an H200; a
 # measurement that favours `triton` moves it here (under torch.compile too, once its launch is
 # traceable: a torch.library.triton_op).
 AUTOMATIC = (((10, 0), "scaled_mm"),)
