@@ -16,8 +16,9 @@ bf16 operands, `dequantize` fp16: docs/mx.md "Matmul"'s corners differ).
 `HYPERPARALLEL_MX_GEMM` (read at each call) or `plan(..., forced=)` forces one; a forced path
 that cannot serve a product raises BackendError with the reason, an automatic choice falls back
 to `dequantize`, and `plan` says why. Forcing is for tests and benchmarks: a forced `triton`
-launches its kernel from Python, which torch.compile does not trace (a graph break). Grouped products (MoE experts)
-take the dequantize path on every device: one torch._grouped_mm over bf16 operands.
+launches its kernel from Python, which torch.compile does not trace (a graph break). Grouped
+products (MoE experts) take the dequantize path on every device: one torch._grouped_mm over bf16
+operands.
 """
 
 from __future__ import annotations
