@@ -223,11 +223,16 @@ def compile_cubin(spec: Specialization, target) -> bytes:
 
 
 def first_line(error: BaseException) -> str:
-    """The error in one line; Triton's CompilationError opens with its place ("at 3:27:") and
-    ends with the cause: both."""
+    """The error in one line. Triton's CompilationError opens with its place ("at 3:27:") and ends
+    with the cause; an error inside a jit function the kernel calls is chained below the kernel's
+    (whose own message ends at the call): the innermost one, named by its function, is the cause."""
+    while error.__cause__ is not None and type(error.__cause__).__name__ == type(error).__name__:
+        error = error.__cause__
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) > 1 and re.fullmatch(r"at \d+:\d+:", lines[0]):
-        return f"{type(error).__name__} {lines[0]} {lines[-1]}"
+        function = re.search(r"def (\w+)", getattr(error, "src", None) or "")
+        where = f" in {function.group(1)}" if function else ""
+        return f"{type(error).__name__}{where} {lines[0]} {lines[-1]}"
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 

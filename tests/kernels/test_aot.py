@@ -33,6 +33,23 @@ def _launch_broken():
     _broken_kernel[(1,)](x, x.numel(), BLOCK=16)
 
 
+@_KERNELS.register
+def _broken_helper(x):
+    return tl.no_such_function(x)
+
+
+@_KERNELS.register
+def _kernel_calling_a_broken_helper(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, _broken_helper(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def _launch_broken_helper():
+    x = torch.zeros(16)
+    _KERNELS.build()
+    _kernel_calling_a_broken_helper[(1,)](x, x.numel(), BLOCK=16)
+
+
 def _quantize_bf16_rows():
     mx.quantize(torch.zeros(64, 256, dtype=torch.bfloat16), -1, backend="triton")
 
@@ -69,6 +86,14 @@ def test_a_broken_kernel_fails_the_command_by_name():
     failed = [line for line in out.getvalue().splitlines() if "FAILED" in line]
     assert len(failed) == 2 and all("_broken_kernel" in line for line in failed), out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("2 of 4 compiles ok")
+
+
+def test_an_error_in_a_called_jit_function_is_named_with_its_cause():
+    out = io.StringIO()
+    assert aot.run("sm_90", drivers=[_launch_broken_helper], quiet=True, out=out) == 1
+    failed = out.getvalue().splitlines()[0]
+    assert "_kernel_calling_a_broken_helper" in failed and "FAILED CompilationError in _broken_helper at " in failed
+    assert failed.endswith("has no attribute 'no_such_function'\")"), failed
 
 
 def test_a_bad_target_is_one_line(capsys):
