@@ -93,5 +93,7 @@ def test_the_count_sees_what_would_sync():
         int(t.max()), bool((t > 3).any()), t[t > 60], torch.equal(t, t)
         torch.repeat_interleave(torch.tensor([1, 2]))
         torch._assert_async(t.sum() > 0)  # on the device: no read
-    assert sorted(op for op, _ in reads.reads.elements()) == ["_local_scalar_dense", "_local_scalar_dense", "equal",
-                                                              "index", "repeat_interleave"]
+        t.cpu(), t.numpy(), t.tolist()  # no ATen operation on a CPU tensor: counted by name
+    assert sorted(op for op, _ in reads.reads.elements()) == ["_local_scalar_dense", "_local_scalar_dense", "cpu",
+                                                              "equal", "index", "numpy", "repeat_interleave",
+                                                              "tolist"]
