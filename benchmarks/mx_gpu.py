@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -100,16 +99,6 @@ class Timer:
         return statistics.median(fwd), statistics.median(bwd)
 
 
-def with_path(path: str):
-    """Set HYPERPARALLEL_MX_GEMM to `path` (None: unset); returns what it was."""
-    previous = os.environ.get(gemm_path.ENV)
-    if path is None:
-        os.environ.pop(gemm_path.ENV, None)
-    else:
-        os.environ[gemm_path.ENV] = path
-    return previous
-
-
 def gemm_rows(device, sizes, paths, timer: Timer) -> list[dict]:
     rows = []
     for M, K, N in sizes:
@@ -124,20 +113,18 @@ def gemm_rows(device, sizes, paths, timer: Timer) -> list[dict]:
         a_grads, b_grads = mx.quantize(x.t().contiguous(), 0).t(), mx.quantize(w.t().contiguous(), 0)
         for path in paths:
             row = {"M": M, "K": K, "N": N, "path": path, "bf16_ms": bf16_ms, "bf16_tflops": flops / bf16_ms / 1e9}
-            previous = with_path(path)
             try:
-                mx.mx_mm(a, b)  # raises here if the path cannot serve this product
+                with gemm_path.forcing(path):
+                    mx.mx_mm(a, b)  # raises here if the path cannot serve this product
 
-                def quant_mm(x=x, w=w):
-                    return mx.mx_mm(mx.quantize(x, 1), mx.quantize(w, 1).t())
+                    def quant_mm(x=x, w=w):
+                        return mx.mx_mm(mx.quantize(x, 1), mx.quantize(w, 1).t())
 
-                row["quant_mm_ms"] = timer.median_ms(quant_mm)
-                row["mm_ms"] = timer.median_ms(lambda a=a, b=b: mx.mx_mm(a, b))
-                row["grads_mm_ms"] = timer.median_ms(lambda a=a_grads, b=b_grads: mx.mx_mm(a, b))
+                    row["quant_mm_ms"] = timer.median_ms(quant_mm)
+                    row["mm_ms"] = timer.median_ms(lambda a=a, b=b: mx.mx_mm(a, b))
+                    row["grads_mm_ms"] = timer.median_ms(lambda a=a_grads, b=b_grads: mx.mx_mm(a, b))
             except BackendError as error:
                 row["skipped"] = str(error)
-            finally:
-                with_path(previous)
             if "skipped" not in row:
                 row["quant_mm_tflops"] = flops / row["quant_mm_ms"] / 1e9
                 row["mm_tflops"] = flops / row["mm_ms"] / 1e9

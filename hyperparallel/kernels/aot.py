@@ -78,18 +78,11 @@ def _mx_gemm() -> None:
     cases = [(out, ea, eb, False) for out, ea, eb in
              itertools.product((torch.bfloat16, torch.float16, torch.float32), formats, formats)]
     cases += [(out, formats[0], formats[0], True) for out in (torch.bfloat16, torch.float16, torch.float32)]
-    previous = os.environ.get(gemm_path.ENV)
-    os.environ[gemm_path.ENV] = "triton"
-    try:
+    with gemm_path.forcing("triton"):
         for out_dtype, elem_a, elem_b, bias in cases:
             a = mx.quantize(torch.zeros(256, 512), 1, elem_dtype=elem_a, backend="reference")
             b = mx.quantize(torch.zeros(512, 256), 0, elem_dtype=elem_b, backend="reference")
             mx.mx_mm(a, b, out_dtype, bias=torch.zeros(256) if bias else None)
-    finally:
-        if previous is None:
-            del os.environ[gemm_path.ENV]
-        else:
-            os.environ[gemm_path.ENV] = previous
 
 
 # The routers of the families models registers, as MegaGate takes them: (score, experts, top_k,

@@ -23,7 +23,9 @@ operands.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -43,6 +45,23 @@ ENV = "HYPERPARALLEL_MX_GEMM"
 # measurement that favours `triton` moves it here (under torch.compile too, once its launch is
 # traceable: a torch.library.triton_op).
 AUTOMATIC = (((10, 0), "scaled_mm"),)
+
+
+@contextlib.contextmanager
+def forcing(path: str | None) -> Iterator[None]:
+    """HYPERPARALLEL_MX_GEMM set to `path` (None: unset) inside the block, as it was after it."""
+    previous = os.environ.get(ENV)
+    try:
+        if path is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = path
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
