@@ -72,13 +72,19 @@ def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]],
 
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1,
-                gradient_divide_factor: float | None = None, device: torch.device | str | None = None) -> nn.Module:
+                gradient_divide_factor: float | None = None, device: torch.device | str | None = None,
+                replicate_group=None) -> nn.Module:
     """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
 
     Apply to each block first, then to the root. Returns `module` (sharded in place). Gradients
     are summed over the group and divided by `gradient_divide_factor` (default: the group's size,
     a mean; expert parallelism divides by every data-parallel rank, since each rank's expert
     gradients already sum the tokens of its whole expert-parallel group).
+
+    `replicate_group` (HSDP): the ranks holding the same shards in the other replicas of
+    `process_group` (this rank one of them). Gradients are then reduce-scattered within the
+    shard group and summed across the replicas by an all-reduce; the default divide factor is
+    both groups' sizes multiplied ([Note: HSDP gradients], group.py).
 
     Parameters on the meta device (a model built without memory) get shards of uninitialized
     memory on `device` (required then), so no rank ever holds a whole parameter; fill them
@@ -89,9 +95,11 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
         raise ConfigError(f"{type(module).__name__} is already sharded: apply fully_shard once per module")
     if dist.get_rank(process_group) < 0:
         raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the process_group it was given")
+    if replicate_group is not None and dist.get_rank(replicate_group) < 0:
+        raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the replicate_group it was given")
     _check_same_group(module, process_group)
     group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy,
-                      gradient_divide_factor)
+                      gradient_divide_factor, replicate_group)
     params = _direct_params(module)
     if not params:
         setattr(module, _GROUP, group)
@@ -148,7 +156,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None,
     """The global gradient norm over every rank's shards; scales the shards' grads to max_norm.
 
     `replicas`: per parameter name, how many ranks of the group hold the same gradient shard
-    beside FSDP's own split (tensor parallelism's replicated weights), so each counts once.
+    beside FSDP's own split (tensor parallelism's replicated weights), so each counts once. The
+    replicas of HSDP are known from each shard's placement and count once as well (with
+    `process_group` the world, as the trainer calls it: every replica's shards are in the sum).
 
     Per device, dtype and replica count, one foreach norm of the gradients, accumulated in
     float64, and one foreach multiply to scale them. float64 so that the total does not depend
@@ -157,14 +167,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None,
     device reads the float32 gradients in one fused kernel that accumulates in float64; the
     CPU's converts one gradient at a time)."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
-    if replicas is None:
-        for p in module.parameters():
-            if p.grad is not None:
-                buckets.setdefault((p.grad.device, p.grad.dtype, 1), []).append(p.grad)
-    else:
-        for name, p in module.named_parameters():
-            if p.grad is not None:
-                buckets.setdefault((p.grad.device, p.grad.dtype, replicas.get(name, 1)), []).append(p.grad)
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            placement = shard_placement(p)
+            count = (replicas.get(name, 1) if replicas else 1) * (placement.replicas if placement else 1)
+            buckets.setdefault((p.grad.device, p.grad.dtype, count), []).append(p.grad)
     # on the parameters' device: the all-reduce then runs where the group's backend can (NCCL
     # has no CPU path), also on a rank whose shards are all empty and have no gradient
     # ([Note: device-correct collectives], train/distributed.py)

@@ -192,6 +192,11 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
     return fn(out, flat, group=group, async_op=True)
 
 
+def all_reduce(tensor: torch.Tensor, group):
+    """Sum `tensor` over `group` in place (HSDP: a reduce-scatter's output over the replicas)."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
 def all_gather(gathered: torch.Tensor, local: torch.Tensor, group):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(gathered, local, group=group, async_op=True)

@@ -7,6 +7,17 @@ full parameters. Gradients go the other way: zero-padded into one [world, slot] 
 reduce-scatter (sum, then a divide by gradient_divide_factor: gloo's AVG is unreliable), and
 each rank keeps its valid rows as its shards' `.grad`. Every copy is one foreach op over the
 whole group, over views made once ([Note: views made once per group], collectives.py).
+
+[Note: HSDP gradients] With a replicate group (HSDP), the same shards live on one rank of each
+replica. A group's gradients are reduce-scattered within its shard group, divided once by
+gradient_divide_factor (every replica's ranks: the shard group's size x the replicas'), then
+summed across the replicas by one all-reduce of the reduce-scatter's output, in place. The
+all-reduce is launched when the next group of the same root launches its reduce-scatter (its
+own reduce-scatter has had a block's backward to finish; `PrefetchSchedule.chain_all_reduce`),
+or at the end of backward for the last; so it overlaps the rest of backward. Launch points are
+fixed by the order of backward, never by timing, so every replica issues the all-reduces in one
+order. The wait before it is a stream wait on CUDA (no host sync); on the CPU it blocks until
+the reduce-scatter, which a block's backward has usually outlasted, is done.
 """
 
 from __future__ import annotations
@@ -20,7 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperparallel import versions
-from hyperparallel.fsdp.collectives import FlatLayout, GatherViews, ReduceViews, all_gather, reduce_scatter
+from hyperparallel.fsdp.collectives import (
+    FlatLayout,
+    GatherViews,
+    ReduceViews,
+    all_gather,
+    all_reduce,
+    reduce_scatter,
+)
 from hyperparallel.fsdp.param import MixedPrecision, ShardedParam
 
 if TYPE_CHECKING:
@@ -77,11 +95,14 @@ _UNSHARDED = frozenset({_S.UNSHARDED, _S.UNSHARDED_FOR_BACKWARD})
 
 class FSDPGroup:
     def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
-                 mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None):
+                 mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None,
+                 replicate_group=None):
         self.module, self.group = module, group
         self.mp = mp_policy or MixedPrecision()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.gradient_divide_factor = gradient_divide_factor or self.world
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replicate_group = replicate_group if self.replicas > 1 else None  # HSDP ([Note: HSDP gradients])
+        self.gradient_divide_factor = gradient_divide_factor or self.world * self.replicas
         self.geometry, self.align = geometry, align
         self.reshard_after_forward = reshard_after_forward
         self.gradient_sync = True  # a user setting (set_requires_gradient_sync), not lifecycle state
@@ -89,6 +110,7 @@ class FSDPGroup:
         self.state = GroupState.SHARDED
         self._gather = None  # the work of a launched all-gather: a prefetch in flight
         self._reduce = None  # (work, out) of a launched reduce-scatter
+        self._all_reduce = None  # (work, out) of a launched all-reduce across the replicas (HSDP)
         self._gather_layout: FlatLayout | None = None
         self._reduce_layout: FlatLayout | None = None  # over the trainable parameters only
         self._gather_views: GatherViews | None = None  # made on first use
@@ -121,7 +143,7 @@ class FSDPGroup:
         """Replace each parameter by this rank's shard (meta parameters: a shard of `device` memory)."""
         for places, param in params:
             sharded = ShardedParam.of(places, param, self.group, self.rank, self.world, self.geometry, self.align,
-                                      self.mp.param_dtype, device)
+                                      self.mp.param_dtype, device, self.replicate_group, self.replicas)
             self.params.append(sharded)
             sharded.put(sharded.shard)
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
@@ -269,14 +291,40 @@ class FSDPGroup:
         # (a fresh output every time: the shards' grads are views of it until the optimizer is done)
         out = torch.empty(layout.slot, dtype=reduce_dtype, device=ref.device)
         self._reduce = (reduce_scatter(out, flat, self.group), out)
+        if self.replicate_group is not None and self.schedule is not None:
+            self.schedule.chain_all_reduce(self)
 
-    def _finish_reduce(self) -> None:
+    def start_all_reduce(self) -> None:
+        """HSDP, once the reduce-scatter is done: its output divided and launched into the sum
+        across the replicas ([Note: HSDP gradients]); a no-op without a reduce-scatter in flight."""
         if self._reduce is None:
             return
         work, out = self._reduce
         self._reduce = None
         work.wait()
+        self._reduce_views.flat.free()  # (the reduce-scatter's input: done with)
         out.div_(self.gradient_divide_factor)
+        self._all_reduce = (all_reduce(out, self.replicate_group), out)
+
+    def _finish_reduce(self) -> None:
+        if self.replicate_group is not None:
+            self.start_all_reduce()  # (unless the next group's reduce-scatter launched it)
+            if self._all_reduce is None:
+                return
+            work, out = self._all_reduce
+            self._all_reduce = None
+            work.wait()
+        else:
+            if self._reduce is None:
+                return
+            work, out = self._reduce
+            self._reduce = None
+            work.wait()
+            out.div_(self.gradient_divide_factor)
+        self._land_grads(out)
+
+    def _land_grads(self, out: torch.Tensor) -> None:
+        """The reduced gradients into the shards' `.grad` (views of `out`, or added to what is there)."""
         layout = self._reduce_layout
         dtype = layout.params[0].shard.dtype  # (the group's shards share one: fully_shard checks)
         if out.dtype != dtype:

@@ -39,6 +39,10 @@ class ShardPlacement:
     process_group: object  # a ProcessGroup, or None for the default (world) group
     ranges: tuple[tuple[int, int], ...]
     rank: int  # this process's rank in process_group
+    # HSDP: the ranks of the other replicas holding this same shard (None: no replicas), and how
+    # many ranks hold it in all (a norm over every rank counts it once: fsdp.clip_grad_norm_)
+    replicate_group: object = None
+    replicas: int = 1
 
 
 @dataclass
@@ -67,7 +71,7 @@ class ShardedParam:
     @classmethod
     def of(cls, places: list[tuple[nn.Module, str]], param: nn.Parameter, group, rank: int, world: int,
            geometry: str, align: int, param_dtype: torch.dtype | None,
-           device: torch.device | None = None) -> ShardedParam:
+           device: torch.device | None = None, replicate_group=None, replicas: int = 1) -> ShardedParam:
         """Split `param` into this rank's shard and an empty full Parameter in the compute dtype.
 
         A parameter on the meta device (a model built without memory) gets a shard of
@@ -87,7 +91,8 @@ class ShardedParam:
         outer = getattr(param, "_hp_shard_info", None)
         shard._hp_shard_info = info if outer is None else ShardInfo(outer.global_shape, outer.offset + info.offset,
                                                                     info.length)
-        placement = ShardPlacement(group, tuple(shard_ranges(info.rows, world, geometry, align)), rank)
+        placement = ShardPlacement(group, tuple(shard_ranges(info.rows, world, geometry, align)), rank,
+                                   replicate_group, replicas)
         shard._hp_shard_placement = placement
         # the full parameter starts without storage (never allocated whole here; the group's
         # all-gather gives it its bytes, [Note: views of a freed storage])

@@ -273,6 +273,51 @@ def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     return log
 
 
+def run_hsdp(rank: int, world: int) -> dict:
+    """HSDP on 4 ranks: FSDP over [0, 1] and [2, 3], replicated over [0, 2] and [1, 3], trained as
+    run_acceptance trains (balanced geometry; AdamW, and Muon, whose Newton-Schulz exchanges run
+    within each shard group); and the order in which a second step launches its reduce-scatters
+    and all-reduces."""
+    from hyperparallel.fsdp.group import _GROUP, FSDPGroup
+
+    shard_groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]
+    replica_groups = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])]
+    groups = {"process_group": shard_groups[rank // 2], "replicate_group": replica_groups[rank % 2]}
+    results = {}
+    for optimizer in ("adamw", "muon"):
+        model = Uneven()
+        muon = optimizer == "muon"  # (the whole batch on every rank, as in run_acceptance)
+        policy = MixedPrecision(reduce_dtype=torch.float64) if muon else None
+        shard_all(model, geometry="balanced", mp_policy=policy, **groups)
+        train(model, make_optimizer(model, optimizer, sharded=True), rank, world, whole_batch=muon)
+        results[optimizer] = [(shard_info(p), p.detach().clone()) for p in model.parameters()]
+    model = shard_all(Uneven(), **groups)
+    names = {id(getattr(model, _GROUP)): "root"}
+    names.update({id(getattr(layer, _GROUP)): f"layer{i}" for i, layer in enumerate(model.layers)})
+    log: list[tuple[str, str]] = []
+    reduce, all_reduce = FSDPGroup._start_reduce, FSDPGroup.start_all_reduce
+
+    def logged_reduce(group):
+        log.append(("reduce-scatter", names[id(group)]))
+        reduce(group)
+
+    def logged_all_reduce(group):
+        if group._reduce is not None:
+            log.append(("all-reduce", names[id(group)]))
+        all_reduce(group)
+
+    FSDPGroup._start_reduce, FSDPGroup.start_all_reduce = logged_reduce, logged_all_reduce
+    try:
+        for step in range(2):
+            log.clear()
+            x, y = micro_batch(step, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    finally:
+        FSDPGroup._start_reduce, FSDPGroup.start_all_reduce = reduce, all_reduce
+    results["schedule"] = log
+    return results
+
+
 def on_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every scenario of this file at one world size, on one rank of the session's shared spawn
     (tests/dist/spawn.py); the tests below check one property each."""
@@ -284,6 +329,8 @@ def on_ranks(rank: int, world: int, out_dir: str) -> dict:
         results["bf16_grads"] = run_bf16_grads(rank, world)
     if world == 3:
         results["mismatch"] = run_mismatch(rank, world)
+    if world == 4:
+        results["hsdp"] = run_hsdp(rank, world)
     return results
 
 
@@ -365,6 +412,27 @@ def test_all_gathers_are_prefetched_and_reduces_overlap_backward(sharded):
     # layer1's reduce-scatter is launched before layer0's backward runs
     assert backward.index(("all-gather", "layer0")) < backward.index(("reduce-scatter", "layer1"))
     assert backward.index(("reduce-scatter", "layer1")) < backward.index(("backward", "layer0"))
+
+
+def test_hsdp_matches_one_process_and_each_replica_holds_the_same_shards(spawn_4):
+    """dp_replicate=2 x dp_shard=2: gradients reduce-scattered within [0, 1] and [2, 3], summed
+    across [0, 2] and [1, 3], divided by all 4; clipped with each replica's shards counted once.
+    Each replica's shards are the one-process model's rows (AdamW and Muon, as the acceptance test)."""
+    per_rank = [results["hsdp"] for results in spawn_4["fsdp"]]
+    for optimizer in ("adamw", "muon"):
+        want = reference(optimizer)
+        for replica in (per_rank[:2], per_rank[2:]):
+            assert_shards_equal([r[optimizer] for r in replica], want, f"HSDP 2 x 2, {optimizer}", rtol=0, atol=1e-5)
+
+
+def test_hsdp_launches_each_all_reduce_when_the_next_group_reduces(spawn_4):
+    """[Note: HSDP gradients]: a group's all-reduce across the replicas starts when the next group
+    launches its reduce-scatter (overlapping that group's backward), the last one's at the end of
+    backward; in backward's order on every rank."""
+    logs = [results["hsdp"]["schedule"] for results in spawn_4["fsdp"]]
+    assert logs[0] == [("reduce-scatter", "layer1"), ("reduce-scatter", "layer0"), ("all-reduce", "layer1"),
+                       ("reduce-scatter", "root"), ("all-reduce", "layer0"), ("all-reduce", "root")]
+    assert all(log == logs[0] for log in logs)
 
 
 def test_fully_shard_needs_a_process_group_and_refuses_a_second_sharding():
