@@ -4,7 +4,9 @@ The EP ranks are borrowed from the data-parallel ones, as torchtitan borrows the
 ranks form a (expert_shard x ep) mesh; each group of `ep` consecutive ranks splits every MoE
 layer's experts among its members (any count: 10 experts on 4 ranks are 3, 3, 2, 2), and the
 ranks at the same place in every group hold the same experts, which FSDP then shards among
-them (`shard_model`). Non-expert parameters are sharded over every rank as without EP.
+them (`shard_model`). Non-expert parameters are sharded over every rank as without EP. With
+HSDP the mesh is that within each replica (parallel/mesh.py), and each expert's shards are
+replicated over the replicas, as every other shard is.
 
 Each rank keeps the same Parameter objects with only its experts' rows (`.data` replaced), and
 records where they sit in the whole (`_hp_shard_info`: the global shape and the first expert),
@@ -31,7 +33,9 @@ class ExpertLayout:
     ep: int
     ep_group: object  # the ranks that split the experts among them (this rank's)
     shard_group: object  # the ranks that hold the same experts as this rank
-    world: int  # the ranks whose tokens each expert's gradient sums (dp_shard x cp): its mean's divisor
+    # the ranks whose tokens each expert's gradient sums (dp_replicate x dp_shard x cp): its mean's divisor
+    world: int
+    replicate_group: object = None  # HSDP: the ranks of the other replicas holding the same experts' shards
 
     @property
     def ep_rank(self) -> int:
@@ -48,8 +52,12 @@ def expert_layout(ep: int, device_type: str) -> ExpertLayout:
 
 
 def expert_layout_of(mesh) -> ExpertLayout:
-    """The expert parallelism of a ParallelMesh (its ep groups sit within one tp coordinate)."""
-    return ExpertLayout(mesh.shape.ep, mesh.ep_group, mesh.expert_shard_group, mesh.shape.dp_shard * mesh.shape.cp)
+    """The expert parallelism of a ParallelMesh (its ep groups sit within one replica and one tp
+    coordinate; an expert's shards are replicated over the mesh's replicate group, the ranks at the
+    same place in every replica)."""
+    shape = mesh.shape
+    return ExpertLayout(shape.ep, mesh.ep_group, mesh.expert_shard_group, shape.dp_replicate * shape.shard_size,
+                        mesh.replicate_group if shape.dp_replicate > 1 else None)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:

@@ -1,6 +1,7 @@
 """FSDP for a Hugging Face causal LM: every decoder layer is one sharded group, the root (embeddings,
 final norm, output head) another, as DESIGN.md's training step expects. With expert parallelism,
-each layer's experts are a group of their own, sharded over the ranks that hold the same experts."""
+each layer's experts are a group of their own, sharded over the ranks that hold the same experts.
+With HSDP, every group's shards are replicated over `replicate_group` (parallel/mesh.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from hyperparallel.parallel.recompute import decoder_layers
 
 
 def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group=None,
-                experts: ExpertLayout | None = None, device=None) -> nn.Module:
-    """Shard each decoder layer, then the root, over `process_group` (default: every rank).
+                replicate_group=None, experts: ExpertLayout | None = None, device=None) -> nn.Module:
+    """Shard each decoder layer, then the root, over `process_group` (default: every rank), and
+    replicate the shards over `replicate_group` (HSDP; None: no replicas).
 
     `experts`: the layout `apply_expert_parallel` split the experts with. Each rank's expert
     gradients then already sum the tokens of its whole EP group, so they are reduced over the
-    ranks holding the same experts and divided by every rank (a mean over the world's tokens).
+    ranks holding the same experts (and their replicas) and divided by every data-parallel rank
+    (a mean over the world's tokens, `experts.world`).
     `device`: where the shards of a model built on the meta device get their memory."""
     options = {"geometry": geometry, "align": align, "device": device}
     for layer in decoder_layers(model):
         if experts is not None:
             for module in expert_modules(layer):
-                fully_shard(module, process_group=experts.shard_group, gradient_divide_factor=experts.world,
-                            **options)
-        fully_shard(layer, process_group=process_group, **options)
-    return fully_shard(model, process_group=process_group, **options)
+                fully_shard(module, process_group=experts.shard_group, replicate_group=experts.replicate_group,
+                            gradient_divide_factor=experts.world, **options)
+        fully_shard(layer, process_group=process_group, replicate_group=replicate_group, **options)
+    return fully_shard(model, process_group=process_group, replicate_group=replicate_group, **options)
