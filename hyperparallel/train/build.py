@@ -64,7 +64,8 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
 
 
 def data_rank(built: BuiltModel, rt: Runtime) -> tuple[int, int]:
-    """(this rank's data-parallel replica, how many): the ranks of one tp x cp group read one batch."""
+    """(this rank's data-parallel rank, how many: dp_replicate x dp_shard): the ranks of one tp x cp
+    group read one batch."""
     if built.mesh is None:
         return rt.rank, rt.world
     return built.mesh.dp_rank, built.mesh.dp_size
@@ -114,8 +115,9 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     `fill=False` leaves the values uninitialized (a run about to load a checkpoint into every
     tensor: reading `model.path` or drawing the init would be work thrown away)."""
     p = cfg.parallel
-    sharded = p.dp_shard > 1 or p.model_parallel() > 1
-    mesh = build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep), rt.device.type) if sharded and rt.world > 1 else None
+    sharded = p.dp_shard > 1 or p.dp_replicate > 1 or p.model_parallel() > 1
+    mesh = (build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep, dp_replicate=p.dp_replicate), rt.device.type)
+            if sharded and rt.world > 1 else None)
     start_s, start_mem = time.perf_counter(), peak_memory_bytes(rt.device)
     model = _meta_model(cfg, vocab_size)
     shadow = _meta_model(cfg, vocab_size)  # whole shapes, no plans: what the init and the file reader see
@@ -153,11 +155,13 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     compile_layers(model, cfg.training.compile)
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
     if sharded:
-        # FSDP over dp_shard x cp (the ranks holding the same TP-local weights); the world without TP.
+        # FSDP over dp_shard x cp within a replica (the ranks holding the same TP-local weights; the
+        # world without TP or HSDP), replicated over dp_replicate (HSDP).
         # The shards get their memory here, uninitialized; nothing whole is ever allocated.
-        group = mesh.fsdp_group if mesh is not None and p.tp > 1 else None
+        group = mesh.fsdp_group if mesh is not None and (p.tp > 1 or p.dp_replicate > 1) else None
+        replicate = mesh.replicate_group if mesh is not None and p.dp_replicate > 1 else None
         shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, process_group=group,
-                    experts=layout, device=rt.device)
+                    replicate_group=replicate, experts=layout, device=rt.device)
     materialize_meta(model, rt.device)  # what FSDP did not shard: buffers, or everything of an unsharded run
     if hf_plan is not None:
         fill_from_hf(model, shadow, hf_plan, cfg.training.seed, rt.device)

@@ -170,7 +170,10 @@ class TrainingSection(Section):
 
 
 class ParallelSection(Section):
-    dp_shard: int = Field(1, ge=1)  # ranks that shard the model (FSDP); must equal the ranks launched
+    dp_shard: int = Field(1, ge=1)  # ranks that shard the model (FSDP), within each replica
+    # HSDP: copies of that sharding (dp_shard x cp ranks each), their gradients all-reduced; with
+    # the others, the ranks launched = dp_replicate x dp_shard x cp x tp (docs/parallel.md)
+    dp_replicate: int = Field(1, ge=1)
     shard_geometry: choice(GEOMETRIES) = "chunk"  # how rows that do not divide are dealt out
     align: int = Field(1, ge=1)  # shard boundaries on multiples of this many rows (32: whole MXFP8 blocks)
     # tensor parallelism: attention heads, MLP columns and the vocabulary split over tp ranks
@@ -194,8 +197,13 @@ class ParallelSection(Section):
 
     def model_parallel(self) -> int:
         """Ranks that read one batch together (tp x cp): the world's ranks over this are the
-        data-parallel replicas."""
+        data-parallel ranks (dp_replicate x dp_shard)."""
         return self.tp * self.cp
+
+    def named_ranks(self) -> int:
+        """The ranks the layout names (dp_replicate x dp_shard x cp x tp); 1 when every setting is
+        1, which is plain data parallelism (DDP) over however many ranks are launched."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
 class MoESection(Section):
@@ -313,11 +321,12 @@ class TrainConfig(Section):
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; ConfigError if the batch does not split."""
         t = self.training
-        replicas = max(world_size // self.parallel.model_parallel(), 1)  # (tp x cp ranks read one batch)
-        per_step = t.micro_batch * replicas
+        # (tp x cp ranks read one batch: the others are data-parallel, dp_replicate x dp_shard of them)
+        data_ranks = max(world_size // self.parallel.model_parallel(), 1)
+        per_step = t.micro_batch * data_ranks
         if t.global_batch % per_step:
-            ranks = (f"data-parallel replicas ({world_size} ranks / tp x cp {self.parallel.model_parallel()} = "
-                     f"{replicas})" if self.parallel.model_parallel() > 1 else f"ranks ({world_size})")
+            ranks = (f"data-parallel ranks ({world_size} ranks / tp x cp {self.parallel.model_parallel()} = "
+                     f"{data_ranks})" if self.parallel.model_parallel() > 1 else f"ranks ({world_size})")
             raise ConfigError(
                 f"training.global_batch ({t.global_batch}) must be a multiple of training.micro_batch "
                 f"({t.micro_batch}) x {ranks} = {per_step}"

@@ -8,6 +8,7 @@ rank 0, whose answer every rank takes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
+from hyperparallel.parallel.mesh import describe_groups
 from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 from hyperparallel.train import checkpointing, data, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
@@ -225,6 +227,8 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
     """The run's first lines: what trains, on what, how."""
     layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
     p = cfg.parallel
+    if p.dp_replicate > 1:
+        layout += f", {p.dp_replicate} replicas (HSDP)"
     if p.tp > 1:
         layout += f", tensor parallel over {p.tp} ranks (tp{', sequence parallel' if p.sequence_parallel else ''})"
     if p.cp > 1:
@@ -236,6 +240,9 @@ def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulatio
               f"{len(dataset.train):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
               f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
               f"{cfg.training.compile}; MFU against {peak}")
+    if built.mesh is not None:  # HSDP's groups; shard groups that span machines (torchrun's ranks per machine)
+        for line in describe_groups(built.mesh.shape, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None):
+            log.print(line)
     log.print(data.describe(dataset, cfg.data, preflight.document_mask(cfg)[1]))
     tp_state = tensor_parallel_state(built.model)
     if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."

@@ -73,22 +73,31 @@ def data_problems(cfg: TrainConfig) -> list[str]:
 def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     problems = []
     p = cfg.parallel
-    ep, dp_shard, tp, cp = p.ep, p.dp_shard, p.tp, p.cp
-    if tp * cp > 1:
-        if dp_shard * cp * tp != world:
-            problems.append(f"parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) x parallel.tp ({tp}) = "
-                            f"{dp_shard * cp * tp} ranks, but this run has {world}; make their product {world}, or "
-                            f"launch hyperparallel train --nproc {dp_shard * cp * tp}")
-    elif dp_shard > 1 and dp_shard != world:
-        problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
-                        f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}")
+    ep, dp_replicate, dp_shard, tp, cp = p.ep, p.dp_replicate, p.dp_shard, p.tp, p.cp
+    named = p.named_ranks()
+    if dp_replicate == 1 and tp * cp == 1:
+        if dp_shard > 1 and dp_shard != world:
+            replicate = (f", or parallel.dp_replicate: {world // dp_shard} to replicate that sharding over the "
+                         f"{world} ranks (HSDP)" if world > dp_shard and world % dp_shard == 0 else "")
+            problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
+                            f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}{replicate}")
+    elif named != world:
+        problems.append(f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) "
+                        f"x parallel.tp ({tp}) = {named} ranks, but this run has {world}; make their product {world}, "
+                        f"or launch hyperparallel train --nproc {named}")
     borrowed = dp_shard * cp
     if ep > 1 and (borrowed == 1 or borrowed % ep):
-        choices = [n for n in range(2, world + 1) if world % n == 0]
-        fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
-        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard} x parallel.cp = {cp}: "
-                        f"that product must be a multiple of ep (the ranks sharing each expert's shards x ep); with "
-                        f"{world} rank(s): {fix}")
+        if dp_replicate == 1:
+            choices = [n for n in range(2, world + 1) if world % n == 0]
+            fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
+        else:  # (within each replica)
+            choices = [n for n in range(2, borrowed + 1) if borrowed % n == 0]
+            fix = (f"ep one of {choices}" if choices else
+                   "shard within each replica (dp_shard > 1), the dimension ep borrows from")
+        within = f" within each of parallel.dp_replicate = {dp_replicate} replicas" if dp_replicate > 1 else ""
+        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard} x parallel.cp = {cp}"
+                        f"{within}: that product must be a multiple of ep (the ranks sharing each expert's shards x "
+                        f"ep); with {world} rank(s): {fix}")
     if tp > 1 and cp > 1:
         problems.append(f"parallel.tp = {tp} with parallel.cp = {cp}: tensor and context parallelism together are not "
                         f"supported yet; use one of them (with dp_shard)")

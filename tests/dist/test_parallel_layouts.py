@@ -18,7 +18,8 @@ balances its own tokens), as with data parallelism.
 
 The session's shared 4-rank spawn (tests/dist/spawn.py) runs every layout (and tests/dist/test_context_parallel.py's cases), and the checkpoint cases: a tp=2 x dp_shard=2 checkpoint loads into
 dp_shard=4, cp=2 x dp_shard=2 and one process with the same values, and its Hugging Face export
-equals the one-process model's.
+equals the one-process model's; a dp_replicate=2 x dp_shard=2 (HSDP) checkpoint loads at
+dp_shard=4 and in one process, and holds each shard once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from hyperparallel import checkpoint
 from hyperparallel.checkpoint.export import export_hf
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.checkpoint.sharded import shard_chunks
+from hyperparallel.fsdp import shard_info
 from hyperparallel.train import data
 from hyperparallel.train.build import build_optimization, build_trained_model, data_rank
 from hyperparallel.train.config import TrainConfig
@@ -86,6 +88,19 @@ LAYOUTS = {
                                    {"documents": True}),
     "qwen3_moe_tp2_ep2_documents": ("qwen3_moe", {"tp": 2, "dp_shard": 2, "ep": 2},
                                     {"moe": {"aux_loss_coef": 0.0}, "documents": True}),
+    # HSDP: FSDP over 2 ranks, 2 replicas (shard groups [0, 1] [2, 3], replica groups [0, 2] [1, 3])
+    "qwen3_hsdp2x2": ("qwen3", {"dp_replicate": 2, "dp_shard": 2}, {}),
+    # each replica's experts split over its 2 ranks (ep groups [0, 1] [2, 3]), every expert's shard
+    # held once per replica: expert gradients summed over ep, then across the replicas
+    "qwen3_moe_hsdp2x2_ep2": ("qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+                              {"moe": {"aux_loss_coef": 0.0}}),
+    # uneven shards: every row count of the tiny Qwen3 divides by 2, so dp_shard=2 alone splits
+    # each evenly; 24-row groups (not a power of 2) make 64 rows 48 + 16, 32 rows 24 + 8, 512 rows
+    # 264 + 248 and the 16-row norms 16 + 0 (an empty shard), in both replicas
+    "qwen3_hsdp2x2_uneven": ("qwen3", {"dp_replicate": 2, "dp_shard": 2, "shard_geometry": "balanced", "align": 24},
+                             {}),
+    # pure replication with TP: shard groups of one rank (each replica holds whole TP-local weights)
+    "qwen3_hsdp2_tp2": ("qwen3", {"dp_replicate": 2, "tp": 2}, {}),
 }
 # MXFP8 rounds each element to 3 mantissa bits: the layouts' float32 sums in another order (1e-7
 # apart) are the same FP8 values until one element sits on a rounding boundary and moves by an
@@ -110,9 +125,8 @@ def config(layout: str | None, model: str | None = None) -> TrainConfig:
            "optimizer": {"name": "adamw", "lr": 1e-3, "eps": 1e-5},
            "parallel": parallel, "moe": other.get("moe", {}), "low_precision": low_precision}
     cfg = TrainConfig.model_validate(raw)
-    dp = 4 // cfg.parallel.model_parallel() if layout else 1
-    replicas = cfg.parallel.dp_shard if cfg.parallel.model_parallel() > 1 else dp
-    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": ROWS // replicas})})
+    data_ranks = 4 // cfg.parallel.model_parallel() if layout else 1  # dp_replicate x dp_shard
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": ROWS // data_ranks})})
 
 
 def sequences(vocab: int, packed: bool) -> torch.Tensor:
@@ -219,30 +233,56 @@ def on_ranks(rank: int, world: int, out: str) -> dict:
     from tests.dist import test_context_parallel
 
     rt = Runtime(rank, world, torch.device("cpu"))
-    mine = {"context_parallel": test_context_parallel.run_on_rank(rank, world)}
+    mine = {"context_parallel": test_context_parallel.run_on_rank(rank, world), "mesh": mesh_groups_here(rank)}
     results = {}
+    saves = {"qwen3_tp2_dp2": "tp2_checkpoint", "qwen3_hsdp2x2": "hsdp_checkpoint"}
     for layout in LAYOUTS:
         torch.manual_seed(0)
-        save = Path(out) / "tp2_checkpoint" if layout == "qwen3_tp2_dp2" else None
+        save = Path(out) / saves[layout] if layout in saves else None
         results[layout] = train(config(layout), rt, 512, layout, save=save)
+
+    def load_into(layout: str, parallel: dict | None, saved: str):
+        cfg = config(layout)
+        if parallel is not None:
+            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=parallel)})
+        built = build_trained_model(cfg, rt, 512)
+        optimizer, _ = build_optimization(cfg, built.model)
+        checkpoint.load(Path(out) / saved, built.model, optimizer)
+        return built, optimizer
+
     # the tp=2 x dp_shard=2 checkpoint, loaded into other layouts: the same parameters everywhere
     loaded = {}
     for layout in ("qwen3_cp2_dp2_ring", "qwen3_tp4", "dp_shard=4"):
-        cfg = config(layout if layout in LAYOUTS else "qwen3_tp2_dp2")
-        if layout not in LAYOUTS:
-            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp": 1, "dp_shard": 4})})
-        built = build_trained_model(cfg, rt, 512)
-        optimizer, _ = build_optimization(cfg, built.model)
-        checkpoint.load(Path(out) / "tp2_checkpoint", built.model, optimizer)
+        parallel = {"tp": 1, "dp_shard": 4} if layout not in LAYOUTS else None
+        built, _ = load_into(layout if layout in LAYOUTS else "qwen3_tp2_dp2", parallel, "tp2_checkpoint")
         loaded[layout] = whole(built.model, grads=False)
+    # the dp_replicate=2 x dp_shard=2 checkpoint at dp_shard=4, saved again from there: its bytes
+    # are the HSDP checkpoint's (each shard written by one replica only)
+    built, optimizer = load_into("qwen3_hsdp2x2", {"dp_replicate": 1, "dp_shard": 4}, "hsdp_checkpoint")
+    loaded["hsdp at dp_shard=4"] = whole(built.model, grads=False)
+    checkpoint.save(Path(out) / "hsdp_as_dp_shard4", built.model, optimizer,
+                    extra={"step": STEPS, MODEL_CARD: built.card.to_json()})
+    uneven = build_trained_model(config("qwen3_hsdp2x2_uneven"), rt, 512).model
+    mine["uneven rows"] = {name: shard_info(p).length for name, p in uneven.named_parameters()}
     return {**mine, "runs": results, "loaded": loaded} if rank == 0 else mine
+
+
+def mesh_groups_here(rank: int) -> dict:
+    """This rank's groups of a dp_replicate=2 x dp_shard=2 (x ep=2) mesh as torch made them, and its data-parallel rank."""
+    from hyperparallel.parallel.mesh import MeshShape, build_mesh
+
+    mesh = build_mesh(MeshShape(2, 1, 1, ep=2, dp_replicate=2), "cpu")
+    groups = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group"))
+              for name in ("tp", "cp", "fsdp", "replicate", "ep", "expert_shard")}
+    return {"groups": groups, "dp_rank": mesh.dp_rank, "dp_size": mesh.dp_size}
 
 
 def trainer_runs(rank: int, world: int, out: str) -> dict:
     """`hyperparallel train`'s loop in the shared 4-rank spawn's ranks (it joins their process
     group; tests/dist/spawn.py runs it after every other part): 4 steps at tp=2 (sequence
     parallel) x dp_shard=2 with validation every 2 steps and a checkpoint at step 2; then a run
-    at cp=2 (ring) x dp_shard=2 that resumes from that checkpoint."""
+    at cp=2 (ring) x dp_replicate=2 (HSDP: FSDP over each cp pair, 2 replicas) that resumes from
+    that checkpoint."""
     from hyperparallel.train.config import from_mapping
     from hyperparallel.train.loop import train as train_loop
     from tests.train.test_cli_train import tiny_raw
@@ -250,7 +290,8 @@ def trainer_runs(rank: int, world: int, out: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), HYPERPARALLEL_CACHE=os.path.join(out, "cache"))
     runs = {}
     for name, parallel, resume in (("tp", {"tp": 2, "dp_shard": 2, "sequence_parallel": True}, "none"),
-                                   ("cp", {"cp": 2, "dp_shard": 2}, str(Path(out) / "tp" / "checkpoints" / "step_00000002"))):
+                                   ("cp", {"cp": 2, "dp_replicate": 2},
+                                    str(Path(out) / "tp" / "checkpoints" / "step_00000002"))):
         raw = tiny_raw(Path(out) / name, eval_every=2)
         raw["parallel"] = parallel
         raw["checkpoint"] = {"every": 2, "resume": resume}
@@ -287,20 +328,35 @@ def test_layout_equals_one_process(spawned, layout):
             assert _max_rel(g[name], r[name]) <= 1e-5, f"step {step} {name}: {_max_rel(g[name], r[name]):.2e}"
 
 
+def test_the_uneven_hsdp_layout_has_uneven_and_empty_shards_in_both_replicas(spawned):
+    rows = [result["uneven rows"] for result in spawned["per_rank"]]
+    assert rows[0] == rows[2] and rows[1] == rows[3]  # replica 1 holds replica 0's shards
+    assert (rows[0]["model.embed_tokens.weight"], rows[1]["model.embed_tokens.weight"]) == (264, 248)
+    assert (rows[0]["model.layers.0.self_attn.q_proj.weight"], rows[1]["model.layers.0.self_attn.q_proj.weight"]) == (48, 16)
+    assert (rows[0]["model.layers.0.self_attn.q_norm.weight"], rows[1]["model.layers.0.self_attn.q_norm.weight"]) == (16, 0)
+
+
+def assert_loads_in_one_process(layout: str, directory: Path, saved: dict[str, torch.Tensor]) -> None:
+    """The checkpoint `layout`'s run saved in `directory`, loaded by one process: the saved values."""
+    cfg = one_process(layout)
+    built = build_trained_model(cfg, Runtime(0, 1, torch.device("cpu")), 512)
+    optimizer, _ = build_optimization(cfg, built.model)
+    checkpoint.load(directory, built.model, optimizer)
+    for name, p in built.model.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+
+
 def test_tp_checkpoint_loads_into_other_layouts_and_exports(spawned, tmp_path):
     """Saved at tp=2 x dp_shard=2: loaded at cp=2 x dp_shard=2, at tp=4, at dp_shard=4 and in one process, the
     values are the saved run's, and the Hugging Face export loads back with from_pretrained."""
     saved = spawned["runs"]["qwen3_tp2_dp2"][2]
     for layout, values in spawned["loaded"].items():
+        if layout.startswith("hsdp"):
+            continue  # (the next test's)
         assert values.keys() == saved.keys(), layout
         for name in saved:
             assert torch.equal(values[name], saved[name]), f"{layout}: {name}"
-    cfg = one_process("qwen3_tp2_dp2")
-    built = build_trained_model(cfg, Runtime(0, 1, torch.device("cpu")), 512)
-    optimizer, _ = build_optimization(cfg, built.model)
-    checkpoint.load(spawned["dir"] / "tp2_checkpoint", built.model, optimizer)
-    for name, p in built.model.named_parameters():
-        assert torch.equal(p.detach(), saved[name]), name
+    assert_loads_in_one_process("qwen3_tp2_dp2", spawned["dir"] / "tp2_checkpoint", saved)
     # and the run itself is the one-process run's, to the layouts' tolerance
     for name, value in reference("qwen3_tp2_dp2")[2].items():
         assert _max_rel(saved[name], value) <= 1e-5, name
@@ -311,9 +367,56 @@ def test_tp_checkpoint_loads_into_other_layouts_and_exports(spawned, tmp_path):
         assert torch.equal(p.detach(), saved[name]), name
 
 
+def _stored(directory: Path) -> tuple[int, int, int, int]:
+    """(bytes of the directory's files, chunks, elements in the chunks, elements of the tensors)."""
+    import math
+
+    from hyperparallel.checkpoint.storage import SafeFileSystemReader
+
+    tensors = [e for e in SafeFileSystemReader(str(directory)).read_metadata().state_dict_metadata.values()
+               if hasattr(e, "chunks")]
+    return (sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()),
+            sum(len(e.chunks) for e in tensors), sum(math.prod(c.sizes) for e in tensors for c in e.chunks),
+            sum(math.prod(e.size) for e in tensors))
+
+
+def test_an_hsdp_checkpoint_holds_each_shard_once_and_loads_at_dp_shard_4_and_in_one_process(spawned):
+    """Saved at dp_replicate=2 x dp_shard=2: loaded at dp_shard=4 and in one process, the values are
+    the saved run's; and it holds every element once, as the same state saved at dp_shard=4 does
+    (the replicas' identical chunks are written once: DCP's save planner keeps one of equal
+    chunks, on whichever rank has written least so far)."""
+    saved = spawned["runs"]["qwen3_hsdp2x2"][2]
+    at_dp4 = spawned["loaded"]["hsdp at dp_shard=4"]
+    assert at_dp4.keys() == saved.keys()
+    for name in saved:
+        assert torch.equal(at_dp4[name], saved[name]), name
+    assert_loads_in_one_process("qwen3_hsdp2x2", spawned["dir"] / "hsdp_checkpoint", saved)
+    hsdp, dp4 = _stored(spawned["dir"] / "hsdp_checkpoint"), _stored(spawned["dir"] / "hsdp_as_dp_shard4")
+    print(f"checkpoint: dp_replicate=2 x dp_shard=2 {hsdp[0]:,} bytes in {hsdp[1]} chunks, dp_shard=4 {dp4[0]:,} bytes "
+          f"in {dp4[1]} chunks, {hsdp[3]:,} elements in each")
+    for stored in (hsdp, dp4):
+        assert stored[2] == stored[3]  # every element once: no chunk written by both replicas
+    # the same elements in half the chunks (2 shards a tensor, not 4; each chunk costs ~1.6 kB of
+    # framing, a tenth of these tiny tensors): measured 1,975,866 + metadata vs 2,206,108 + metadata
+    assert hsdp[0] <= dp4[0]
+
+
+def test_the_mesh_groups_are_those_its_pure_function_lists(spawned):
+    """What build_mesh made on each rank at dp_replicate=2 x dp_shard=2, ep=2 is MeshShape.groups'
+    group holding that rank: shard groups [0, 1] [2, 3], replica groups [0, 2] [1, 3]."""
+    from hyperparallel.parallel.mesh import MeshShape
+
+    pure = MeshShape(2, 1, 1, ep=2, dp_replicate=2).groups()
+    names = {"replicate": "dp_replicate"}
+    for rank, result in enumerate(spawned["per_rank"]):
+        for name, ranks in result["mesh"]["groups"].items():
+            assert ranks == next(g for g in pure[names.get(name, name)] if rank in g), (rank, name)
+        assert result["mesh"]["dp_rank"] == rank and result["mesh"]["dp_size"] == 4
+
+
 def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
     """The trainer's loop end to end: a tp=2 (SP) x dp_shard=2 run with validation and
-    checkpoints, and a cp=2 x dp_shard=2 run resuming from its step-2 checkpoint: the resumed
+    checkpoints, and a cp=2 x dp_replicate=2 run resuming from its step-2 checkpoint: the resumed
     steps' losses and the validation loss are the tp run's."""
     runs = spawned["trainer"]
     tp, cp = (Path(runs[name]["run_dir"]) for name in ("tp", "cp"))
@@ -321,6 +424,8 @@ def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
     assert "tensor parallel over 2 ranks (tp, sequence parallel)" in runs["tp"]["printed"]
     assert "o_proj: row-parallel over heads" in runs["tp"]["printed"]
     assert "each sequence split over 2 ranks (cp, ring attention)" in runs["cp"]["printed"]
+    assert ("HSDP: 2 replicas x FSDP over 2 rank(s); shard groups [0, 1] [2, 3]; replica groups [0, 2] [1, 3]"
+            in runs["cp"]["printed"])
 
     def records(run_dir):
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -64,6 +64,7 @@ BAD = [
     (MINIMAL + "parallel: {cp_mode: striped}\n", r"parallel.cp_mode: .*got 'striped'"),
     (MINIMAL + "parallel: {tp: 0}\n", r"parallel.tp: .*greater than or equal to 1"),
     (MINIMAL + "parallel: {dp_shard: 0}\n", r"parallel.dp_shard: .*greater than or equal to 1"),
+    (MINIMAL + "parallel: {dp_replicate: 0}\n", r"parallel.dp_replicate: .*greater than or equal to 1"),
     (MINIMAL + "parallel: {shard_geometry: even}\n", r"parallel.shard_geometry: .*got 'even'"),
     (MINIMAL + "parallel: {align: 0}\n", r"parallel.align: .*greater than or equal to 1"),
     (MINIMAL + "parallel: {recompute: some}\n", r"parallel.recompute: .*got 'some'"),

@@ -135,6 +135,9 @@ def _config(family: str, **sections):
     ("deepseek_v4", {"parallel": {"cp": 2}, "data": {"seq_len": 256}}, 2, r"parallel.cp = 2: family 'deepseek_v4' has no CP"),
     ("deepseek_v4", {"model": {"attn_implementation": "sdpa"}}, 1,
      r"model.attn_implementation: sdpa: transformers' deepseek_v4 supports eager only; use auto"),
+    ("qwen3_moe", {"parallel": {"ep": 4, "dp_shard": 2, "dp_replicate": 2}}, 4,
+     r"parallel.ep = 4 borrows its ranks from parallel.dp_shard = 2 x parallel.cp = 1 within each of "
+     r"parallel.dp_replicate = 2 replicas: .* with 4 rank\(s\): ep one of \[2\]$"),
     ("qwen3_moe", {"moe": {"waves": 2}, "parallel": {"dp_shard": 2, "ep": 2}}, 2,
      r"moe.waves = 2 sets MegaMoE's expert waves, and moe.implementation is sequential; set moe.implementation: "
      r"megamoe, or leave moe.waves null"),
@@ -148,8 +151,14 @@ def test_expert_layout_mistakes_are_named(family, sections, world, message):
 
 @pytest.mark.parametrize("sections, world, message", [
     ({"parallel": {"tp": 2, "dp_shard": 2}}, 2,
-     r"parallel.dp_shard \(2\) x parallel.cp \(1\) x parallel.tp \(2\) = 4 ranks, but this run has 2; make their "
-     r"product 2, or launch hyperparallel train --nproc 4"),
+     r"parallel.dp_replicate \(1\) x parallel.dp_shard \(2\) x parallel.cp \(1\) x parallel.tp \(2\) = 4 ranks, but "
+     r"this run has 2; make their product 2, or launch hyperparallel train --nproc 4"),
+    ({"parallel": {"dp_replicate": 2, "dp_shard": 2}}, 8,
+     r"parallel.dp_replicate \(2\) x parallel.dp_shard \(2\) x parallel.cp \(1\) x parallel.tp \(1\) = 4 ranks, but "
+     r"this run has 8; make their product 8, or launch hyperparallel train --nproc 4"),
+    ({"parallel": {"dp_shard": 2}}, 4,
+     r"parallel.dp_shard = 2 shards the model over that many ranks, but this run has 4; launch it with "
+     r"hyperparallel train --nproc 2, or parallel.dp_replicate: 2 to replicate that sharding over the 4 ranks \(HSDP\)"),
     ({"parallel": {"tp": 2, "cp": 2}}, 4, r"parallel.tp = 2 with parallel.cp = 2: .* not supported yet"),
     ({"parallel": {"sequence_parallel": True}}, 1, r"parallel.sequence_parallel .* parallel.tp is 1"),
     ({"parallel": {"cp": 3}, "data": {"seq_len": 256}}, 3,
@@ -158,7 +167,7 @@ def test_expert_layout_mistakes_are_named(family, sections, world, message):
      r"parallel.tp = 2 needs training.fused_loss: true"),
     ({"parallel": {"tp": 2}, "optimizer": {"name": "muon"}}, 2, r"optimizer.name: muon with parallel.tp = 2"),
     ({"parallel": {"tp": 2}, "training": {"global_batch": 3, "micro_batch": 1}}, 4,
-     r"global_batch \(3\) must be a multiple of training.micro_batch \(1\) x data-parallel replicas \(4 ranks / tp "
+     r"global_batch \(3\) must be a multiple of training.micro_batch \(1\) x data-parallel ranks \(4 ranks / tp "
      r"x cp 2 = 2\) = 2"),
 ])
 def test_parallel_layout_mistakes_are_named(sections, world, message):
@@ -166,6 +175,19 @@ def test_parallel_layout_mistakes_are_named(sections, world, message):
 
     problems = layout_problems(_config("qwen3", **sections), world)
     assert any(re.search(message, p) for p in problems), problems
+
+
+@pytest.mark.parametrize("parallel, world", [
+    ({"dp_replicate": 2, "dp_shard": 2}, 4),
+    ({"dp_replicate": 4}, 4),  # pure replication: shard groups of one rank, gradients all-reduced
+    ({"dp_replicate": 2, "tp": 2}, 4),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, 4),
+    ({"dp_replicate": 2, "cp": 2, "ep": 2}, 4),  # ep borrows from dp_shard x cp = 2 within each replica
+])
+def test_hsdp_layouts_whose_product_is_the_world_pass(parallel, world):
+    from hyperparallel.train.preflight import layout_problems
+
+    assert layout_problems(_config("qwen3_moe", parallel=parallel), world) == []
 
 
 @pytest.mark.parametrize("family, parallel, message", [
