@@ -141,9 +141,31 @@ def _plan(args: argparse.Namespace) -> int:
     from hyperparallel.train.plan import format_plan, plan
 
     config = load_config(args.config, args.set)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    result = plan(config, args.nproc)
+    for flag in ("nproc", "nnodes", "gpus_per_node", "top"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    per_node = args.gpus_per_node
+    nproc = args.nproc or (args.nnodes * (per_node or 8) if args.nnodes else 1)
+    if args.nnodes and per_node is None:
+        per_node = -(-nproc // args.nnodes)
+    if args.nnodes and args.nproc and args.nnodes * (per_node or 0) != args.nproc:
+        raise ConfigError(f"--nproc {args.nproc} is not --nnodes {args.nnodes} x --gpus-per-node {per_node}")
+    if args.search and args.device is None:
+        raise ConfigError("--search ranks layouts by predicted speed: give --device (cpu, h100, h200 or b200)")
+    model = None
+    if args.device is not None:
+        from hyperparallel.train.device_model import device_model
+
+        model = device_model(args.device, per_node if args.device != "cpu" else min(nproc, per_node or nproc),
+                             config.device_model)
+    if args.search:
+        from hyperparallel.train.plan_search import format_search, search
+
+        found = search(config, nproc, model, top=args.top or 5)
+        print(json.dumps([c.to_json() for c in found]) if args.json else format_search(found, config, nproc, model))
+        return 0
+    result = plan(config, nproc, device_model=model)
     print(json.dumps(result.to_json()) if args.json else format_plan(result))
     return 0
 
@@ -234,7 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config key, e.g. --set training.micro_batch=8 (repeatable)")
-    plan.add_argument("--nproc", type=int, default=1, help="the ranks the run would have (default: 1)")
+    plan.add_argument("--nproc", type=int, default=None,
+                      help="the ranks the run would have (default: --nnodes x --gpus-per-node, else 1); nothing is "
+                           "launched")
+    plan.add_argument("--nnodes", type=int, default=None, help="machines (the link model: groups that span them use "
+                                                               "the inter-node links)")
+    plan.add_argument("--gpus-per-node", type=int, default=None, help="ranks per machine (default: 8 for a GPU)")
+    plan.add_argument("--device", choices=("cpu", "h100", "h200", "b200"), default=None,
+                      help="predict the step time on this device's model (cpu: this machine, measured now); "
+                           "docs/train.md, \"Planning\"")
+    plan.add_argument("--search", action="store_true",
+                      help="rank the layouts that fit by predicted tokens/s and print the best as --set lines")
+    plan.add_argument("--top", type=int, default=None, help="how many layouts --search prints (default: 5)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(func=_plan)
     prepare = commands.add_parser("prepare", help="tokenize a config's data into token shards ahead of training "

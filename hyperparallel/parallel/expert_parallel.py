@@ -73,17 +73,25 @@ def apply_expert_parallel(model: nn.Module, layout: ExpertLayout, *, implementat
     `implementation`: "sequential" (ExpertParallel) or "megamoe" (MegaMoE with `waves` waves)."""
     blocks = moe_blocks(model)
     for block in blocks:
-        experts = block.experts
-        total = experts.num_experts
-        offset, count = expert_ranges(total, layout.ep)[layout.ep_rank]
-        for param in (experts.gate_up_proj, experts.down_proj):
-            global_shape = param.shape
-            param.data = param.data[offset:offset + count].clone()
-            param._hp_shard_info = ShardInfo(global_shape, offset, count)
-        experts.num_experts = count
+        total = keep_local_experts(block, layout.ep, layout.ep_rank)
         block.dispatcher = (MegaMoE(layout.ep_group, total, waves) if implementation == "megamoe"
                             else ExpertParallel(layout.ep_group, total))
     return len(blocks)
+
+
+@torch.no_grad()
+def keep_local_experts(block: MoEBlock, ep: int, ep_rank: int) -> int:
+    """Keep only expert-parallel rank `ep_rank`'s experts of `block` (of `ep`); returns how many it
+    had. (Also what `hyperparallel plan` does to a rank's fake model: the same rows, no groups.)"""
+    experts = block.experts
+    total = experts.num_experts
+    offset, count = expert_ranges(total, ep)[ep_rank]
+    for param in (experts.gate_up_proj, experts.down_proj):
+        global_shape = param.shape
+        param.data = param.data[offset:offset + count].clone()
+        param._hp_shard_info = ShardInfo(global_shape, offset, count)
+    experts.num_experts = count
+    return total
 
 
 def expert_modules(module: nn.Module) -> list[nn.Module]:

@@ -306,6 +306,9 @@ class TrainConfig(Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    # `hyperparallel plan --device`: figures of the device model to use instead of its own
+    # (train/device_model.py: matmul_flops.bfloat16, memory_bytes_per_s, inter_node_bytes_per_s, ...)
+    device_model: dict[str, float | dict[str, float]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _schedule_fits(self):
@@ -338,7 +341,7 @@ class TrainConfig(Section):
         checkpoints, nor how it is laid out over ranks (a checkpoint loads into any sharding), nor
         the micro-batch split, nor how long it runs or how often it evaluates."""
         # (kernels: fused operations compute what the modules they replace do)
-        data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel", "kernels"})
+        data = self.model_dump(mode="json", exclude={"checkpoint", "logging", "parallel", "kernels", "device_model"})
         data["training"].pop("steps")  # a resumed run may go on for longer (its schedule stretches)
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
         for how in ("compile", "fused_loss", "timeout_s", "eval_every", "eval_batches"):

@@ -57,11 +57,14 @@ from hyperparallel.models.kernels import use_kernels
 from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
 from hyperparallel.parallel import apply_recompute
+from hyperparallel.parallel.expert_parallel import keep_local_experts, moe_blocks
 from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.train.build import build_balancer, inline_model_config
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.data import tokenizer_vocab_size
-from hyperparallel.train.preflight import model_problems
+from hyperparallel.train.device_model import DeviceModel
+from hyperparallel.train.plan_time import Collective, OpCosts, StepTime, op_cost, predict, spans_nodes
+from hyperparallel.train.preflight import layout_problems, model_problems
 
 GiB = 2**30
 COMM_FORMULA = (
@@ -103,6 +106,9 @@ class Plan:
     build: int = 0
     comm: dict[str, int] = field(default_factory=dict)
     unaccounted: tuple[str, ...] = ()
+    mesh: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, cp, tp, ep
+    comm_by_dimension: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by mesh dimension
+    time: StepTime | None = None  # the predicted step time (with a device model)
 
     @property
     def total(self) -> int:
@@ -147,27 +153,78 @@ def runtime_bytes(compile: str = "none") -> int:
 # ------------------------------------------------------------------------------- the fake model
 
 
-def meta_model(cfg: TrainConfig) -> nn.Module:
+def meta_model(cfg: TrainConfig, tp: int = 1, layers: int | None = None) -> nn.Module:
     """The trainer's model on the meta device: shapes and dtypes, nothing allocated or initialized.
-    Its config and vocabulary are checked as a run's are (`preflight.model_problems`)."""
+    Its config and vocabulary are checked as a run's are (`preflight.model_problems`). With `tp`
+    > 1: the shapes of one tensor-parallel rank's part (`tp_rank_config`); with `layers`: its first
+    `layers` decoder layers only (`first_layers_config`)."""
     vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
     problems = model_problems(cfg, vocab)
     if problems:
         raise ConfigError("\n".join(problems))
-    return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab),
-                       dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attention(),
-                       materialize=False)
+    options = {"dtype": DTYPES[cfg.model.dtype], "attn_implementation": cfg.model.attention(), "materialize": False}
+    if tp == 1 and layers is None:
+        return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab), **options)
+    config = whole_model_config(cfg, vocab)
+    if layers is not None:
+        config = first_layers_config(config, layers)
+    if tp > 1:
+        config = tp_rank_config(config, tp)
+    return build_model(cfg.model.family, config=config, **options)
 
 
-def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+def first_layers_config(config: dict, layers: int) -> dict:
+    """The config of the model's first `layers` decoder layers (their per-layer lists cut to match)."""
+    local = dict(config, num_hidden_layers=layers)
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(local.get(key), list):
+            local[key] = local[key][:layers]
+    if isinstance(local.get("mlp_only_layers"), list):
+        local["mlp_only_layers"] = [i for i in local["mlp_only_layers"] if i < layers]
+    return local
+
+
+def whole_model_config(cfg: TrainConfig, vocab: int) -> dict:
+    """The model's config keys: the inline config, or model.path's."""
+    if cfg.model.path is None:
+        return inline_model_config(cfg, vocab)
+    from hyperparallel.models.build import pretrained_config
+
+    config = pretrained_config(cfg.model.family, cfg.model.path).to_dict()
+    return {key: value for key, value in config.items() if key not in ("transformers_version", "architectures")}
+
+
+def tp_rank_config(config: dict, tp: int) -> dict:
+    """A config whose model has the shapes of one tensor-parallel rank's part (tensor_parallel.py's
+    plans): attention heads and key/value heads (at least one: a replicated key/value head), the
+    dense MLPs' width and the vocabulary (vocab-parallel embedding and head) over tp. Routed experts
+    are not split by TP. Shared experts are planned whole (an overestimate: TP splits their columns)."""
+    local = dict(config)  # (head_dim is a field of its own in these families' configs: it stays)
+    local["num_attention_heads"] = max(1, local["num_attention_heads"] // tp)
+    if local.get("num_key_value_heads"):
+        local["num_key_value_heads"] = max(1, local["num_key_value_heads"] // tp)
+    if local.get("intermediate_size"):
+        local["intermediate_size"] = max(1, local["intermediate_size"] // tp)
+    local["vocab_size"] = -(-local["vocab_size"] // tp)
+    return local
+
+
+def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp: int = 1, ep: int = 1,
+               layers: int | None = None) -> nn.Module:
     """The model the trainer trains, its tensors fake tensors of `mode` on `device` (meta storage:
     no bytes), with the fused kernels, the fused loss and recompute applied (MXFP8 and compilation
-    are not)."""
-    model = meta_model(cfg)
+    are not). With `tp` and `ep`: one rank's part (the first expert-parallel rank's experts, the most
+    when they do not divide), its MoE layers computing every routed row as a rank receiving its
+    share under uniform routing does."""
+    model = meta_model(cfg, tp, layers)
     use_kernels(model, mega_gate=cfg.kernels.mega_gate, mega_mhc=cfg.kernels.mega_mhc)
     with mode:
         model.to_empty(device=device)
     model.tie_weights()  # (to_empty made new Parameters)
+    if ep > 1:
+        with mode:
+            for block in moe_blocks(model):
+                keep_local_experts(block, ep, 0)
     if cfg.training.fused_loss:
         install_fused_loss(model)  # (its element-wise work eager: compiled it keeps the same tensors)
     apply_recompute(model, cfg.parallel.recompute)
@@ -186,9 +243,13 @@ class _Recorder(TorchDispatchMode):
         self.events: list[tuple] = []
         self.live: dict[int, int] = {}  # storage address -> serial
         self.serials = 0
+        self.costs = OpCosts()  # every operator's FLOPs and bytes, for the step-time prediction
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.costs.add(*cost)
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -225,10 +286,19 @@ class Timeline:
     events: list[tuple]
     grad_serial: dict[int, int]  # serial of a storage that ended as a parameter's .grad -> the parameter's index
     n_layers: int
+    costs: OpCosts = field(default_factory=OpCosts)  # the micro-batch's operators (plan_time.py)
 
     def activations(self) -> int:
         """The most bytes alive at once that are not parameters' gradients."""
         return _peak(self, None, 1, 1, 0)[0]
+
+    def with_gradients_of(self, params: list[torch.Tensor]) -> Timeline:
+        """This timeline with each parameter's gradient the size of `params[j]` (the same model's
+        parameters with fewer experts: `plan_search` screens expert-parallel layouts on the
+        timeline of one simulation with every expert, its expert gradients cut to a rank's)."""
+        size = {serial: _nbytes(params[j]) for serial, j in self.grad_serial.items()}
+        events = [("alloc", e[1], size[e[1]]) if e[0] == "alloc" and e[1] in size else e for e in self.events]
+        return Timeline(events, self.grad_serial, self.n_layers, self.costs)
 
 
 @contextlib.contextmanager
@@ -260,9 +330,10 @@ def _masks_as_on_real_tensors():
             setattr(masking_utils, name, original)
 
 
-def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device) -> Timeline:
+def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None) -> Timeline:
     """One micro-batch's forward and backward on `mode`'s fake tensors, recorded (a real model
-    with a null context for `mode` is recorded the same way, on real tensors)."""
+    with a null context for `mode` is recorded the same way, on real tensors). `seq_len`: the
+    tokens of each sequence this rank holds (context parallelism's part; default the whole)."""
     layers = list(decoder_layers(model))
     params = list(model.parameters())
     recorder = _Recorder()
@@ -277,7 +348,7 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device) -> 
     balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
     try:
         with mode, recorder, _masks_as_on_real_tensors():
-            ids = torch.zeros(cfg.training.micro_batch, cfg.data.seq_len, dtype=torch.long, device=device)
+            ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                     loss = model(input_ids=ids, labels=ids).loss
@@ -297,7 +368,7 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device) -> 
         for p in params:
             p.grad = None
     grad_serial.pop(None, None)
-    return Timeline(recorder.events, grad_serial, len(layers))
+    return Timeline(recorder.events, grad_serial, len(layers), recorder.costs)
 
 
 # ---------------------------------------------------------------------------------- the parts
@@ -305,11 +376,56 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device) -> 
 
 @dataclass
 class _Group:
-    """One FSDP group (a decoder layer, or the root: everything else)."""
+    """One FSDP group (a decoder layer, or the root: everything else). With expert parallelism a
+    layer's experts are a group of their own over fewer ranks, gathered and reduced with the
+    layer's: planned as one group of two parts."""
 
     params: list[int]  # indices into model.parameters()
     full: int = 0  # bytes of its whole parameters (and of their gradients)
-    slot: int = 0  # bytes of one rank's slot in its flat buffers (the longest shard, padded)
+    slot: int = 0  # bytes of one rank's slots in its flat buffers (the longest shard, padded)
+    gathered: int = 0  # bytes of the gathered buffers: each part's ranks x its slot
+    parts: dict[int, int] = field(default_factory=dict)  # the ranks a part shards over -> its slot bytes
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's ranks are laid out (parallel.*): dp_replicate x dp_shard x cp x tp ranks, FSDP
+    over dp_shard x cp, expert parallelism borrowed from it. Not sharded: one rank, or DDP."""
+
+    world: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, world: int) -> Layout:
+        p = cfg.parallel
+        return cls(world, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep)
+
+    @property
+    def sharded(self) -> bool:  # (train/build.py's rule)
+        return self.dp_replicate > 1 or self.dp_shard > 1 or self.tp * self.cp > 1
+
+    @property
+    def fsdp(self) -> int:  # the ranks FSDP shards over
+        return self.dp_shard * self.cp if self.sharded else 1
+
+    @property
+    def expert_shard(self) -> int:  # the ranks holding the same experts, which FSDP shards them over
+        return self.fsdp // self.ep
+
+    def dims(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "ep": self.ep}
+
+    def describe(self) -> str:
+        if not self.sharded:
+            return "replicated (DDP)" if self.world > 1 else "replicated"
+        parts = [f"{name} {size}" for name, size in self.dims().items() if size > 1]
+        return " x ".join(parts) if parts else "one rank"
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -333,7 +449,8 @@ def _slot_bytes(p: torch.Tensor, world: int, cfg: TrainConfig) -> int:
     return padded_rows(rows, world, cfg.parallel.shard_geometry, cfg.parallel.align) * row_bytes
 
 
-def _groups(model: nn.Module, params: list[nn.Parameter], world: int, cfg: TrainConfig) -> list[_Group]:
+def _groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int, int], cfg: TrainConfig) -> list[_Group]:
+    """FSDP's groups; `world_of`: the ranks each parameter (by id) is sharded over."""
     index = {id(p): j for j, p in enumerate(params)}
     groups, taken = [], set()
     for layer in decoder_layers(model):
@@ -343,7 +460,12 @@ def _groups(model: nn.Module, params: list[nn.Parameter], world: int, cfg: Train
     groups.append(_Group([j for j, p in enumerate(params) if id(p) not in taken]))  # the root
     for group in groups:
         group.full = sum(_nbytes(params[j]) for j in group.params)
-        group.slot = sum(_slot_bytes(params[j], world, cfg) for j in group.params)
+        for j in group.params:
+            world = world_of[id(params[j])]
+            group.parts[world] = group.parts.get(world, 0) + _slot_bytes(params[j], world, cfg)
+        group.slot = sum(group.parts.values())
+        group.gathered = sum(world * slot for world, slot in group.parts.items())
+        group.trainable = any(params[j].requires_grad for j in group.params)
     return groups
 
 
@@ -482,8 +604,8 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
         for i in gathered:  # the next group's all-gather in flight: its local slot and the gathered [W x slot]
             following = i + 1 if i in in_forward else i - 1
             if 0 <= following < n_layers:
-                prefetch = max(prefetch, (world + 1) * groups[following].slot)
-        reduce_inputs = sum(reduce_copies * world * groups[g].slot for g in finished)
+                prefetch = max(prefetch, groups[following].slot + groups[following].gathered)
+        reduce_inputs = sum(reduce_copies * groups[g].gathered for g in finished)
         return full + prefetch + reduce_inputs, sum(groups[g].slot for g in finished)
 
     layout, shards = arrange(0)  # full parameters, prefetch and reduce-scatter inputs; the gradient shards so far
@@ -519,77 +641,94 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
     return best_activations, best_buffers, best_sum
 
 
-def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: torch.device | str | None = None) -> Plan:
-    """The memory and communication plan of one rank of `cfg` run over `world` ranks.
+def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: torch.device | str | None = None,
+         device_model: DeviceModel | None = None, layers: int | None = None, simulations: dict | None = None) -> Plan:
+    """The memory and communication plan of one rank of `cfg` run over `world` ranks, and with
+    `device_model` its predicted step time (plan_time.py).
 
     `runtime`: on the CPU, the resident bytes besides tensors; None measures this process
-    (`runtime_bytes`), right in a fresh process only. `device`: where the run trains (default:
-    where the trainer would, a GPU when there is one); on CUDA the runtime term is 0, as
-    max_memory_allocated counts tensors only.
+    (`runtime_bytes`), right in a fresh process only. `device`: where the model is simulated
+    (default: where the trainer would, a GPU when there is one). The plan is of a GPU run when
+    `device` is CUDA or `device_model` is a GPU's: its runtime term is then 0, as
+    max_memory_allocated counts tensors only. `layers`: plan the model's first layers only (what
+    `plan_search` extrapolates from); `simulations`: a cache of simulated micro-batches, shared by
+    plans of one config that differ in their layout only (their expert-parallel timelines are one
+    simulation's with every expert, its expert gradients cut to a rank's).
     """
     from hyperparallel.train.distributed import device_for_this_rank
 
     if world < 1:
         raise ConfigError(f"the number of ranks must be at least 1, got {world}")
-    if cfg.parallel.model_parallel() > 1:
-        raise ConfigError(f"hyperparallel plan covers data-parallel, FSDP and expert-parallel layouts; parallel.tp "
-                          f"({cfg.parallel.tp}) and parallel.cp ({cfg.parallel.cp}) are not planned yet (measure them: "
-                          f"benchmarks/parallel.py)")
-    if cfg.parallel.dp_shard > 1 and cfg.parallel.dp_shard != world:
-        raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} shards the model over that many ranks, but the "
-                          f"plan is for {world}; plan it with --nproc {cfg.parallel.dp_shard}")
+    problems = layout_problems(cfg, world)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    layout = Layout.of(cfg, world)
     accumulation = cfg.grad_accumulation(world)
     device = torch.device(device) if device is not None else device_for_this_rank()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    if device.type != "cpu":  # (the trainer's peak there is the CUDA allocator's: tensors only)
+    on_gpu = device.type == "cuda" or (device_model is not None and device_model.name != "cpu")
+    if on_gpu:  # (the trainer's peak there is the CUDA allocator's: tensors only)
         runtime = 0
     elif runtime is None:
         runtime = runtime_bytes(cfg.training.compile)
-    sharded = cfg.parallel.dp_shard > 1
+    sharded = layout.sharded
+    seq_len = cfg.data.seq_len // layout.cp
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
-    model = fake_model(cfg, mode, device)
+    if simulations is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
+        model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers)
+        timeline = simulate(model, mode, cfg, device, seq_len)
+        whole_config = _whole_config(cfg, model, layout, layers)
+    else:  # (screening: one simulation with every expert per micro-batch shape, shared by every ep)
+        key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute)
+        if key not in simulations:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
+            simulations[key] = (simulate(model, mode, cfg, device, seq_len),
+                                _whole_config(cfg, model, Layout(layout.world, tp=layout.tp), layers))
+        timeline, whole_config = simulations[key]
+        shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
+        if shapes not in simulations:
+            simulations[shapes] = fake_model(cfg, FakeTensorMode(allow_non_fake_inputs=True), device, tp=layout.tp,
+                                             ep=layout.ep, layers=layers)
+        model = simulations[shapes]
+        if layout.ep > 1:
+            timeline = timeline.with_gradients_of(list(model.parameters()))
     params = list(model.parameters())
     whole = {id(p): _nbytes(p) for p in params}
-    timeline = simulate(model, mode, cfg, device)
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
+    experts = {id(p) for block in moe_blocks(model) for p in block.experts.parameters()} if layout.ep > 1 else set()
 
-    comm: dict[str, int] = {}
     if sharded:
-        groups = _groups(model, params, world, cfg)
-        per_rank = {id(p): _shard_bytes(p, world, cfg) for p in params}
-        matrices = _muon_matrices(cfg, model, world)
+        world_of = {id(p): layout.expert_shard if id(p) in experts else layout.fsdp for p in params}
+        groups = _groups(model, params, world_of, cfg)
+        per_rank = {id(p): _shard_bytes(p, world_of[id(p)], cfg) for p in params}
+        matrices = _muon_matrices(cfg, model, layout.fsdp)
         candidates = []
-        for r in range(world):
-            shard = {key: sizes[r] for key, sizes in per_rank.items()}
+        for r in range(layout.fsdp):  # (an expert's shards: rank r is expert-shard rank r // ep)
+            shard = {key: sizes[r // layout.ep if key in experts else r] for key, sizes in per_rank.items()}
             candidates.append((sum(shard.values()) + _optimizer_state(cfg, model, shard), r, shard))
         _, rank, shard = max(candidates, key=lambda c: (c[0], -c[1]))
         params_bytes = sum(shard.values())
         optimizer_bytes = _optimizer_state(cfg, model, shard)
-        grads = sum(g.slot for g in groups if any(params[j].requires_grad for j in g.params))
+        grads = sum(g.slot for g in groups if g.trainable)
         # [Note: gloo's reduce-scatter] ProcessGroupGloo reduce-scatters a clone of its input
         # (measured: an aten::clone of [ranks x slot] inside c10d::_reduce_scatter_base_), which
         # the work holds, and fsdp holds the works until backward ends: two copies on the CPU
-        copies = 2 if device.type == "cpu" else 1
-        activations, buffers, peak = _peak(timeline, groups, world, accumulation, grads_whole, copies)
-        layer_slots = sum(g.slot for g in groups[:-1])
-        comm["fsdp_all_gather"] = accumulation * (world - 1) * (2 * layer_slots + groups[-1].slot)
-        comm["fsdp_reduce_scatter"] = (world - 1) * grads
+        copies = 1 if on_gpu else 2
+        activations, buffers, peak = _peak(timeline, groups, layout.fsdp, accumulation, grads_whole, copies)
         muon_sent, muon_buffers = _muon_exchange(matrices, rank)
-        if matrices:
-            comm["muon_all_to_all"] = muon_sent
-        layout = f"sharded (FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align})"
+        geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
+        description = f"sharded ({layout.describe()}; {geometry})"
     else:
-        rank, shard = 0, whole
+        rank, shard, groups, matrices, muon_sent = 0, whole, [], [], 0
         params_bytes, grads = sum(whole.values()), grads_whole
         optimizer_bytes = _optimizer_state(cfg, model, shard)
         activations, _, peak = _peak(timeline, None, world, accumulation, grads_whole)
         buffers = grads_whole if world > 1 else 0  # DDP's buckets
         muon_buffers = 0
-        if world > 1:
-            comm["ddp_all_reduce"] = 2 * (world - 1) * grads_whole // world
-        layout = "replicated (DDP)" if world > 1 else "replicated"
+        description = layout.describe()
     if not sharded:
         peak += buffers
     optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, device)
@@ -598,27 +737,201 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     build = params_bytes + sum(_nbytes(b) for b in model.buffers()) + _build_transient(cfg, model)
     tensors = max(tensors, build)
 
+    ranks_per_node = device_model.ranks_per_node if device_model is not None else world
+    collectives = _collectives(cfg, layout, model, whole_config["config"], groups, grads_whole, accumulation,
+                               muon_sent, experts, ranks_per_node)
+    comm: dict[str, int] = {}
+    by_dimension: dict[str, int] = {}
+    for c in collectives:
+        comm[c.name] = comm.get(c.name, 0) + c.sent()
+        by_dimension[c.dimension] = by_dimension.get(c.dimension, 0) + c.sent()
+    comm = {name: sent for name, sent in comm.items() if sent}
+    by_dimension = {name: sent for name, sent in by_dimension.items() if sent}
+
+    step_time = None
+    if device_model is not None:
+        step_time = _step_time(cfg, layout, model, whole_config, timeline.costs, accumulation, collectives, shard,
+                               matrices, rank, sharded, device_model)
+
     unaccounted = []
-    if device.type == "cpu":
+    if not on_gpu:
         unaccounted += ["the dataset in memory (about 8 bytes per corpus token)",
                         "the allocator's slack (glibc keeps freed blocks resident)"]
     if cfg.training.compile != "none":
         unaccounted.append(f"training.compile {cfg.training.compile}: activations are eager's "
                            f"(a compiled layer keeps fewer)")
-    if cfg.checkpoint.async_ and device.type == "cpu":
+    if cfg.checkpoint.async_ and not on_gpu:
         unaccounted.append("checkpoint.async: a copy of parameters and optimizer state while a save is in flight")
     if cfg.low_precision.enabled:
         unaccounted.append("low_precision (MXFP8): planned as the unconverted model; MXFP8 keeps fp8 copies of "
-                           "inputs and weights instead (docs/lowp.md)")
+                           "inputs and weights instead (docs/lowp.md); its products timed at the device's MX rate")
+    if layout.tp > 1 and cfg.parallel.sequence_parallel:
+        unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
+                           "every tp rank: an overestimate)")
+    if layout.ep > 1:
+        unaccounted.append("expert parallelism: routing planned uniform (each rank receives its own tokens' share); "
+                           "an imbalanced layer receives more")
+    if layout.cp > 1:
+        unaccounted.append(f"context parallelism ({cfg.parallel.cp_mode}): the attention's exchange buffers")
     return Plan(
-        family=cfg.model.family, n_params=sum(p.numel() for p in params), world=world, layout=layout, rank=rank,
-        device=device.type, micro_batch=cfg.training.micro_batch, seq_len=cfg.data.seq_len,
-        accumulation=accumulation, recompute=cfg.parallel.recompute, mixed_precision=cfg.training.mixed_precision,
-        fused_loss=cfg.training.fused_loss, compile=cfg.training.compile, optimizer_name=cfg.optimizer.name,
-        params=params_bytes, grads=grads, optimizer=optimizer_bytes, activations=activations, buffers=buffers,
-        tensors=tensors, runtime=runtime, comm_bytes_per_step=sum(comm.values()), build=build, comm=comm,
-        unaccounted=tuple(unaccounted),
+        family=cfg.model.family, n_params=whole_config["n_params"], world=world, layout=description, rank=rank,
+        device=device_model.name if device_model is not None else device.type, micro_batch=cfg.training.micro_batch,
+        seq_len=cfg.data.seq_len, accumulation=accumulation, recompute=cfg.parallel.recompute,
+        mixed_precision=cfg.training.mixed_precision, fused_loss=cfg.training.fused_loss, compile=cfg.training.compile,
+        optimizer_name=cfg.optimizer.name, params=params_bytes, grads=grads, optimizer=optimizer_bytes,
+        activations=activations, buffers=buffers, tensors=tensors, runtime=runtime,
+        comm_bytes_per_step=sum(comm.values()), build=build, comm=comm, unaccounted=tuple(unaccounted),
+        mesh=layout.dims(), comm_by_dimension=by_dimension, time=step_time,
     )
+
+
+def _whole_config(cfg: TrainConfig, model: nn.Module, layout: Layout, layers: int | None) -> dict:
+    """The whole model's parameter count and HF config (the fake model is one rank's part)."""
+    if layout.tp == 1 and layout.ep == 1 and layers is None:
+        return {"n_params": sum(p.numel() for p in model.parameters()), "config": model.config}
+    whole = meta_model(cfg)
+    return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config}
+
+
+def _activation_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
+    return dtype.itemsize
+
+
+def _attention_widths(config) -> tuple[int, int]:
+    """(query width, key + value width) per token of one attention layer, whole (all heads)."""
+    heads = config.num_attention_heads
+    if hasattr(config, "qk_nope_head_dim"):  # multi-head latent attention: keys and values per head
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return heads * qk, heads * (qk + config.v_head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads * head_dim, 2 * kv_heads * head_dim
+
+
+def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_config, groups: list[_Group],
+                 grads_whole: int, accumulation: int, muon_sent: int, experts: set[int],
+                 ranks_per_node: int) -> list[Collective]:
+    """Every collective of one optimizer step of this rank (plan_time.Collective: group, bytes, calls)."""
+    out: list[Collective] = []
+    p = cfg.parallel
+    R, S, C, T, E = layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep
+    # the mesh's strides (dp_replicate, dp_shard, cp, tp; tp innermost), for which groups leave a machine
+    fsdp_spans = spans_nodes(T, S * C, ranks_per_node)
+    expert_shard_spans = spans_nodes(E * T, S * C // max(E, 1), ranks_per_node)
+    if layout.sharded:
+        n_layers = len(groups) - 1
+        for g, group in enumerate(groups):
+            gathers = accumulation * (2 if g < n_layers else 1)  # a layer again in backward; the root once
+            for world, slot in group.parts.items():
+                spans = fsdp_spans if world == layout.fsdp else expert_shard_spans
+                out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, slot, gathers, spans, "beside"))
+                if group.trainable:
+                    out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, slot, 1, spans,
+                                          "beside"))
+                    out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, slot, 1,
+                                          spans_nodes(S * C * T, R, ranks_per_node), "beside"))
+        if muon_sent:
+            out.append(Collective("muon_all_to_all", "dp_shard", "all_to_all", layout.fsdp,
+                                  muon_sent * layout.fsdp // max(layout.fsdp - 1, 1), 1, fsdp_spans))
+    elif layout.world > 1:
+        out.append(Collective("ddp_all_reduce", "dp_shard", "all_reduce", layout.world, grads_whole, 1,
+                              spans_nodes(1, layout.world, ranks_per_node), "beside"))
+    config = model.config
+    element = _activation_bytes(cfg, model)
+    tokens = cfg.training.micro_batch * cfg.data.seq_len // C  # one micro-batch's tokens on this rank
+    n_layers = len(list(decoder_layers(model)))
+    replays = 1 if p.recompute != "off" else 0  # a recomputed layer's forward collectives run again
+    if T > 1:
+        act = tokens * config.hidden_size * element
+        tp_spans = spans_nodes(1, T, ranks_per_node)
+        blocks = accumulation * n_layers * 2 * (2 + replays)  # attention and MLP, forward, backward, replay
+        if p.sequence_parallel:
+            out.append(Collective("tp_all_gather", "tp", "all_gather", T, act // T, blocks, tp_spans))
+            out.append(Collective("tp_reduce_scatter", "tp", "reduce_scatter", T, act // T, blocks, tp_spans))
+        else:
+            out.append(Collective("tp_all_reduce", "tp", "all_reduce", T, act, blocks, tp_spans))
+        out.append(Collective("tp_embedding_all_reduce", "tp", "all_reduce", T, act, accumulation, tp_spans))
+        out.append(Collective("tp_loss_all_reduce", "tp", "all_reduce", T, tokens * 4, 3 * accumulation, tp_spans))
+        partial = sum(_nbytes(q) for q in model.parameters() if id(q) in experts or q.dim() == 1 or
+                      (p.sequence_parallel and any(q is x for b in moe_blocks(model) for x in b.parameters())))
+        out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, partial, 1, tp_spans))
+    if C > 1:
+        q_width, kv_width = _attention_widths(whole_config)
+        cp_spans = spans_nodes(T, C, ranks_per_node)
+        if p.cp_mode == "ring":  # keys and values around the ring: once forward, twice backward (with their grads)
+            passes = accumulation * n_layers * (3 + (1 if p.recompute == "full" else 0))
+            out.append(Collective("cp_ring", "cp", "all_gather", C, tokens * kv_width * element, passes, cp_spans))
+        else:  # Ulysses: queries, keys, values and the output, all-to-all forward and backward
+            calls = accumulation * n_layers * (2 + (1 if p.recompute == "full" else 0))
+            out.append(Collective("cp_all_to_all", "cp", "all_to_all", C, tokens * (2 * q_width + kv_width) * element,
+                                  calls, cp_spans))
+    if E > 1:
+        blocks = moe_blocks(model)
+        top_k = blocks[0].gate.top_k if blocks else 1
+        rows = tokens * top_k * config.hidden_size * element
+        exposure = "simulated" if cfg.moe.implementation == "megamoe" else "critical"
+        calls = accumulation * len(blocks) * 2 * (2 + replays)  # dispatch and combine: forward, backward, replay
+        out.append(Collective("ep_all_to_all", "ep", "all_to_all", E, rows, calls, spans_nodes(T, E, ranks_per_node),
+                              exposure))
+    return [c for c in out if c.ranks > 1 and c.calls]
+
+
+def _step_time(cfg: TrainConfig, layout: Layout, model: nn.Module, whole: dict, costs: OpCosts, accumulation: int,
+               collectives: list[Collective], shard: dict[int, int], matrices, rank: int, sharded: bool,
+               device: DeviceModel) -> StepTime:
+    from hyperparallel.models.flops import training_flops_per_token
+
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    shard_bytes = sum(shard[id(q)] for q in trainable)
+    state = _optimizer_state(cfg, model, shard)
+    moved = 2 * shard_bytes + 3 * shard_bytes + 2 * state  # parameters r/w; gradients read, clipped (r/w); state r/w
+    ns_flops = 0.0
+    if cfg.optimizer.name == "muon":
+        owned = [q for q, _, owner in matrices if owner == rank] if sharded else [q for _, q in split_for_muon(model)[0]]
+        for q in owned:
+            small, large = sorted(q.shape[-2:])
+            ns_flops += cfg.optimizer.ns_steps * (4 * small * small * large + 2 * small**3) * (q.numel() // (small * large))
+    try:
+        flops_per_token = training_flops_per_token(whole["config"], cfg.data.seq_len)
+    except ConfigError:
+        flops_per_token = 0.0
+    moe_exposed = _megamoe_exposed_s(cfg, layout, model, device) if cfg.moe.implementation == "megamoe" else 0.0
+    return predict(device=device, ops=costs, accumulation=accumulation, collectives=collectives,
+                   optimizer_bytes_moved=moved, optimizer_flops=ns_flops, optimizer_ops=2 * len(trainable),
+                   attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
+                   tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
+                   world=layout.world)
+
+
+def _megamoe_exposed_s(cfg: TrainConfig, layout: Layout, model: nn.Module, device: DeviceModel) -> float:
+    """MegaMoE's exposed communication per micro-batch: every MoE layer's wave graphs (forward and
+    backward) simulated with this device's costs (multicore.simulate)."""
+    from hyperparallel.moe import MoEShape, default_waves
+    from hyperparallel.moe.megamoe_graphs import plan_graphs
+    from hyperparallel.multicore import EXECUTORS, CostModel
+    from hyperparallel.multicore import simulate as simulate_graph
+
+    blocks = moe_blocks(model)
+    if not blocks or layout.ep == 1:
+        return 0.0
+    block = blocks[0]
+    shared = block.shared_experts
+    shared_intermediate = sum(q.numel() for q in shared.parameters()) // (3 * block.experts.hidden_dim) if shared else 0
+    element = _activation_bytes(cfg, model)
+    shape = MoEShape(tokens=cfg.training.micro_batch * cfg.data.seq_len // layout.cp, hidden=block.experts.hidden_dim,
+                     intermediate=block.experts.intermediate_dim, experts=block.gate.num_experts if hasattr(
+                         block.gate, "num_experts") else block.experts.num_experts * layout.ep,
+                     top_k=block.gate.top_k, shared_intermediate=shared_intermediate, element_bytes=element)
+    bandwidth, latency = device.link(spans_nodes(layout.tp, layout.ep, device.ranks_per_node))
+    cost = CostModel(matmul_flops=device.flops_for("bfloat16" if element == 2 else "float32"),
+                     memory_bytes_per_s=device.memory_bytes_per_s, link_bytes_per_s=bandwidth,
+                     link_latency_s=latency, task_overhead_s=device.op_floor_s)
+    executor = EXECUTORS["cuda" if device.overlap else "cpu"]
+    waves = cfg.moe.waves or default_waves(shape, layout.ep, cost, **executor)
+    forward, backward = plan_graphs(shape, layout.ep, waves)
+    exposed = sum(simulate_graph(graph, cost, **executor).exposed_comm_s for graph in (forward, backward))
+    return exposed * len(blocks)
 
 
 def _build_transient(cfg: TrainConfig, model: nn.Module) -> int:
@@ -649,6 +962,19 @@ def memory_summary(cfg: TrainConfig, world: int, runtime: int, records: list[dic
     return f"peak memory {measured / 2**30:.2f} GiB per rank, planned {planned} (hyperparallel plan)"
 
 
+def format_time(t: StepTime) -> list[str]:
+    """The predicted step time's lines."""
+    exposed = ", ".join(f"{dim} {seconds * 1e3:,.1f} ms" for dim, seconds in t.exposed_comm_s.items() if seconds)
+    own = ", ".join(f"{dim} {seconds * 1e3:,.1f} ms" for dim, seconds in t.comm_s.items() if seconds)
+    return [
+        f"predicted step on {t.device}: {t.predicted_step_s:,.3f} s = compute {t.compute_s:,.3f} s + exposed "
+        f"communication {sum(t.exposed_comm_s.values()):,.3f} s ({exposed or 'none'}) + optimizer "
+        f"{t.optimizer_s:,.3f} s; {t.tokens_per_s:,.0f} tokens/s, MFU {100 * t.mfu:.1f}%",
+        f"  communication's own time: {own or 'none'}; a prediction from the device model "
+        f"({t.device_source}), not a measurement: docs/train.md, \"Planning\"",
+    ]
+
+
 def format_plan(p: Plan) -> str:
     """A small table of the plan."""
     buffers = "FSDP unsharded blocks and buffers" if p.layout.startswith("sharded") else "DDP gradient buckets"
@@ -676,9 +1002,13 @@ def format_plan(p: Plan) -> str:
     if p.comm:
         parts = ", ".join(f"{key} {value / 2**20:,.1f} MiB" for key, value in p.comm.items())
         lines.append(f"sent per step by rank {p.rank}: {p.comm_bytes_per_step / 2**20:,.1f} MiB ({parts})")
+        dims = ", ".join(f"{key} {value / 2**20:,.1f} MiB" for key, value in p.comm_by_dimension.items())
+        lines.append(f"  by mesh dimension: {dims}")
         lines.append(f"  ({COMM_FORMULA})")
     else:
         lines.append("sent per step: nothing (one rank)")
+    if p.time is not None:
+        lines.extend(format_time(p.time))
     if p.unaccounted:
         lines.append("not accounted: " + "; ".join(p.unaccounted))
     return "\n".join(lines)

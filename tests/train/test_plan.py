@@ -22,7 +22,7 @@ from hyperparallel.optim import build_optimizer
 from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import plan as planning
 from hyperparallel.train.build import build_optimization, build_trained_model
-from hyperparallel.train.config import from_mapping
+from hyperparallel.train.config import from_mapping, load_config
 from hyperparallel.train.data import MicroBatch, tokenizer_vocab_size
 from hyperparallel.train.distributed import Runtime
 from hyperparallel.train.step import TrainStep
@@ -203,8 +203,12 @@ def test_the_command_prints_one_json_object_near_a_real_runs_peak(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--set", "parallel.dp_shard=2"], r"parallel.dp_shard = 2 .* plan is for 1; plan it with --nproc 2"),
+    (["--set", "parallel.dp_shard=2"], r"parallel.dp_shard = 2 .* this run has 1; .*--nproc 2"),
     (["--nproc", "0"], r"--nproc must be at least 1, got 0"),
+    (["--search"], r"--search ranks layouts by predicted speed: give --device"),
+    (["--device", "h200", "--set", "device_model.hbm=1"], r"device_model.hbm: no such field; one of .*memory_bytes_per_s"),
+    (["--nproc", "4", "--set", "parallel.dp_replicate=3", "--set", "parallel.dp_shard=2", "--set", "training.micro_batch=2"],
+     r"parallel.dp_replicate \(3\) x parallel.dp_shard \(2\) .* = 6 ranks, but this run has 4"),
 ])
 def test_user_errors_print_one_line_and_exit_2(cli, args, message):
     """In this process (tests/conftest.py's `cli`)."""
@@ -214,3 +218,126 @@ def test_user_errors_print_one_line_and_exit_2(cli, args, message):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr and re.search(message, lines[0]), result.stderr
+
+
+# ------------------------------------------------------------------ layouts beyond FSDP, and time
+
+
+def test_a_tp_ranks_fake_model_has_the_tp_plans_shapes():
+    """The plan's model of one TP rank (`tp_rank_config`) has, parameter by parameter, the shapes
+    the trainer's TP plan leaves on each rank (apply_tensor_parallel over a fake 2-rank group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
+
+    for family in ("qwen3", "qwen3_moe", "deepseek_v3"):
+        cfg = tiny(family, parallel={"tp": 2})
+        planned = {n: tuple(p.shape) for n, p in planning.meta_model(cfg, tp=2).named_parameters()}
+        for rank in range(2):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+            try:
+                model = build_model(family, config={**cfg.model.config, "vocab_size": 512}, materialize=False)
+                apply_tensor_parallel(model, dist.group.WORLD)
+                install_fused_loss(model)
+                make_head_vocab_parallel(model)
+                real = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            finally:
+                dist.destroy_process_group()
+            assert real.keys() == planned.keys()
+            # (DeepSeek's shared experts: TP splits their columns, the plan keeps them whole)
+            differ = {n for n in real if real[n] != planned[n]}
+            assert all("shared_experts" in n for n in differ), (family, sorted(differ)[:4])
+
+
+def test_hsdp_shards_over_the_shard_group_and_all_reduces_across_replicas():
+    cfg = tiny(parallel={"dp_shard": 2}, training={"micro_batch": 1, "global_batch": 4})
+    fsdp2 = planning.plan(cfg, 2, runtime=0)
+    hsdp = planning.plan(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"dp_replicate": 2})}), 4,
+                         runtime=0)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (fsdp2.params, fsdp2.grads, fsdp2.optimizer)
+    assert hsdp.mesh["dp_replicate"] == 2 and hsdp.accumulation == fsdp2.accumulation // 2
+    # ring all-reduce over 2 replicas: 2 (W-1)/W = 1 x every group's gradient slot, once per step
+    assert hsdp.comm["hsdp_all_reduce"] == hsdp.grads == hsdp.comm_by_dimension["dp_replicate"]
+
+
+def test_expert_parallel_ranks_hold_their_experts_sharded_over_the_ranks_holding_them():
+    cfg = tiny(parallel={"dp_shard": 4}, training={"micro_batch": 1})
+    with_ep = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"ep": 2})})
+    model = planning.meta_model(cfg)
+    experts = sum(nbytes(b.experts.parameters()) for b in planning.moe_blocks(model))
+    others = nbytes(model.parameters()) - experts
+    plan = planning.plan(with_ep, 4, runtime=0)
+    # experts: half on each EP rank, sharded over the 2 ranks holding the same half; the rest over 4
+    # (every row count here divides: the shards are even)
+    assert plan.params == experts // 4 + others // 4
+    assert plan.comm["ep_all_to_all"] > 0 and set(plan.comm_by_dimension) == {"dp_shard", "ep"}
+
+
+def test_ring_costs_of_a_collective():
+    from hyperparallel.train.device_model import GPUS
+    from hyperparallel.train.plan_time import Collective, spans_nodes
+
+    h100 = GPUS["h100"]
+    gather = Collective("g", "dp_shard", "all_gather", 8, 1000, 3)
+    reduce = Collective("r", "dp_replicate", "all_reduce", 4, 1000, 1, spans_nodes(8, 4, 8))
+    assert gather.sent() == 3 * 7 * 1000 and reduce.sent() == 2 * 3 * 1000 // 4 and reduce.spans_nodes
+    assert gather.seconds(h100) == pytest.approx(3 * (7 * h100.intra_node_latency_s + 7000 / h100.intra_node_bytes_per_s))
+    assert reduce.seconds(h100) == pytest.approx(6 * h100.inter_node_latency_s + 1500 / h100.inter_node_bytes_per_s)
+
+
+def test_a_plan_extrapolated_from_two_depths_is_the_whole_plan():
+    """What --search screens layouts with: plans of the first 1 and 2 layers carried on to the
+    model's 4; sizes linear in the layers are exact, the rest near the whole plan."""
+    from hyperparallel.train.device_model import GPUS
+    from hyperparallel.train.plan_search import _extrapolated
+
+    config = {**yaml.safe_load((ROOT / "configs/models/qwen3_moe_tiny.yaml").read_text()), "num_hidden_layers": 4}
+    cfg = tiny(model={"config": config}, parallel={"dp_shard": 2, "ep": 2}, training={"micro_batch": 1})
+    options = {"runtime": 0, "device_model": GPUS["h100"]}
+    whole = planning.plan(cfg, 2, **options)
+    guess = _extrapolated(*(planning.plan(cfg, 2, layers=n, **options) for n in (1, 2)), 1, 2, 4)
+    assert (guess.params, guess.grads, guess.optimizer) == (whole.params, whole.grads, whole.optimizer)
+    assert guess.comm == whole.comm
+    # measured: activations and the total within 1e-3, the step time within 2e-3
+    assert guess.activations == pytest.approx(whole.activations, rel=0.02)
+    assert guess.total == pytest.approx(whole.total, rel=0.02)
+    assert guess.time.predicted_step_s == pytest.approx(whole.time.predicted_step_s, rel=0.02)
+
+
+def test_search_ranks_the_layouts_that_fit():
+    from dataclasses import replace
+
+    from hyperparallel.train.config import apply_overrides
+    from hyperparallel.train.device_model import GPUS
+    from hyperparallel.train.plan_search import search
+
+    cfg = tiny(training={"global_batch": 8, "micro_batch": 1})
+    device = replace(GPUS["h100"], ranks_per_node=4)
+    found = search(cfg, 4, device, top=4)
+    speeds = [c.tokens_per_s for c in found]
+    assert len(found) == 4 and speeds == sorted(speeds, reverse=True)
+    raw = cfg.model_dump(mode="json", by_alias=True)
+    for c in found:  # each a layout the trainer takes, its --set lines as printed
+        layout = from_mapping(apply_overrides(raw, c.set_lines().replace("--set ", "").split()))
+        assert planning.plan(layout, 4, runtime=0, device_model=device).time == c.plan.time
+    # a device with room for dp_shard=4's recompute full but not its recompute off
+    plans = {mode: planning.plan(tiny(training={"global_batch": 8, "micro_batch": 1},
+                                      parallel={"dp_shard": 4, "recompute": mode}), 4, runtime=0) for mode in ("off", "full")}
+    assert plans["full"].total < plans["off"].total
+    small = replace(device, memory_bytes=int((plans["off"].total + plans["full"].total) / 2 / 0.9))
+    found = search(cfg, 4, small, top=10)
+    assert found and all(c.plan.total <= 0.9 * small.memory_bytes for c in found)
+    assert not any(c.settings["parallel.dp_shard"] == 4 and c.settings["parallel.ep"] == 1 and
+                   c.settings["parallel.recompute"] == "off" for c in found)
+
+
+def test_qwen3_30b_a3b_on_64_h200s_is_planned_without_launching():
+    """The issue's acceptance: Qwen3-30B-A3B's shape, dp_shard=64 x ep=8, predicted on H200s."""
+    from hyperparallel.train.device_model import device_model
+
+    cfg = load_config(ROOT / "configs/plans/qwen3_30b_a3b.yaml")
+    plan = planning.plan(cfg, 64, device_model=device_model("h200"))
+    assert 30.4e9 < plan.n_params < 30.6e9
+    even = plan.n_params * 4 / 64  # float32 parameters split evenly
+    assert abs(plan.params - even) <= 0.1 * even  # measured: 1.004
+    assert plan.time.predicted_step_s > 0 and 0 < plan.time.mfu < 1 and plan.device == "h200"

@@ -1,0 +1,240 @@
+"""What one accelerator can do, for predicting a step's time before a cluster is booked
+(`hyperparallel plan --device`): peak matmul FLOP/s per operand type, memory bandwidth, the links
+between ranks, and the fraction of each peak a real kernel reaches.
+
+The GPU models are datasheet figures (dense, no sparsity) times stated efficiencies; the CPU model
+is measured on the spot (`measure_cpu`), so that a prediction can be checked here against a real
+run. Every field can be overridden (`plan --set device_model.FIELD=VALUE`, or `device_model:` in
+the config): a user who has measured their cluster should say so.
+
+Sources (NVIDIA datasheets, dense Tensor Core figures):
+- H100 SXM5: 989 TFLOP/s BF16, 1979 FP8, 495 TF32; HBM3 80 GB at 3.35 TB/s; NVLink 4 900 GB/s
+  (both directions together, 450 each way); one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s).
+- H200 SXM: H100's Tensor Cores; HBM3e 141 GB at 4.8 TB/s; the same links.
+- B200 (HGX B200, per GPU): 2.25 PFLOP/s BF16, 4.5 FP8 and MXFP8, 1.1 TF32; HBM3e 180 GB at
+  7.7 TB/s; NVLink 5 1.8 TB/s (900 GB/s each way); one 400 Gb/s NIC per GPU.
+Hopper has no MX units: an MXFP8 product there runs as bf16 (`hyperparallel.mx.gemm_path`:
+`dequantize`), so its MX rate is its BF16 rate.
+
+Efficiencies (assumptions, not measurements: override them with your own):
+- matmul 0.7 of peak: large cuBLAS BF16 GEMMs on H100 are commonly measured at 650-800 TFLOP/s;
+- memory 0.8 of the HBM figure (a copy kernel's typical share);
+- links 0.8 of the per-direction figure (NCCL's ring bus bandwidth on 8 NVLink GPUs is commonly
+  reported at 350-400 GB/s of 450); per ring step 3 us within a node, 8 us across nodes;
+- every kernel at least 4 us (launch to end, for a small one).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+
+import torch
+
+from hyperparallel.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    matmul_flops: dict[str, float]  # achieved FLOP/s of a large product, by operand dtype: float32 | bfloat16 | mx
+    memory_bytes_per_s: float  # achieved bandwidth of memory-bound kernels
+    memory_bytes: int  # what one rank may hold (a GPU's memory; the CPU's shared out over its ranks)
+    intra_node_bytes_per_s: float  # achieved per-direction bandwidth of one rank's link within a machine
+    intra_node_latency_s: float  # per ring step
+    inter_node_bytes_per_s: float  # per rank, across machines
+    inter_node_latency_s: float
+    ranks_per_node: int  # GPUs per machine (the link model: a group spanning machines uses the slower link)
+    op_floor_s: float  # the least time one operator takes (a kernel launch, or the CPU's dispatch)
+    overlap: bool  # whether communication runs beside compute (GPUs: yes; CPU ranks share their cores)
+    source: str = ""
+
+    def flops_for(self, dtype: torch.dtype | str) -> float:
+        key = str(dtype).replace("torch.", "")
+        if key in ("bfloat16", "float16"):
+            return self.matmul_flops["bfloat16"]
+        return self.matmul_flops.get(key, self.matmul_flops["float32"])
+
+    def link(self, spans_nodes: bool) -> tuple[float, float]:
+        """(bytes/s, latency per ring step) of a group's links."""
+        if spans_nodes:
+            return self.inter_node_bytes_per_s, self.inter_node_latency_s
+        return self.intra_node_bytes_per_s, self.intra_node_latency_s
+
+    def with_overrides(self, overrides: dict | None) -> DeviceModel:
+        """This model with `overrides` (field -> value; matmul_flops by operand type: matmul_flops.bfloat16
+        or {matmul_flops: {bfloat16: ...}})."""
+        if not overrides:
+            return self
+        names = {f.name for f in fields(self)} - {"name", "source"}
+        flops = dict(self.matmul_flops)
+        changes: dict = {}
+        flat = {}
+        for key, value in overrides.items():  # (YAML or --set nest matmul_flops.bfloat16 as a mapping)
+            flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+        for key, value in flat.items():
+            if key.startswith("matmul_flops."):
+                dtype = key.split(".", 1)[1]
+                if dtype not in flops:
+                    raise ConfigError(f"device_model.{key}: no such operand type; one of {', '.join(flops)}")
+                flops[dtype] = float(value)
+            elif key in names:
+                kind = type(getattr(self, key))
+                changes[key] = kind(value) if kind is not dict else value
+            else:
+                raise ConfigError(f"device_model.{key}: no such field; one of "
+                                  f"{', '.join(sorted(names - {'matmul_flops'}))}, matmul_flops.<dtype>")
+        return replace(self, matmul_flops=flops, **changes, source=self.source + " (with overrides)")
+
+
+MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
+_NIC = 400e9 / 8  # one 400 Gb/s ConnectX-7 per GPU
+
+
+def _gpu(name: str, bf16: float, fp8: float, tf32: float, mx: float, hbm: float, memory_gb: float,
+         nvlink_each_way: float) -> DeviceModel:
+    return DeviceModel(
+        name=name,
+        matmul_flops={"float32": tf32 * MATMUL_EFFICIENCY, "bfloat16": bf16 * MATMUL_EFFICIENCY,
+                      "float8": fp8 * MATMUL_EFFICIENCY, "mx": mx * MATMUL_EFFICIENCY},
+        memory_bytes_per_s=hbm * MEMORY_EFFICIENCY, memory_bytes=int(memory_gb * 1e9),
+        intra_node_bytes_per_s=nvlink_each_way * LINK_EFFICIENCY, intra_node_latency_s=3e-6,
+        inter_node_bytes_per_s=_NIC * LINK_EFFICIENCY, inter_node_latency_s=8e-6, ranks_per_node=8,
+        op_floor_s=4e-6, overlap=True, source="datasheet peaks x stated efficiencies (hyperparallel/train/device_model.py)",
+    )
+
+
+GPUS = {
+    "h100": _gpu("h100", bf16=989e12, fp8=1979e12, tf32=495e12, mx=989e12, hbm=3.35e12, memory_gb=80,
+                 nvlink_each_way=450e9),
+    "h200": _gpu("h200", bf16=989e12, fp8=1979e12, tf32=495e12, mx=989e12, hbm=4.8e12, memory_gb=141,
+                 nvlink_each_way=450e9),
+    "b200": _gpu("b200", bf16=2250e12, fp8=4500e12, tf32=1100e12, mx=4500e12, hbm=7.7e12, memory_gb=180,
+                 nvlink_each_way=900e9),
+}
+DEVICES = ("cpu", *GPUS)
+
+
+def device_model(name: str, ranks_per_node: int | None = None, overrides: dict | None = None) -> DeviceModel:
+    """The named device's model (`cpu`: measured now, for `ranks_per_node` ranks sharing this machine)."""
+    if name == "cpu":
+        model = measure_cpu(ranks_per_node or 1)
+    elif name in GPUS:
+        model = GPUS[name] if ranks_per_node is None else replace(GPUS[name], ranks_per_node=ranks_per_node)
+    else:
+        raise ConfigError(f"--device {name}: no such device model; one of {', '.join(DEVICES)}")
+    return model.with_overrides(overrides)
+
+
+# ------------------------------------------------------------------------- measured on the CPU
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), 5)
+
+
+def _memory_bytes_per_s(nbytes: int = 16 * 2**20) -> float:
+    """Bytes read and written per second by the element-wise mix of a transformer layer: a copy, a
+    multiply, an exp and a SiLU (the harmonic mean of their rates; the CPU computes exp and SiLU
+    slower than it moves their bytes)."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    kernels = (lambda: dst.copy_(src), lambda: torch.mul(src, 1.5, out=dst), lambda: torch.exp(src, out=dst),
+               lambda: torch.nn.functional.silu(src, inplace=False))
+    seconds = sum(_best_seconds(kernel, 5) for kernel in kernels)
+    return len(kernels) * 2 * nbytes / seconds
+
+
+def _op_floor_s(count: int = 500) -> float:
+    """One operator's time beside its work in a training step: a chain of small multiplies under
+    autograd and its backward (each forward operator makes one backward operator)."""
+    x = torch.ones(8, requires_grad=True)
+
+    def ops():
+        y = x
+        for _ in range(count):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _best_seconds(ops, 3) / (2 * count)
+
+
+def _gloo_link(nbytes: int = 8 * 2**20) -> tuple[float, float]:
+    """(bytes/s, seconds per ring step) of gloo between two ranks of this machine: two gloo groups
+    in two threads of this process, one all-reduce of one element and one of `nbytes`."""
+    store = dist_store()
+    results: dict[int, tuple[float, float]] = {}
+
+    def rank(r: int) -> None:
+        from torch.distributed import ProcessGroupGloo
+
+        group = ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+        small, large = torch.ones(1), torch.ones(nbytes // 4)
+
+        def all_reduce(t):
+            return lambda: group.allreduce([t]).wait()
+
+        results[r] = (_best_seconds(all_reduce(small), 20), _best_seconds(all_reduce(large), 3))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    small, large = max(r[0] for r in results.values()), max(r[1] for r in results.values())
+    latency = small / 2  # two ring steps (reduce-scatter, all-gather) of a 2-rank all-reduce
+    return nbytes / max(large - small, 1e-9), latency  # a 2-rank all-reduce sends its bytes once
+
+
+def dist_store():
+    from torch.distributed import HashStore
+
+    return HashStore()
+
+
+_measured: dict[int, DeviceModel] = {}
+
+
+def measure_cpu(ranks: int) -> DeviceModel:
+    """This machine measured now (a few seconds, once per process): one thread's matmul FLOP/s and
+    element-wise bandwidth, shared out as `hyperparallel train --nproc ranks` shares the cores (each
+    rank gets cores / ranks threads, at least 1, and the ranks' threads share the cores), the time
+    of one small operator under autograd, and gloo's bandwidth and latency between two ranks of
+    this machine."""
+    if ranks in _measured:
+        return _measured[ranks]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads_per_rank = max(1, cores // ranks)
+    share = min(threads_per_rank, cores / ranks)  # cores' worth of compute each rank gets
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flops = {"float32": _matmul_flops(torch.float32) * share, "bfloat16": _matmul_flops(torch.bfloat16) * share}
+        flops["mx"] = flops["bfloat16"]  # (the CPU's MX products dequantize to the compute dtype)
+        memory = _memory_bytes_per_s() * share
+        floor = _op_floor_s()
+    finally:
+        torch.set_num_threads(saved)
+    link, latency = _gloo_link()
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    _measured[ranks] = DeviceModel(
+        name="cpu", matmul_flops=flops, memory_bytes_per_s=memory, memory_bytes=total_memory // ranks,
+        intra_node_bytes_per_s=link, intra_node_latency_s=latency, inter_node_bytes_per_s=link,
+        inter_node_latency_s=latency, ranks_per_node=ranks, op_floor_s=floor, overlap=False,
+        source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo between two ranks)",
+    )
+    return _measured[ranks]

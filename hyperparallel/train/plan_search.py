@@ -1,0 +1,202 @@
+"""`hyperparallel plan --search`: the layouts of a model over N ranks that fit in a device's memory,
+ranked by predicted tokens/s, printed as `--set` lines to paste into `hyperparallel train`.
+
+[Note: how the search is made]
+Enumerated: tp (powers of two up to the ranks per machine, dividing the attention heads), cp (each
+rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refuses), the
+dp_replicate x dp_shard splits whose shard groups are whole machines (or every data-parallel
+rank), ep (MoE models: powers of two dividing dp_shard x cp, up to the experts); for each, the
+largest micro-batch (a power of two dividing each replica's rows) that fits with recompute off,
+then selective, then full (stopping at the first that fits the largest micro-batch: more
+recompute at the same micro-batch is only slower). A layout fits when its plan's total is at most
+the device's memory less HEADROOM (the CUDA context, the allocator's fragmentation, NCCL's
+buffers).
+
+Each is screened on plans of the model's first few layers (`plan(layers=...)` at two depths,
+every figure extrapolated linearly to the whole depth), whose micro-batches are simulated once
+per tp, micro-batch and recompute with every expert and shared by every ep and split (an
+expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of`; not cut, and
+so overestimated, are the bf16 copies autocast makes of the experts' weights when they are
+float32). The best CONFIRMED x top screened layouts are then planned at the whole depth, the same
+way, and ranked on those plans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.device_model import DeviceModel
+from hyperparallel.train.plan import Plan, meta_model, plan
+from hyperparallel.train.plan_time import StepTime
+from hyperparallel.train.preflight import layout_problems
+
+HEADROOM = 0.1  # of the device's memory, kept free
+CP_TOKENS = 4096  # the fewest tokens of a sequence a context-parallel rank is given
+CONFIRMED = 2  # whole plans per printed layout: the best screened ones are planned whole
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: dict  # dotted config key -> value
+    plan: Plan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.time.tokens_per_s
+
+    def set_lines(self) -> str:
+        return " ".join(f"--set {key}={value}" for key, value in self.settings.items())
+
+    def to_json(self) -> dict:
+        return {"settings": self.settings, "set": self.set_lines(), "plan": self.plan.to_json()}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def layouts(cfg: TrainConfig, world: int, ranks_per_node: int) -> list[dict]:
+    """The mesh shapes of `cfg`'s model over `world` ranks to try (as config settings), without
+    recompute and micro-batch (`search` picks those): shard groups of whole machines, or of every
+    data-parallel rank."""
+    config = meta_model(cfg, layers=1).config
+    heads = config.num_attention_heads
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
+    seq = cfg.data.seq_len
+    out = []
+    for tp in [t for t in _powers_of_two(min(ranks_per_node, world)) if heads % t == 0 and world % t == 0]:
+        for cp in [c for c in _powers_of_two(max(seq // CP_TOKENS, 1)) if (world // tp) % c == 0]:
+            if tp > 1 and cp > 1:
+                continue
+            dp = world // (tp * cp)
+            for dp_shard in _divisors(dp):
+                group = dp_shard * cp * tp
+                if dp_shard != dp and (group % ranks_per_node or group < ranks_per_node):
+                    continue
+                eps = [e for e in _powers_of_two(dp_shard * cp) if e <= experts] if experts else [1]
+                for ep in eps:
+                    out.append({"parallel.tp": tp, "parallel.cp": cp, "parallel.dp_replicate": dp // dp_shard,
+                                "parallel.dp_shard": dp_shard, "parallel.ep": ep})
+    return out
+
+
+def configured(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    """`cfg` with the layout's settings."""
+    parallel = {key.split(".", 1)[1]: value for key, value in settings.items() if key.startswith("parallel.")}
+    if "dp_replicate" not in TrainConfig.model_fields["parallel"].annotation.model_fields:
+        parallel.pop("dp_replicate")  # (a trainer without HSDP: every split has dp_replicate 1)
+    training = {"micro_batch": settings["training.micro_batch"]}
+    return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=parallel),
+                                  "training": cfg.training.model_copy(update=training)})
+
+
+def _depths(cfg: TrainConfig) -> tuple[int, int]:
+    """Two depths to extrapolate from: past the leading dense layers of a MoE model, so the second
+    adds one layer like most of the model's."""
+    config = meta_model(cfg, layers=1).config
+    first = getattr(config, "first_k_dense_replace", 0) or 0
+    return first + 1, first + 2
+
+
+def _extrapolated(a: Plan, b: Plan, da: int, db: int, depth: int) -> Plan:
+    """Plan `b` with every size and time carried on linearly from depth `da` and `db` to `depth`."""
+    scale = (depth - db) / (db - da)
+
+    def line(x, y):
+        if isinstance(x, dict):
+            return {k: line(x.get(k, 0), y.get(k, 0)) for k in y}
+        value = y + (y - x) * scale
+        return type(y)(max(value, 0))
+
+    sizes = {f.name: line(getattr(a, f.name), getattr(b, f.name)) for f in fields(Plan)
+             if f.name in ("params", "grads", "optimizer", "activations", "buffers", "tensors", "build",
+                           "comm_bytes_per_step", "comm", "comm_by_dimension")}
+    time: StepTime = b.time
+    step = line(a.time.predicted_step_s, time.predicted_step_s)
+    moved = replace(time, predicted_step_s=step, compute_s=line(a.time.compute_s, time.compute_s),
+                    exposed_comm_s=line(a.time.exposed_comm_s, time.exposed_comm_s),
+                    optimizer_s=line(a.time.optimizer_s, time.optimizer_s), comm_s=line(a.time.comm_s, time.comm_s),
+                    tokens_per_s=time.tokens_per_s * time.predicted_step_s / step,
+                    mfu=time.mfu * time.predicted_step_s / step)
+    return replace(b, **sizes, time=moved)
+
+
+def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> list[Candidate]:
+    """The `top` fastest layouts that fit, by predicted tokens/s (the module's note says how)."""
+    budget = device.memory_bytes * (1 - HEADROOM)
+    runtime = 0 if device.name != "cpu" else None
+    depth, (da, db) = _depth(cfg), _depths(cfg)
+    simulations: dict = {}
+
+    def screen(settings: dict) -> Plan | None:
+        candidate = configured(cfg, settings)
+        if layout_problems(candidate, world):
+            return None
+        try:
+            candidate.grad_accumulation(world)
+        except ConfigError:
+            return None
+        options = {"device_model": device, "runtime": runtime, "device": "cpu", "simulations": simulations}
+        if depth <= db:
+            return plan(candidate, world, **options)
+        return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
+
+    screened: list[Candidate] = []
+    for mesh in layouts(cfg, world, device.ranks_per_node):
+        replicas = world // (mesh["parallel.tp"] * mesh["parallel.cp"])
+        rows = cfg.training.global_batch // replicas if cfg.training.global_batch % replicas == 0 else 0
+        micros = [m for m in _powers_of_two(rows) if rows % m == 0]
+        for recompute in ("off", "selective", "full"):
+            best = None  # the largest micro-batch that fits (fewer FSDP gathers per step)
+            for micro in micros:
+                settings = {**mesh, "parallel.recompute": recompute, "training.micro_batch": micro}
+                planned = screen(settings)
+                if planned is None or planned.total > budget:
+                    break
+                best = Candidate(settings, planned)
+            if best is not None:
+                screened.append(best)
+                if best.settings["training.micro_batch"] == micros[-1]:
+                    break  # (more recompute at the same micro-batch is only slower)
+    screened.sort(key=lambda c: -c.tokens_per_s)
+    if depth <= db:
+        return screened[:top]
+    confirmed, whole_depth = [], {}
+    for c in screened[:top * CONFIRMED]:
+        whole = plan(configured(cfg, c.settings), world, device_model=device, runtime=runtime, device="cpu",
+                     simulations=whole_depth)
+        if whole.total <= budget:
+            confirmed.append(Candidate(c.settings, whole))
+    confirmed.sort(key=lambda c: -c.tokens_per_s)
+    return confirmed[:top]
+
+
+def _depth(cfg: TrainConfig) -> int:
+    from hyperparallel.train.data import tokenizer_vocab_size
+    from hyperparallel.train.plan import whole_model_config
+
+    return whole_model_config(cfg, tokenizer_vocab_size(cfg.data, cfg.model.path))["num_hidden_layers"]
+
+
+def format_search(found: list[Candidate], cfg: TrainConfig, world: int, device: DeviceModel) -> str:
+    if not found:
+        return (f"no layout of {cfg.model.family} over {world} ranks fits in {device.name}'s "
+                f"{device.memory_bytes / 2**30:.0f} GiB (less {HEADROOM:.0%} headroom); more ranks, a larger "
+                f"device, or a smaller global batch / sequence")
+    lines = [f"layouts of {cfg.model.family} ({found[0].plan.n_params / 1e9:.2f}B parameters) over {world} ranks on "
+             f"{device.name} ({device.ranks_per_node} per machine), fastest first (predictions, not measurements):"]
+    for i, c in enumerate(found, 1):
+        t = c.plan.time
+        exposed = ", ".join(f"{dim} {s * 1e3:.0f} ms" for dim, s in t.exposed_comm_s.items() if s > 5e-4) or "none"
+        lines.append(f"{i}. {t.tokens_per_s:,.0f} tokens/s, step {t.predicted_step_s:.2f} s, MFU {100 * t.mfu:.1f}%, "
+                     f"{c.plan.total / 2**30:.1f} GiB per rank (compute {t.compute_s:.2f} s, exposed {exposed})")
+        lines.append(f"   {c.set_lines()}")
+    return "\n".join(lines)
+
