@@ -18,6 +18,8 @@ Hopper has no MX units: an MXFP8 product there runs as bf16 (`hyperparallel.mx.g
 
 Efficiencies (assumptions, not measurements: override them with your own):
 - matmul 0.7 of peak: large cuBLAS BF16 GEMMs on H100 are commonly measured at 650-800 TFLOP/s;
+- attention 0.5 of the BF16 peak: FlashAttention-2's published H100 forward is about 35% of it,
+  FlashAttention-3's and cuDNN's 60-75%;
 - memory 0.8 of the HBM figure (a copy kernel's typical share);
 - links 0.8 of the per-direction figure (NCCL's ring bus bandwidth on 8 NVLink GPUs is commonly
   reported at 350-400 GB/s of 450); per ring step 3 us within a node, 8 us across nodes;
@@ -40,7 +42,9 @@ from hyperparallel.errors import ConfigError
 @dataclass(frozen=True)
 class DeviceModel:
     name: str
-    matmul_flops: dict[str, float]  # achieved FLOP/s of a large product, by operand dtype: float32 | bfloat16 | mx
+    # achieved FLOP/s of a large product, by operand dtype: float32 | bfloat16 | float8 | mx; and of
+    # attention's fused kernels (flash attention), whatever their dtype: attention
+    matmul_flops: dict[str, float]
     memory_bytes_per_s: float  # achieved bandwidth of memory-bound kernels
     memory_bytes: int  # what one rank may hold (a GPU's memory; the CPU's shared out over its ranks)
     intra_node_bytes_per_s: float  # achieved per-direction bandwidth of one rank's link within a machine
@@ -90,7 +94,7 @@ class DeviceModel:
         return replace(self, matmul_flops=flops, **changes, source=self.source + " (with overrides)")
 
 
-MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.8, 0.8
+MATMUL_EFFICIENCY, ATTENTION_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.7, 0.5, 0.8, 0.8
 _NIC = 400e9 / 8  # one 400 Gb/s ConnectX-7 per GPU
 
 
@@ -99,7 +103,8 @@ def _gpu(name: str, bf16: float, fp8: float, tf32: float, mx: float, hbm: float,
     return DeviceModel(
         name=name,
         matmul_flops={"float32": tf32 * MATMUL_EFFICIENCY, "bfloat16": bf16 * MATMUL_EFFICIENCY,
-                      "float8": fp8 * MATMUL_EFFICIENCY, "mx": mx * MATMUL_EFFICIENCY},
+                      "float8": fp8 * MATMUL_EFFICIENCY, "mx": mx * MATMUL_EFFICIENCY,
+                      "attention": bf16 * ATTENTION_EFFICIENCY},
         memory_bytes_per_s=hbm * MEMORY_EFFICIENCY, memory_bytes=int(memory_gb * 1e9),
         intra_node_bytes_per_s=nvlink_each_way * LINK_EFFICIENCY, intra_node_latency_s=3e-6,
         inter_node_bytes_per_s=_NIC * LINK_EFFICIENCY, inter_node_latency_s=8e-6, ranks_per_node=8,
@@ -145,6 +150,20 @@ def _best_seconds(fn, repeats: int) -> float:
 def _matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), 5)
+
+
+def _attention_flops() -> float:
+    """Causal flash attention's FLOP/s, forward and backward, at a middling shape (512 tokens, 8
+    heads of 64; the CPU's fused kernel is a third to a half of the matmul rate)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 8, 512, 64, requires_grad=True)
+
+    def step():
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    forward = 2 * 8 * 512 * 512 * (64 + 64) // 2  # (causal: half the pairs)
+    return forward * 7 / 2 / _best_seconds(step, 5)  # (backward: 2.5 x the forward, plan_time.op_cost)
 
 
 def _memory_bytes_per_s(nbytes: int = 16 * 2**20) -> float:
@@ -225,6 +244,7 @@ def measure_cpu(ranks: int) -> DeviceModel:
     try:
         flops = {"float32": _matmul_flops(torch.float32) * share, "bfloat16": _matmul_flops(torch.bfloat16) * share}
         flops["mx"] = flops["bfloat16"]  # (the CPU's MX products dequantize to the compute dtype)
+        flops["attention"] = _attention_flops() * share
         memory = _memory_bytes_per_s() * share
         floor = _op_floor_s()
     finally:

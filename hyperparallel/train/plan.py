@@ -1,5 +1,6 @@
 """`hyperparallel plan`: what one rank of a training run holds in memory and sends per step, from
-its config alone, without allocating the model.
+its config alone, without allocating the model, for any layout and number of ranks; with a
+device model, its step time (plan_time.py).
 
 [Note: how the plan is made]
 The model is built as the trainer builds it (the family's class from its config on the meta
@@ -25,6 +26,12 @@ recording gives the same bytes, tested). From that timeline:
   the end of backward, and gloo works on a copy of it) and output (the gradient shard);
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
   buffers (clipping, fsdp's or torch's, makes foreach norms only).
+
+The model run is one rank's part of the layout (`Layout`): with tp a model of one TP rank's
+shapes (`tp_rank_config`), with cp each sequence's seq_len / cp tokens, with ep the first
+expert-parallel rank's experts (`keep_local_experts`), every routed row computed as a rank
+receiving its share under uniform routing does; FSDP shards over dp_shard x cp (a layer's
+experts over the ranks holding the same experts), and HSDP's replicas hold the same shards.
 
 The total is the largest sum over that timeline and the optimizer step, not the sum of each
 part's own maximum. On the CPU the trainer's peak is the process's peak resident set, so the
@@ -69,9 +76,13 @@ from hyperparallel.train.preflight import layout_problems, model_problems
 GiB = 2**30
 COMM_FORMULA = (
     "ring algorithms, bytes this rank sends: all-gather and reduce-scatter of a group (W-1) x slot, all-reduce "
-    "2 (W-1)/W x bytes; FSDP gathers each layer twice per micro-batch (forward, backward) and the root once, and "
-    "reduce-scatters every group once per step; DDP all-reduces the gradients once per step; Muon on sharded "
-    "matrices sends each matrix's rows to its owner and the owner sends the update's rows back (bf16)"
+    "2 (W-1)/W x bytes, all-to-all (W-1)/W x bytes; FSDP gathers each layer twice per micro-batch (forward, backward) "
+    "and the root once, and reduce-scatters every group once per step (HSDP then all-reduces each group's gradient "
+    "shards across the replicas); DDP all-reduces the gradients once per step; TP all-reduces (SP: all-gathers and "
+    "reduce-scatters) every attention and MLP block's activations forward, backward and in recompute's replay; CP "
+    "passes keys and values around the ring once forward and twice backward (Ulysses: all-to-alls); EP sends every "
+    "routed row out and back, forward and backward; Muon on sharded matrices sends each matrix's rows to its owner "
+    "and the owner sends the update's rows back (bf16)"
 )
 
 

@@ -5,12 +5,12 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
 
 [Note: how a step's time is predicted]
 - compute: each operator of the recorded micro-batch takes the longer of its FLOPs at the
-  device's matmul rate for its operand dtype and its bytes (inputs read, outputs written) at the
-  memory bandwidth, and at least the device's op floor (a GPU's kernel); on the CPU, whose ranks
-  dispatch every operator themselves, the floor is added instead. Recompute's replays are in the
-  recording. With context parallelism the recorded attention is a rank's own chunk against its
-  own chunk; ring and Ulysses attention do cp times that work, so attention operators count cp
-  times.
+  device's matmul rate for its operand dtype (attention's fused kernels: their own rate) and its
+  bytes (inputs read, outputs written) at the memory bandwidth, and at least the device's op
+  floor (a GPU's kernel); on the CPU, whose ranks dispatch every operator themselves, the floor
+  is added instead. Recompute's replays are in the recording. With context parallelism the
+  recorded attention is a rank's own chunk against its own chunk; ring and Ulysses attention do
+  cp times that work, so attention operators count cp times.
 - communication, by collective, ring algorithms: all-gather and reduce-scatter (W-1) steps of a
   slot, all-reduce 2 (W-1) steps of bytes / W, all-to-all (W-1) steps of bytes / W; each step pays
   the link's latency, the bytes its bandwidth. A group whose ranks span machines (the mesh's
@@ -148,7 +148,10 @@ class OpCosts:
         total = 0.0
         memory = device.memory_bytes_per_s
         for flops, nbytes, dtype, attention in self.ops:
-            rate = device.matmul_flops["mx"] if mx and flops and not attention else device.flops_for(dtype)
+            if attention:
+                rate = device.matmul_flops["attention"]
+            else:
+                rate = device.matmul_flops["mx"] if mx and flops else device.flops_for(dtype)
             roofline = max(flops / rate if flops else 0.0, nbytes / memory)
             if attention:
                 roofline *= attention_factor
