@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = {  # a Qwen3-MoE: 6.3M parameters, 16 experts top-4
+MODEL = {  # a Qwen3-MoE: 7.4M parameters, 4 layers of 16 experts top-4
     "vocab_size": 512, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "num_experts": 16,
     "num_experts_per_tok": 4, "norm_topk_prob": True, "max_position_embeddings": 4096, "tie_word_embeddings": False,
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be at least 4 (the first two are not counted)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.layouts.split(","):

@@ -146,13 +146,17 @@ def _plan(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     per_node = args.gpus_per_node
-    nproc = args.nproc or (args.nnodes * (per_node or 8) if args.nnodes else 1)
-    if args.nnodes and per_node is None:
-        per_node = -(-nproc // args.nnodes)
-    if args.nnodes and args.nproc and args.nnodes * (per_node or 0) != args.nproc:
-        raise ConfigError(f"--nproc {args.nproc} is not --nnodes {args.nnodes} x --gpus-per-node {per_node}")
+    if args.nnodes and args.nproc:
+        if per_node is None and args.nproc % args.nnodes:
+            raise ConfigError(f"--nproc {args.nproc} does not divide over --nnodes {args.nnodes}")
+        per_node = per_node or args.nproc // args.nnodes
+        if args.nnodes * per_node != args.nproc:
+            raise ConfigError(f"--nproc {args.nproc} is not --nnodes {args.nnodes} x --gpus-per-node {per_node}")
+    nproc = args.nproc or (args.nnodes or 1) * (per_node or (8 if args.nnodes else 1))
     if args.search and args.device is None:
         raise ConfigError("--search ranks layouts by predicted speed: give --device (cpu, h100, h200 or b200)")
+    if args.top is not None and not args.search:
+        raise ConfigError("--top is how many layouts --search prints: give --search too")
     model = None
     if args.device is not None:
         from hyperparallel.train.device_model import device_model

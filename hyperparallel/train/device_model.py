@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.train.metrics import GPU_PEAK_BF16_TFLOPS
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class DeviceModel:
     ranks_per_node: int  # GPUs per machine (the link model: a group spanning machines uses the slower link)
     op_floor_s: float  # the least time one operator takes (a kernel launch, or the CPU's dispatch)
     overlap: bool  # whether communication runs beside compute (GPUs: yes; CPU ranks share their cores)
+    peak_bf16_flops: float  # the datasheet's dense BF16 peak (the CPU's: its measured matmul): MFU's yardstick
     source: str = ""
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
@@ -73,13 +75,18 @@ class DeviceModel:
         or {matmul_flops: {bfloat16: ...}})."""
         if not overrides:
             return self
-        names = {f.name for f in fields(self)} - {"name", "source"}
+        names = {f.name for f in fields(self)} - {"name", "source", "peak_bf16_flops"}
         flops = dict(self.matmul_flops)
         changes: dict = {}
         flat = {}
         for key, value in overrides.items():  # (YAML or --set nest matmul_flops.bfloat16 as a mapping)
+            if key == "matmul_flops" and not isinstance(value, dict):
+                raise ConfigError(f"device_model.matmul_flops: give it per operand type, e.g. "
+                                  f"matmul_flops.bfloat16={value}; one of {', '.join(flops)}")
             flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
         for key, value in flat.items():
+            if key != "overlap" and (isinstance(value, dict) or not value > 0):
+                raise ConfigError(f"device_model.{key}: must be a number above 0, got {value!r}")
             if key.startswith("matmul_flops."):
                 dtype = key.split(".", 1)[1]
                 if dtype not in flops:
@@ -98,26 +105,30 @@ MATMUL_EFFICIENCY, ATTENTION_EFFICIENCY, MEMORY_EFFICIENCY, LINK_EFFICIENCY = 0.
 _NIC = 400e9 / 8  # one 400 Gb/s ConnectX-7 per GPU
 
 
-def _gpu(name: str, bf16: float, fp8: float, tf32: float, mx: float, hbm: float, memory_gb: float,
+def _gpu(name: str, bf16: float, fp8: float, tf32: float, mx: float, hbm: float, memory_gib: float,
          nvlink_each_way: float) -> DeviceModel:
     return DeviceModel(
         name=name,
         matmul_flops={"float32": tf32 * MATMUL_EFFICIENCY, "bfloat16": bf16 * MATMUL_EFFICIENCY,
                       "float8": fp8 * MATMUL_EFFICIENCY, "mx": mx * MATMUL_EFFICIENCY,
                       "attention": bf16 * ATTENTION_EFFICIENCY},
-        memory_bytes_per_s=hbm * MEMORY_EFFICIENCY, memory_bytes=int(memory_gb * 1e9),
+        memory_bytes_per_s=hbm * MEMORY_EFFICIENCY, memory_bytes=int(memory_gib * 2**30),
         intra_node_bytes_per_s=nvlink_each_way * LINK_EFFICIENCY, intra_node_latency_s=3e-6,
         inter_node_bytes_per_s=_NIC * LINK_EFFICIENCY, inter_node_latency_s=8e-6, ranks_per_node=8,
-        op_floor_s=4e-6, overlap=True, source="datasheet peaks x stated efficiencies (hyperparallel/train/device_model.py)",
+        op_floor_s=4e-6, overlap=True, peak_bf16_flops=bf16,
+        source="datasheet peaks x stated efficiencies (hyperparallel/train/device_model.py)",
     )
 
 
+# memory: what torch reports as the device's total (H100 80 GB: 79.2 GiB; H200 141 GB: 139.8 GiB;
+# B200 180 GB: taken as 178 GiB, not measured here)
+_BF16 = {name.lower(): tflops * 1e12 for name, tflops in GPU_PEAK_BF16_TFLOPS.items()}
 GPUS = {
-    "h100": _gpu("h100", bf16=989e12, fp8=1979e12, tf32=495e12, mx=989e12, hbm=3.35e12, memory_gb=80,
-                 nvlink_each_way=450e9),
-    "h200": _gpu("h200", bf16=989e12, fp8=1979e12, tf32=495e12, mx=989e12, hbm=4.8e12, memory_gb=141,
-                 nvlink_each_way=450e9),
-    "b200": _gpu("b200", bf16=2250e12, fp8=4500e12, tf32=1100e12, mx=4500e12, hbm=7.7e12, memory_gb=180,
+    "h100": _gpu("h100", bf16=_BF16["h100"], fp8=1979e12, tf32=495e12, mx=_BF16["h100"], hbm=3.35e12,
+                 memory_gib=79.2, nvlink_each_way=450e9),
+    "h200": _gpu("h200", bf16=_BF16["h200"], fp8=1979e12, tf32=495e12, mx=_BF16["h200"], hbm=4.8e12,
+                 memory_gib=139.8, nvlink_each_way=450e9),
+    "b200": _gpu("b200", bf16=_BF16["b200"], fp8=4500e12, tf32=1100e12, mx=4500e12, hbm=7.7e12, memory_gib=178,
                  nvlink_each_way=900e9),
 }
 DEVICES = ("cpu", *GPUS)
@@ -255,6 +266,7 @@ def measure_cpu(ranks: int) -> DeviceModel:
         name="cpu", matmul_flops=flops, memory_bytes_per_s=memory, memory_bytes=total_memory // ranks,
         intra_node_bytes_per_s=link, intra_node_latency_s=latency, inter_node_bytes_per_s=link,
         inter_node_latency_s=latency, ranks_per_node=ranks, op_floor_s=floor, overlap=False,
+        peak_bf16_flops=flops["bfloat16"],
         source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo between two ranks)",
     )
     return _measured[ranks]

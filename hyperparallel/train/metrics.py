@@ -43,7 +43,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+GPU_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
 
 def measured_cpu_peak_tflops(dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -66,7 +66,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
         return configured, "logging.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in _GPU_PEAK_TFLOPS.items():
+        for key, value in GPU_PEAK_BF16_TFLOPS.items():
             if key in name:
                 return value, f"{key} dense bf16"
     return measured_cpu_peak_tflops(dtype), "measured torch.mm"

@@ -742,7 +742,8 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         description = layout.describe()
     if not sharded:
         peak += buffers
-    optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, device)
+    target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
+    optimizer_step = grads + _optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, target)
     optimizer_step += 0 if sharded else buffers
     tensors = params_bytes + optimizer_bytes + max(peak, optimizer_step)
     build = params_bytes + sum(_nbytes(b) for b in model.buffers()) + _build_transient(cfg, model)
@@ -804,9 +805,27 @@ def _whole_config(cfg: TrainConfig, model: nn.Module, layout: Layout, layers: in
     return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config}
 
 
-def _activation_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+def _activation_bytes(cfg: TrainConfig) -> int:
+    """Bytes of one activation element: bf16 under mixed precision, else the model's dtype."""
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     return dtype.itemsize
+
+
+# a replicated weight whose gradient is partial on each TP rank without sequence parallelism: the
+# per-head norms and multi-head latent attention's low-rank a-projections (tensor_parallel.py)
+_PARTIAL_WITHOUT_SP = ("q_norm", "k_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj", "kv_a_layernorm")
+
+
+def _tp_partial_bytes(model: nn.Module, sequence_parallel: bool) -> int:
+    """Bytes of the gradients TP sums over its group after backward (`sync_partial_grads`): without
+    SP the weights inside a block that work on every rank's part; with SP every replicated weight
+    (norms, routers, routed experts), counted here as every 1-D weight and every MoE layer's."""
+    if sequence_parallel:
+        replicated = {id(q) for q in model.parameters() if q.dim() == 1}
+        replicated |= {id(q) for block in moe_blocks(model) for name, q in block.named_parameters()
+                       if not name.startswith("shared_experts")}
+        return sum(_nbytes(q) for q in model.parameters() if id(q) in replicated)
+    return sum(_nbytes(q) for name, q in model.named_parameters() if any(k in name for k in _PARTIAL_WITHOUT_SP))
 
 
 def _attention_widths(config) -> tuple[int, int]:
@@ -849,14 +868,21 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
         out.append(Collective("ddp_all_reduce", "dp_shard", "all_reduce", layout.world, grads_whole, 1,
                               spans_nodes(1, layout.world, ranks_per_node), "beside"))
     config = model.config
-    element = _activation_bytes(cfg, model)
+    element = _activation_bytes(cfg)
     tokens = cfg.training.micro_batch * cfg.data.seq_len // C  # one micro-batch's tokens on this rank
-    n_layers = len(list(decoder_layers(model)))
-    replays = 1 if p.recompute != "off" else 0  # a recomputed layer's forward collectives run again
+    layers = list(decoder_layers(model))
+    n_layers = len(layers)
+    # a recomputed layer's forward collectives run again (selective recompute keeps only products'
+    # and attention's outputs: the collectives, ring attention and the dispatch are replayed)
+    replays = 1 if p.recompute != "off" else 0
     if T > 1:
         act = tokens * config.hidden_size * element
         tp_spans = spans_nodes(1, T, ranks_per_node)
-        blocks = accumulation * n_layers * 2 * (2 + replays)  # attention and MLP, forward, backward, replay
+        # TP's blocks: every attention, and every MLP but a MoE layer without dense shared experts
+        # (its routed experts are not split by TP: tensor_parallel.py)
+        per_pass = sum(1 + (0 if blocks and blocks[0].shared_experts is None else 1)
+                       for blocks in (moe_blocks(layer) for layer in layers))
+        blocks = accumulation * per_pass * (2 + replays)  # forward, backward, replay
         if p.sequence_parallel:
             out.append(Collective("tp_all_gather", "tp", "all_gather", T, act // T, blocks, tp_spans))
             out.append(Collective("tp_reduce_scatter", "tp", "reduce_scatter", T, act // T, blocks, tp_spans))
@@ -864,17 +890,16 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
             out.append(Collective("tp_all_reduce", "tp", "all_reduce", T, act, blocks, tp_spans))
         out.append(Collective("tp_embedding_all_reduce", "tp", "all_reduce", T, act, accumulation, tp_spans))
         out.append(Collective("tp_loss_all_reduce", "tp", "all_reduce", T, tokens * 4, 3 * accumulation, tp_spans))
-        partial = sum(_nbytes(q) for q in model.parameters() if id(q) in experts or q.dim() == 1 or
-                      (p.sequence_parallel and any(q is x for b in moe_blocks(model) for x in b.parameters())))
-        out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, partial, 1, tp_spans))
+        out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, _tp_partial_bytes(model, p.sequence_parallel),
+                              1, tp_spans))
     if C > 1:
         q_width, kv_width = _attention_widths(whole_config)
         cp_spans = spans_nodes(T, C, ranks_per_node)
         if p.cp_mode == "ring":  # keys and values around the ring: once forward, twice backward (with their grads)
-            passes = accumulation * n_layers * (3 + (1 if p.recompute == "full" else 0))
+            passes = accumulation * n_layers * (3 + replays)
             out.append(Collective("cp_ring", "cp", "all_gather", C, tokens * kv_width * element, passes, cp_spans))
         else:  # Ulysses: queries, keys, values and the output, all-to-all forward and backward
-            calls = accumulation * n_layers * (2 + (1 if p.recompute == "full" else 0))
+            calls = accumulation * n_layers * (2 + replays)
             out.append(Collective("cp_all_to_all", "cp", "all_to_all", C, tokens * (2 * q_width + kv_width) * element,
                                   calls, cp_spans))
     if E > 1:
@@ -898,16 +923,22 @@ def _step_time(cfg: TrainConfig, layout: Layout, model: nn.Module, whole: dict, 
     state = _optimizer_state(cfg, model, shard)
     moved = 2 * shard_bytes + 3 * shard_bytes + 2 * state  # parameters r/w; gradients read, clipped (r/w); state r/w
     ns_flops = 0.0
-    if cfg.optimizer.name == "muon":
-        owned = [q for q, _, owner in matrices if owner == rank] if sharded else [q for _, q in split_for_muon(model)[0]]
-        for q in owned:
+    if cfg.optimizer.name == "muon":  # Newton-Schulz on the matrices this rank orthogonalizes
+        owners = {id(q): owner for q, _, owner in matrices}  # (fsdp's row-split 2-D matrices: one owner each)
+        for _, q in split_for_muon(model)[0]:
             small, large = sorted(q.shape[-2:])
-            ns_flops += cfg.optimizer.ns_steps * (4 * small * small * large + 2 * small**3) * (q.numel() // (small * large))
+            per_matrix = cfg.optimizer.ns_steps * (4 * small * small * large + 2 * small**3)
+            if q.dim() == 2:
+                ns_flops += per_matrix if owners.get(id(q), rank) == rank else 0
+            else:  # a stack (the experts): each rank its shard's matrices
+                ns_flops += per_matrix * (q.numel() // (small * large)) * shard[id(q)] / max(_nbytes(q), 1)
     try:
         flops_per_token = training_flops_per_token(whole["config"], cfg.data.seq_len)
     except ConfigError:
         flops_per_token = 0.0
-    moe_exposed = _megamoe_exposed_s(cfg, layout, model, device) if cfg.moe.implementation == "megamoe" else 0.0
+    # (on the CPU nothing overlaps in the model: MegaMoE's all-to-alls count whole, as critical)
+    megamoe = cfg.moe.implementation == "megamoe" and device.overlap
+    moe_exposed = _megamoe_exposed_s(cfg, layout, model, device) if megamoe else 0.0
     return predict(device=device, ops=costs, accumulation=accumulation, collectives=collectives,
                    optimizer_bytes_moved=moved, optimizer_flops=ns_flops, optimizer_ops=2 * len(trainable),
                    attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
@@ -929,7 +960,7 @@ def _megamoe_exposed_s(cfg: TrainConfig, layout: Layout, model: nn.Module, devic
     block = blocks[0]
     shared = block.shared_experts
     shared_intermediate = sum(q.numel() for q in shared.parameters()) // (3 * block.experts.hidden_dim) if shared else 0
-    element = _activation_bytes(cfg, model)
+    element = _activation_bytes(cfg)
     shape = MoEShape(tokens=cfg.training.micro_batch * cfg.data.seq_len // layout.cp, hidden=block.experts.hidden_dim,
                      intermediate=block.experts.intermediate_dim, experts=block.gate.num_experts if hasattr(
                          block.gate, "num_experts") else block.experts.num_experts * layout.ep,
@@ -938,7 +969,7 @@ def _megamoe_exposed_s(cfg: TrainConfig, layout: Layout, model: nn.Module, devic
     cost = CostModel(matmul_flops=device.flops_for("bfloat16" if element == 2 else "float32"),
                      memory_bytes_per_s=device.memory_bytes_per_s, link_bytes_per_s=bandwidth,
                      link_latency_s=latency, task_overhead_s=device.op_floor_s)
-    executor = EXECUTORS["cuda" if device.overlap else "cpu"]
+    executor = EXECUTORS["cuda"]  # (called for devices that overlap: GPUs' streams)
     waves = cfg.moe.waves or default_waves(shape, layout.ep, cost, **executor)
     forward, backward = plan_graphs(shape, layout.ep, waves)
     exposed = sum(simulate_graph(graph, cost, **executor).exposed_comm_s for graph in (forward, backward))

@@ -17,8 +17,8 @@ every figure extrapolated linearly to the whole depth), whose micro-batches are 
 per tp, micro-batch and recompute with every expert and shared by every ep and split (an
 expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of`; not cut, and
 so overestimated, are the bf16 copies autocast makes of the experts' weights when they are
-float32). The best CONFIRMED x top screened layouts are then planned at the whole depth, the same
-way, and ranked on those plans.
+float32). The best CONFIRMED x top screened layouts are then planned whole, each as `hyperparallel
+plan` plans its --set lines (its own simulation), and ranked on those plans.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields, replace
 from hyperparallel.errors import ConfigError
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.device_model import DeviceModel
-from hyperparallel.train.plan import Plan, meta_model, plan
+from hyperparallel.train.plan import Plan, meta_model, plan, runtime_bytes
 from hyperparallel.train.plan_time import StepTime
 from hyperparallel.train.preflight import layout_problems
 
@@ -78,7 +78,7 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int) -> list[dict]:
             dp = world // (tp * cp)
             for dp_shard in _divisors(dp):
                 group = dp_shard * cp * tp
-                if dp_shard != dp and (group % ranks_per_node or group < ranks_per_node):
+                if dp_shard != dp and group % ranks_per_node:
                     continue
                 eps = [e for e in _powers_of_two(dp_shard * cp) if e <= experts] if experts else [1]
                 for ep in eps:
@@ -90,8 +90,7 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int) -> list[dict]:
 def configured(cfg: TrainConfig, settings: dict) -> TrainConfig:
     """`cfg` with the layout's settings."""
     parallel = {key.split(".", 1)[1]: value for key, value in settings.items() if key.startswith("parallel.")}
-    if "dp_replicate" not in TrainConfig.model_fields["parallel"].annotation.model_fields:
-        parallel.pop("dp_replicate")  # (a trainer without HSDP: every split has dp_replicate 1)
+    parallel["sequence_parallel"] = cfg.parallel.sequence_parallel and settings["parallel.tp"] > 1
     training = {"micro_batch": settings["training.micro_batch"]}
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=parallel),
                                   "training": cfg.training.model_copy(update=training)})
@@ -132,7 +131,8 @@ def _extrapolated(a: Plan, b: Plan, da: int, db: int, depth: int) -> Plan:
 def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> list[Candidate]:
     """The `top` fastest layouts that fit, by predicted tokens/s (the module's note says how)."""
     budget = device.memory_bytes * (1 - HEADROOM)
-    runtime = 0 if device.name != "cpu" else None
+    # the CPU's runtime term measured once, before any plan fills this process
+    runtime = 0 if device.name != "cpu" else runtime_bytes(cfg.training.compile)
     depth, (da, db) = _depth(cfg), _depths(cfg)
     simulations: dict = {}
 
@@ -151,8 +151,8 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
 
     screened: list[Candidate] = []
     for mesh in layouts(cfg, world, device.ranks_per_node):
-        replicas = world // (mesh["parallel.tp"] * mesh["parallel.cp"])
-        rows = cfg.training.global_batch // replicas if cfg.training.global_batch % replicas == 0 else 0
+        data_ranks = world // (mesh["parallel.tp"] * mesh["parallel.cp"])  # (each reads its share of a batch)
+        rows = cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
         micros = [m for m in _powers_of_two(rows) if rows % m == 0]
         for recompute in ("off", "selective", "full"):
             best = None  # the largest micro-batch that fits (fewer FSDP gathers per step)
@@ -167,12 +167,9 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
                 if best.settings["training.micro_batch"] == micros[-1]:
                     break  # (more recompute at the same micro-batch is only slower)
     screened.sort(key=lambda c: -c.tokens_per_s)
-    if depth <= db:
-        return screened[:top]
-    confirmed, whole_depth = [], {}
-    for c in screened[:top * CONFIRMED]:
-        whole = plan(configured(cfg, c.settings), world, device_model=device, runtime=runtime, device="cpu",
-                     simulations=whole_depth)
+    confirmed = []
+    for c in screened[:top * CONFIRMED]:  # (each planned as `hyperparallel plan` plans its --set lines)
+        whole = plan(configured(cfg, c.settings), world, device_model=device, runtime=runtime, device="cpu")
         if whole.total <= budget:
             confirmed.append(Candidate(c.settings, whole))
     confirmed.sort(key=lambda c: -c.tokens_per_s)

@@ -40,7 +40,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from hyperparallel.train.device_model import MATMUL_EFFICIENCY, DeviceModel
+from hyperparallel.train.device_model import DeviceModel
 
 COLLECTIVE_STEPS = {"all_gather": lambda w: w - 1, "reduce_scatter": lambda w: w - 1,
                     "all_reduce": lambda w: 2 * (w - 1), "all_to_all": lambda w: w - 1}
@@ -53,7 +53,7 @@ class Collective:
     all-reduce: the tensor; all-to-all: all the rows this rank sends and keeps)."""
 
     name: str
-    dimension: str  # dp_shard | dp_replicate | tp | cp | ep | world
+    dimension: str  # dp_shard (FSDP's group, or DDP's ranks) | dp_replicate | tp | cp | ep
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
     ranks: int
     nbytes: int
@@ -150,8 +150,10 @@ class OpCosts:
         for flops, nbytes, dtype, attention in self.ops:
             if attention:
                 rate = device.matmul_flops["attention"]
+            elif mx:
+                rate = device.matmul_flops["mx"]
             else:
-                rate = device.matmul_flops["mx"] if mx and flops else device.flops_for(dtype)
+                rate = device.flops_for(dtype)
             roofline = max(flops / rate if flops else 0.0, nbytes / memory)
             if attention:
                 roofline *= attention_factor
@@ -219,6 +221,5 @@ def predict(*, device: DeviceModel, ops: OpCosts, accumulation: int, collectives
                  + optimizer_ops * device.op_floor_s)
     step = compute + sum(exposed.values()) + optimizer
     tokens_per_s = tokens_per_step / step if step else math.inf
-    peak = device.flops_for("bfloat16") / (MATMUL_EFFICIENCY if device.name != "cpu" else 1.0)
-    mfu = model_flops_per_token * tokens_per_s / (world * peak) if peak else 0.0
+    mfu = model_flops_per_token * tokens_per_s / (world * device.peak_bf16_flops)
     return StepTime(device.name, step, compute, exposed, optimizer, comm, tokens_per_s, mfu, device.source)
