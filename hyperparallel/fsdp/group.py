@@ -8,13 +8,17 @@ reduce-scatter (sum, then a divide by gradient_divide_factor: gloo's AVG is unre
 each rank keeps its valid rows as its shards' `.grad`. Every copy is one foreach op over the
 whole group, over views made once ([Note: views made once per group], collectives.py).
 
+[Note: settled in backward's order] A group's reduce-scatter is settled (waited, its input, the
+layer's whole gradients, freed, its output divided and landed in the shards' grads) when the
+next group of the same root launches its own (its reduce-scatter has had a block's backward to
+finish; `PrefetchSchedule.chain_reduce`), or at the end of backward for the last: no rank holds
+more than a layer or two of whole gradients at once, whatever the model's depth.
+
 [Note: HSDP gradients] With a replicate group (HSDP), the same shards live on one rank of each
 replica. A group's gradients are reduce-scattered within its shard group, divided once by
 gradient_divide_factor (every replica's ranks: the shard group's size x the replicas'), then
-summed across the replicas by one all-reduce of the reduce-scatter's output, in place. The
-all-reduce is launched when the next group of the same root launches its reduce-scatter (its
-own reduce-scatter has had a block's backward to finish; `PrefetchSchedule.chain_all_reduce`),
-or at the end of backward for the last; so it overlaps the rest of backward. Launch points are
+summed across the replicas by one all-reduce of the reduce-scatter's output, in place, launched
+when the reduce-scatter is settled (above): so it overlaps the rest of backward. Launch points are
 fixed by the order of backward, never by timing, so every replica issues the all-reduces in one
 order. The wait before it is a stream wait on CUDA (no host sync); on the CPU it blocks until
 the reduce-scatter, which a block's backward has usually outlasted, is done.
@@ -291,37 +295,33 @@ class FSDPGroup:
         # (a fresh output every time: the shards' grads are views of it until the optimizer is done)
         out = torch.empty(layout.slot, dtype=reduce_dtype, device=ref.device)
         self._reduce = (reduce_scatter(out, flat, self.group), out)
-        if self.replicate_group is not None and self.schedule is not None:
-            self.schedule.chain_all_reduce(self)
+        if self.schedule is not None:
+            self.schedule.chain_reduce(self)
 
-    def start_all_reduce(self) -> None:
-        """HSDP, once the reduce-scatter is done: its output divided and launched into the sum
-        across the replicas ([Note: HSDP gradients]); a no-op without a reduce-scatter in flight."""
+    def settle_reduce_scatter(self) -> None:
+        """Once the reduce-scatter is done: its input freed (a whole layer's gradients: no rank
+        keeps them past the next group's backward), its output divided and landed in the shards'
+        grads, or with HSDP launched into the sum across the replicas ([Note: HSDP gradients]);
+        a no-op without a reduce-scatter in flight."""
         if self._reduce is None:
             return
         work, out = self._reduce
         self._reduce = None
         work.wait()
-        self._reduce_views.flat.free()  # (the reduce-scatter's input: done with)
+        self._reduce_views.flat.free()
         out.div_(self.gradient_divide_factor)
-        self._all_reduce = (all_reduce(out, self.replicate_group), out)
+        if self.replicate_group is not None:
+            self._all_reduce = (all_reduce(out, self.replicate_group), out)
+        else:
+            self._land_grads(out)
 
     def _finish_reduce(self) -> None:
-        if self.replicate_group is not None:
-            self.start_all_reduce()  # (unless the next group's reduce-scatter launched it)
-            if self._all_reduce is None:
-                return
+        self.settle_reduce_scatter()  # (unless the next group's reduce-scatter settled it)
+        if self._all_reduce is not None:
             work, out = self._all_reduce
             self._all_reduce = None
             work.wait()
-        else:
-            if self._reduce is None:
-                return
-            work, out = self._reduce
-            self._reduce = None
-            work.wait()
-            out.div_(self.gradient_divide_factor)
-        self._land_grads(out)
+            self._land_grads(out)
 
     def _land_grads(self, out: torch.Tensor) -> None:
         """The reduced gradients into the shards' `.grad` (views of `out`, or added to what is there)."""

@@ -23,7 +23,7 @@ class PrefetchSchedule:
         self.order: list[FSDPGroup] = []
         self.position: dict[int, int] = {}
         self.recording = True
-        self.reducing: FSDPGroup | None = None  # HSDP: the last group whose reduce-scatter was launched
+        self.reducing: FSDPGroup | None = None  # the last group whose reduce-scatter was launched
         for g in groups:  # an outer root takes over the schedule of an inner one
             g.schedule = self
 
@@ -44,13 +44,14 @@ class PrefetchSchedule:
     def end_forward(self) -> None:
         self.recording = False
 
-    def chain_all_reduce(self, group: FSDPGroup) -> None:
+    def chain_reduce(self, group: FSDPGroup) -> None:
         """`group` launched its reduce-scatter: the group before it, whose reduce-scatter has had
-        that group's backward to finish, launches its all-reduce across the replicas
-        ([Note: HSDP gradients], group.py). In backward's order: the same on every replica."""
+        that group's backward to finish, settles its own ([Note: settled in backward's order],
+        group.py; with HSDP it launches its all-reduce across the replicas). In backward's order:
+        the same on every rank."""
         before, self.reducing = self.reducing, group
         if before is not None and before is not group:
-            before.start_all_reduce()
+            before.settle_reduce_scatter()
 
     def on_backward(self, group: FSDPGroup) -> None:
         i = self.position.get(id(group))

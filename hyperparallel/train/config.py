@@ -188,6 +188,11 @@ class ParallelSection(Section):
     cp: int = Field(1, ge=1)
     cp_mode: choice(CP_MODES) = "ring"
     recompute: choice(RECOMPUTE_MODES) = "off"
+    # with gradient accumulation, sharded runs keep each micro-batch's gradients whole until the
+    # step's last (one reduce-scatter a step); true reduce-scatters every micro-batch's into the
+    # shards instead: accumulation times the reduce-scatters, no rank ever holding whole gradients
+    # (what a model too large for one rank's whole gradients needs)
+    sync_every_micro_batch: bool = False
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -147,7 +147,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                   f"optimizer state are resharded; RNG states start from training.seed")
 
     step_fn = TrainStep(built, optimizer, scheduler, accumulation=accumulation, world=rt.world, device=rt.device,
-                        autocast_bf16=autocast_bf16, max_grad_norm=cfg.training.max_grad_norm)
+                        autocast_bf16=autocast_bf16, max_grad_norm=cfg.training.max_grad_norm,
+                        sync_every_micro_batch=cfg.parallel.sync_every_micro_batch)
     checkpointer = Checkpointer(ckpt_root, every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                                 background=cfg.checkpoint.async_, is_main=rt.is_main,
                                 background_group=background_group(timeout_s) if cfg.checkpoint.async_ else None)

@@ -21,9 +21,10 @@ recording gives the same bytes, tested). From that timeline:
   geometry (`shard_ranges`, `padded_rows`); during a micro-batch the root's full parameters, a
   layer's full parameters from its forward to its end and again in its backward, the next
   group's all-gather buffers (prefetched), the unsharded gradients of the groups still in
-  backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole), and
-  for every finished group its reduce-scatter input ([ranks x slot]; fsdp waits for them all at
-  the end of backward, and gloo works on a copy of it) and output (the gradient shard);
+  backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole, unless
+  parallel.sync_every_micro_batch), the reduce-scatter input of the group that finished last
+  ([ranks x slot]; fsdp frees it when the next group launches its own, and gloo works on a copy
+  of it), and every finished group's output (the gradient shard);
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
   buffers (clipping, fsdp's or torch's, makes foreach norms only).
 
@@ -563,12 +564,13 @@ def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[in
 
 
 def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulation: int, grads_whole: int,
-          reduce_copies: int = 1):
+          reduce_copies: int = 1, sync_every: bool = False):
     """(activations, buffers, the largest sum of activations, buffers and gradients) over the timeline.
 
     `groups` None: replicated, gradients as the timeline has them (all of `grads_whole` from the
     start when the step accumulates). Else FSDP over `world` ranks, as the module's note says, with
-    `reduce_copies` copies of each reduce-scatter input alive until backward ends.
+    `reduce_copies` copies of the last finished group's reduce-scatter input alive; with
+    `sync_every`, every micro-batch's gradients reduced into the shards (none kept whole).
     """
     events, grad_serial = timeline.events, timeline.grad_serial
     alloc_bytes: dict[int, int] = {}
@@ -604,8 +606,12 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
     regather_at = {i: (done_at[i + 1] if i + 1 < n_layers else backward_at) for i in range(n_layers)}
     in_forward: set[int] = set()
     finished: set[int] = set()
+    settling: list[int] = []  # the finished groups, in the order they finished
     new_grads = [0] * len(groups)  # unsharded gradients backward has made so far, per group
-    accumulated = [group.full if accumulation > 1 else 0 for group in groups]  # no_sync's whole gradients
+    keep_whole = accumulation > 1 and not sync_every  # no_sync: every micro-batch's whole gradients kept
+    accumulated = [group.full if keep_whole else 0 for group in groups]
+    # reduced every micro-batch: the gradient shards of the micro-batches before, from the start
+    carried = sum(group.slot for group in groups if group.trainable) if accumulation > 1 and sync_every else 0
     unfinished_grads = sum(accumulated)  # new and accumulated gradients of the groups still in backward
 
     def arrange(position: int) -> tuple[int, int]:
@@ -616,7 +622,9 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
             following = i + 1 if i in in_forward else i - 1
             if 0 <= following < n_layers:
                 prefetch = max(prefetch, groups[following].slot + groups[following].gathered)
-        reduce_inputs = sum(reduce_copies * groups[g].gathered for g in finished)
+        # the reduce-scatter input of the group that finished last (fsdp settles a group's when the
+        # next launches its own: [Note: settled in backward's order])
+        reduce_inputs = reduce_copies * groups[settling[-1]].gathered if settling else 0
         return full + prefetch + reduce_inputs, sum(groups[g].slot for g in finished)
 
     layout, shards = arrange(0)  # full parameters, prefetch and reduce-scatter inputs; the gradient shards so far
@@ -642,13 +650,14 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
                 in_forward.discard(index)
             for g in range(len(groups)):
                 if g not in finished and position >= done_at[g]:
-                    finished.add(g)  # its unsharded gradients go, its reduce-scatter buffers come
+                    finished.add(g)
+                    settling.append(g)  # its unsharded gradients go, its reduce-scatter buffers come
                     unfinished_grads -= new_grads[g] + accumulated[g]
             layout, shards = arrange(position)
         buffers = layout + unfinished_grads
         best_activations = max(best_activations, nongrad)
         best_buffers = max(best_buffers, buffers)
-        best_sum = max(best_sum, nongrad + buffers + shards)
+        best_sum = max(best_sum, nongrad + buffers + max(shards, carried))
     return best_activations, best_buffers, best_sum
 
 
@@ -726,9 +735,10 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         grads = sum(g.slot for g in groups if g.trainable)
         # [Note: gloo's reduce-scatter] ProcessGroupGloo reduce-scatters a clone of its input
         # (measured: an aten::clone of [ranks x slot] inside c10d::_reduce_scatter_base_), which
-        # the work holds, and fsdp holds the works until backward ends: two copies on the CPU
+        # the work holds until fsdp settles it (the next group's reduce-scatter): two copies on the CPU
         copies = 1 if on_gpu else 2
-        activations, buffers, peak = _peak(timeline, groups, layout.fsdp, accumulation, grads_whole, copies)
+        activations, buffers, peak = _peak(timeline, groups, layout.fsdp, accumulation, grads_whole, copies,
+                                           cfg.parallel.sync_every_micro_batch)
         muon_sent, muon_buffers = _muon_exchange(matrices, rank)
         geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
         description = f"sharded ({layout.describe()}; {geometry})"
@@ -853,13 +863,14 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
         n_layers = len(groups) - 1
         for g, group in enumerate(groups):
             gathers = accumulation * (2 if g < n_layers else 1)  # a layer again in backward; the root once
+            reduces = accumulation if p.sync_every_micro_batch else 1
             for world, slot in group.parts.items():
                 spans = fsdp_spans if world == layout.fsdp else expert_shard_spans
                 out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, slot, gathers, spans, "beside"))
                 if group.trainable:
-                    out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, slot, 1, spans,
-                                          "beside"))
-                    out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, slot, 1,
+                    out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, slot, reduces,
+                                          spans, "beside"))
+                    out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, slot, reduces,
                                           spans_nodes(S * C * T, R, ranks_per_node), "beside"))
         if muon_sent:
             out.append(Collective("muon_all_to_all", "dp_shard", "all_to_all", layout.fsdp,

@@ -7,7 +7,8 @@ rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refus
 dp_replicate x dp_shard splits whose shard groups are whole machines (or every data-parallel
 rank), ep (MoE models: powers of two dividing dp_shard x cp, up to the experts); for each, the
 largest micro-batch (a power of two dividing each replica's rows) that fits with recompute off,
-then selective, then full (stopping at the first that fits the largest micro-batch: more
+then selective, then full (a micro-batch that accumulates and does not fit keeping its whole
+gradients is tried again with parallel.sync_every_micro_batch) (stopping at the first that fits the largest micro-batch: more
 recompute at the same micro-batch is only slower). A layout fits when its plan's total is at most
 the device's memory less HEADROOM (the CUDA context, the allocator's fragmentation, NCCL's
 buffers).
@@ -159,6 +160,10 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
             for micro in micros:
                 settings = {**mesh, "parallel.recompute": recompute, "training.micro_batch": micro}
                 planned = screen(settings)
+                if (planned is not None and planned.total > budget and planned.accumulation > 1
+                        and not cfg.parallel.sync_every_micro_batch):  # whole gradients kept: reduce each instead
+                    settings["parallel.sync_every_micro_batch"] = True
+                    planned = screen(settings)
                 if planned is None or planned.total > budget:
                     break
                 best = Candidate(settings, planned)

@@ -47,20 +47,23 @@ class StepResult:
 
 class TrainStep:
     def __init__(self, built: BuiltModel, optimizer, scheduler, *, accumulation: int, world: int,
-                 device: torch.device, autocast_bf16: bool, max_grad_norm: float | None):
+                 device: torch.device, autocast_bf16: bool, max_grad_norm: float | None,
+                 sync_every_micro_batch: bool = False):
         self.built, self.optimizer, self.scheduler = built, optimizer, scheduler
         self.accumulation, self.world, self.device = accumulation, world, device
         self.autocast_bf16 = autocast_bf16
         self.max_norm = max_grad_norm or math.inf
+        self.sync_every_micro_batch = sync_every_micro_batch  # (parallel.sync_every_micro_batch; sharded runs)
         self.params = [p for p in built.model.parameters() if p.requires_grad]
         # (by parameter name, which sharding and checkpoint loads keep: made once)
         self.replicas = grad_replicas(built.model)
 
     def _sync(self, last_micro: bool):
-        """Gradients are reduced over the ranks on the step's last micro-batch only."""
+        """Gradients are reduced over the ranks on the step's last micro-batch only (sharded, with
+        sync_every_micro_batch: on every one, into the shards' gradients)."""
         model, trained = self.built.model, self.built.trained
         if self.built.sharded:
-            fsdp.set_requires_gradient_sync(model, last_micro)
+            fsdp.set_requires_gradient_sync(model, last_micro or self.sync_every_micro_batch)
             return nullcontext()
         if self.world > 1 and not last_micro:
             return trained.no_sync()

@@ -295,7 +295,7 @@ def run_hsdp(rank: int, world: int) -> dict:
     names = {id(getattr(model, _GROUP)): "root"}
     names.update({id(getattr(layer, _GROUP)): f"layer{i}" for i, layer in enumerate(model.layers)})
     log: list[tuple[str, str]] = []
-    reduce, all_reduce = FSDPGroup._start_reduce, FSDPGroup.start_all_reduce
+    reduce, all_reduce = FSDPGroup._start_reduce, FSDPGroup.settle_reduce_scatter
 
     def logged_reduce(group):
         log.append(("reduce-scatter", names[id(group)]))
@@ -306,14 +306,14 @@ def run_hsdp(rank: int, world: int) -> dict:
             log.append(("all-reduce", names[id(group)]))
         all_reduce(group)
 
-    FSDPGroup._start_reduce, FSDPGroup.start_all_reduce = logged_reduce, logged_all_reduce
+    FSDPGroup._start_reduce, FSDPGroup.settle_reduce_scatter = logged_reduce, logged_all_reduce
     try:
         for step in range(2):
             log.clear()
             x, y = micro_batch(step, 0)
             torch.nn.functional.mse_loss(model(x), y).backward()
     finally:
-        FSDPGroup._start_reduce, FSDPGroup.start_all_reduce = reduce, all_reduce
+        FSDPGroup._start_reduce, FSDPGroup.settle_reduce_scatter = reduce, all_reduce
     results["schedule"] = log
     return results
 

@@ -101,6 +101,10 @@ LAYOUTS = {
                              {}),
     # pure replication with TP: shard groups of one rank (each replica holds whole TP-local weights)
     "qwen3_hsdp2_tp2": ("qwen3", {"dp_replicate": 2, "tp": 2}, {}),
+    # two micro-batches a step, each one's gradients reduce-scattered (and all-reduced across the
+    # replicas) into the shards, added there: no rank keeps whole gradients between them
+    "qwen3_hsdp2x2_sync_every": ("qwen3", {"dp_replicate": 2, "dp_shard": 2, "sync_every_micro_batch": True},
+                                 {"accumulate": 2}),
 }
 # MXFP8 rounds each element to 3 mantissa bits: the layouts' float32 sums in another order (1e-7
 # apart) are the same FP8 values until one element sits on a rounding boundary and moves by an
@@ -126,7 +130,8 @@ def config(layout: str | None, model: str | None = None) -> TrainConfig:
            "parallel": parallel, "moe": other.get("moe", {}), "low_precision": low_precision}
     cfg = TrainConfig.model_validate(raw)
     data_ranks = 4 // cfg.parallel.model_parallel() if layout else 1  # dp_replicate x dp_shard
-    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": ROWS // data_ranks})})
+    micro = ROWS // data_ranks // other.get("accumulate", 1)
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"micro_batch": micro})})
 
 
 def sequences(vocab: int, packed: bool) -> torch.Tensor:
@@ -197,7 +202,8 @@ def train(cfg: TrainConfig, rt: Runtime, vocab: int, layout: str | None, save: P
     grads: list[dict] = []
     optimizer.register_step_pre_hook(lambda *_: grads.append(whole(built.model)))
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world, device=rt.device,
-                     autocast_bf16=False, max_grad_norm=cfg.training.max_grad_norm)
+                     autocast_bf16=False, max_grad_norm=cfg.training.max_grad_norm,
+                     sync_every_micro_batch=cfg.parallel.sync_every_micro_batch)
     losses = []
     for i in range(STEPS):
         result = step(batches.micro_batches(i))

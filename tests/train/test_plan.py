@@ -359,3 +359,16 @@ def test_tp_collectives_per_block(family, blocks):
     layers, hidden = cfg.model.config["num_hidden_layers"], cfg.model.config["hidden_size"]
     act = cfg.training.micro_batch * cfg.data.seq_len * hidden * 4  # float32
     assert plan.comm["tp_all_reduce"] == plan.accumulation * layers * blocks * 2 * act
+
+
+def test_sync_every_micro_batch_keeps_no_whole_gradients():
+    """Accumulating, fsdp keeps every micro-batch's whole gradients until the step's last; with
+    parallel.sync_every_micro_batch it reduce-scatters each micro-batch's into the shards."""
+    cfg = tiny(parallel={"dp_shard": 2}, training={"micro_batch": 1, "global_batch": 4})
+    kept = planning.plan(cfg, 2, runtime=0)
+    synced = planning.plan(cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+        update={"sync_every_micro_batch": True})}), 2, runtime=0)
+    assert kept.accumulation == 2
+    whole = nbytes(planning.meta_model(cfg).parameters())
+    assert kept.buffers - synced.buffers >= 0.75 * whole  # measured: 0.81 of the whole gradients
+    assert synced.comm["fsdp_reduce_scatter"] == 2 * kept.comm["fsdp_reduce_scatter"]
