@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2": (2, {"tp": 2}),
     "dp_shard4": (4, {"dp_shard": 4}),
     "tp2_dp2": (4, {"tp": 2, "dp_shard": 2}),
+    "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "ep2_dp4": (4, {"dp_shard": 4, "ep": 2}),
     "cp2_dp2": (4, {"cp": 2, "dp_shard": 2}),
 }

@@ -790,6 +790,10 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if layout.tp > 1 and cfg.parallel.sequence_parallel:
         unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
                            "every tp rank: an overestimate)")
+    if on_gpu and device.type == "cpu":
+        unaccounted.append("attention as the CPU runs it (simulated here): where SDPA has no fused CPU kernel "
+                           "(unequal query and value head dims: DeepSeek's MLA) its math path keeps the score "
+                           "matrices a GPU's memory-efficient kernel does not (an overestimate)")
     if layout.ep > 1:
         unaccounted.append("expert parallelism: routing planned uniform (each rank receives its own tokens' share); "
                            "an imbalanced layer receives more")

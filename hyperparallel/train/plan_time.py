@@ -18,7 +18,8 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
 - what is exposed: tensor parallelism's, context parallelism's and the sequential expert
   dispatch's collectives sit on the critical path. FSDP's all-gathers (prefetched) and
   reduce-scatters, HSDP's and DDP's all-reduces run beside the step's compute on a GPU: exposed is
-  the first layer's gather and the last reduce, or what exceeds the compute. MegaMoE's layers are
+  the first layer's gather and the last reduce, or what exceeds the compute (not hidden behind the
+  critical path's collectives, which use the same links). MegaMoE's layers are
   simulated as task graphs (`multicore.simulate`, the trainer's own wave graphs) with this
   device's costs, and only their exposed communication counts. On the CPU nothing overlaps (gloo
   works on the ranks' own cores).
@@ -212,8 +213,8 @@ def predict(*, device: DeviceModel, ops: OpCosts, accumulation: int, collectives
         last = sum(max((c.seconds(device) / c.calls for c in overlapping if c.kind == kind), default=0.0)
                    for kind in ("reduce_scatter", "all_reduce"))
         edges = first + last
-        hidden_behind = compute + sum(critical.values())
-        waiting = max(min(edges, total), total - hidden_behind)
+        # (behind the compute only: the critical path's collectives use the same links)
+        waiting = max(min(edges, total), total - compute)
         for dim, group in beside.items():  # shared out in proportion to each dimension's time
             share = sum(c.seconds(device) for c in group) / total if total else 0.0
             exposed[dim] = exposed.get(dim, 0.0) + waiting * share
