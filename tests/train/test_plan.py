@@ -345,7 +345,7 @@ def test_qwen3_30b_a3b_on_64_h200s_is_planned_without_launching():
     plan = planning.plan(cfg, 64, device_model=device_model("h200"))
     assert 30.4e9 < plan.n_params < 30.6e9
     even = plan.n_params * 4 / 64  # float32 parameters split evenly
-    assert abs(plan.params - even) <= 0.1 * even  # measured: 1.004
+    assert abs(plan.params - even) <= 0.1 * even  # measured: equal (every row count divides here)
     assert plan.time.predicted_step_s > 0 and 0 < plan.time.mfu < 1 and plan.device == "h200"
 
 
