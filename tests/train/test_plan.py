@@ -325,16 +325,19 @@ def test_search_ranks_the_layouts_that_fit():
         layout = from_mapping(apply_overrides(raw, c.set_lines().replace("--set ", "").split()))
         again = planning.plan(layout, 4, device_model=device)
         assert (again.total, again.time) == (c.plan.total, c.plan.time)
-    # a device with room for dp_shard=4's recompute full but not its recompute off
+    # a device with room for dp_shard=4's recompute full but not its recompute off (accumulating
+    # 2 micro-batches of 1, whole gradients kept between them): every layout found fits, and
+    # dp_shard=4 with recompute off only reducing every micro-batch's gradients
     plans = {mode: planning.plan(tiny(training={"global_batch": 8, "micro_batch": 1},
                                       parallel={"dp_shard": 4, "recompute": mode}), 4, device_model=device)
              for mode in ("off", "full")}
-    assert plans["full"].total < plans["off"].total
+    assert plans["full"].total < plans["off"].total and plans["off"].accumulation == 2
     small = replace(device, memory_bytes=int((plans["off"].total + plans["full"].total) / 2 / 0.9))
     found = search(cfg, 4, small, top=10)
     assert found and all(c.plan.total <= 0.9 * small.memory_bytes for c in found)
-    assert not any(c.settings["parallel.dp_shard"] == 4 and c.settings["parallel.ep"] == 1 and
-                   c.settings["parallel.recompute"] == "off" for c in found)
+    off = [c.settings for c in found if (c.settings["parallel.dp_shard"], c.settings["parallel.ep"],
+                                         c.settings["parallel.recompute"]) == (4, 1, "off")]
+    assert off and all(settings.get("parallel.sync_every_micro_batch") for settings in off), off
 
 
 def test_qwen3_30b_a3b_on_64_h200s_is_planned_without_launching():
