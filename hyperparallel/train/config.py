@@ -190,8 +190,8 @@ class ParallelSection(Section):
     recompute: choice(RECOMPUTE_MODES) = "off"
     # with gradient accumulation, sharded runs keep each micro-batch's gradients whole until the
     # step's last (one reduce-scatter a step); true reduce-scatters every micro-batch's into the
-    # shards instead: accumulation times the reduce-scatters, no rank ever holding whole gradients
-    # (what a model too large for one rank's whole gradients needs)
+    # shards instead: accumulation times the reduce-scatters, no rank keeping the model's whole
+    # gradients between micro-batches (what a model too large for them needs); sharded runs only
     sync_every_micro_batch: bool = False
 
     @field_validator("recompute", mode="before")

@@ -22,9 +22,9 @@ recording gives the same bytes, tested). From that timeline:
   layer's full parameters from its forward to its end and again in its backward, the next
   group's all-gather buffers (prefetched), the unsharded gradients of the groups still in
   backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole, unless
-  parallel.sync_every_micro_batch), the reduce-scatter input of the group that finished last
-  ([ranks x slot]; fsdp frees it when the next group launches its own, and gloo works on a copy
-  of it), and every finished group's output (the gradient shard);
+  parallel.sync_every_micro_batch), the reduce-scatter inputs of the two groups that finished
+  last ([ranks x slot]; fsdp frees one when the next group has launched its own, and gloo works
+  on a copy of it), and every finished group's output (the gradient shard);
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
   buffers (clipping, fsdp's or torch's, makes foreach norms only).
 
@@ -564,13 +564,14 @@ def _optimizer_step_transient(cfg: TrainConfig, model: nn.Module, shard: dict[in
 
 
 def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulation: int, grads_whole: int,
-          reduce_copies: int = 1, sync_every: bool = False):
+          reduce_copies: int = 1, sync_every: bool = False, replicated: bool = False):
     """(activations, buffers, the largest sum of activations, buffers and gradients) over the timeline.
 
     `groups` None: replicated, gradients as the timeline has them (all of `grads_whole` from the
     start when the step accumulates). Else FSDP over `world` ranks, as the module's note says, with
-    `reduce_copies` copies of the last finished group's reduce-scatter input alive; with
-    `sync_every`, every micro-batch's gradients reduced into the shards (none kept whole).
+    `reduce_copies` copies of the last two finished groups' reduce-scatter inputs alive; with
+    `sync_every`, every micro-batch's gradients reduced into the shards (none kept whole), which
+    with HSDP (`replicated`) land when backward ends, beside the earlier micro-batches' shards.
     """
     events, grad_serial = timeline.events, timeline.grad_serial
     alloc_bytes: dict[int, int] = {}
@@ -624,7 +625,8 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
                 prefetch = max(prefetch, groups[following].slot + groups[following].gathered)
         # the reduce-scatter input of the group that finished last (fsdp settles a group's when the
         # next launches its own: [Note: settled in backward's order])
-        reduce_inputs = reduce_copies * groups[settling[-1]].gathered if settling else 0
+        # (the previous one's is freed only after this one's is made and launched)
+        reduce_inputs = reduce_copies * sum(groups[g].gathered for g in settling[-2:])
         return full + prefetch + reduce_inputs, sum(groups[g].slot for g in finished)
 
     layout, shards = arrange(0)  # full parameters, prefetch and reduce-scatter inputs; the gradient shards so far
@@ -657,7 +659,7 @@ def _peak(timeline: Timeline, groups: list[_Group] | None, world: int, accumulat
         buffers = layout + unfinished_grads
         best_activations = max(best_activations, nongrad)
         best_buffers = max(best_buffers, buffers)
-        best_sum = max(best_sum, nongrad + buffers + max(shards, carried))
+        best_sum = max(best_sum, nongrad + buffers + (carried + shards if replicated else max(shards, carried)))
     return best_activations, best_buffers, best_sum
 
 
@@ -738,7 +740,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         # the work holds until fsdp settles it (the next group's reduce-scatter): two copies on the CPU
         copies = 1 if on_gpu else 2
         activations, buffers, peak = _peak(timeline, groups, layout.fsdp, accumulation, grads_whole, copies,
-                                           cfg.parallel.sync_every_micro_batch)
+                                           cfg.parallel.sync_every_micro_batch, layout.dp_replicate > 1)
         muon_sent, muon_buffers = _muon_exchange(matrices, rank)
         geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
         description = f"sharded ({layout.describe()}; {geometry})"

@@ -7,11 +7,11 @@ rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refus
 dp_replicate x dp_shard splits whose shard groups are whole machines (or every data-parallel
 rank), ep (MoE models: powers of two dividing dp_shard x cp, up to the experts); for each, the
 largest micro-batch (a power of two dividing each replica's rows) that fits with recompute off,
-then selective, then full (a micro-batch that accumulates and does not fit keeping its whole
-gradients is tried again with parallel.sync_every_micro_batch) (stopping at the first that fits the largest micro-batch: more
-recompute at the same micro-batch is only slower). A layout fits when its plan's total is at most
-the device's memory less HEADROOM (the CUDA context, the allocator's fragmentation, NCCL's
-buffers).
+then selective, then full, stopping at the first that fits the largest micro-batch (more
+recompute at the same micro-batch is only slower); a micro-batch that accumulates and does not
+fit keeping its whole gradients is tried again with parallel.sync_every_micro_batch. A layout
+fits when its plan's total is at most the device's memory less HEADROOM (the CUDA context, the
+allocator's fragmentation, NCCL's buffers).
 
 Each is screened on plans of the model's first few layers (`plan(layers=...)` at two depths,
 every figure extrapolated linearly to the whole depth), whose micro-batches are simulated once

@@ -101,6 +101,10 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     if tp > 1 and cp > 1:
         problems.append(f"parallel.tp = {tp} with parallel.cp = {cp}: tensor and context parallelism together are not "
                         f"supported yet; use one of them (with dp_shard)")
+    if p.sync_every_micro_batch and not (p.dp_replicate > 1 or dp_shard > 1 or tp * cp > 1):
+        problems.append("parallel.sync_every_micro_batch reduce-scatters each micro-batch's gradients into FSDP's "
+                        "shards, and this layout is not sharded (DDP reduces once a step); set parallel.dp_shard > 1, "
+                        "or sync_every_micro_batch: false")
     if p.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel splits the sequence between tensor-parallel blocks, and "
                         "parallel.tp is 1; set parallel.tp > 1 or sequence_parallel: false")

