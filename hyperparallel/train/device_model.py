@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.train.metrics import GPU_PEAK_BF16_TFLOPS
+from hyperparallel.train.metrics import GPU_PEAK_BF16_TFLOPS, measured_cpu_peak_tflops
 
 
 @dataclass(frozen=True)
@@ -158,11 +158,6 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), 5)
-
-
 def _attention_flops() -> float:
     """Causal flash attention's FLOP/s, forward and backward, at a middling shape (512 tokens, 8
     heads of 64; the CPU's fused kernel is a third to a half of the matmul rate)."""
@@ -206,12 +201,12 @@ def _op_floor_s(count: int = 500) -> float:
 def _gloo_link(nbytes: int = 8 * 2**20) -> tuple[float, float]:
     """(bytes/s, seconds per ring step) of gloo between two ranks of this machine: two gloo groups
     in two threads of this process, one all-reduce of one element and one of `nbytes`."""
-    store = dist_store()
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    store = HashStore()
     results: dict[int, tuple[float, float]] = {}
 
     def rank(r: int) -> None:
-        from torch.distributed import ProcessGroupGloo
-
         group = ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
         small, large = torch.ones(1), torch.ones(nbytes // 4)
 
@@ -228,12 +223,6 @@ def _gloo_link(nbytes: int = 8 * 2**20) -> tuple[float, float]:
     small, large = max(r[0] for r in results.values()), max(r[1] for r in results.values())
     latency = small / 2  # two ring steps (reduce-scatter, all-gather) of a 2-rank all-reduce
     return nbytes / max(large - small, 1e-9), latency  # a 2-rank all-reduce sends its bytes once
-
-
-def dist_store():
-    from torch.distributed import HashStore
-
-    return HashStore()
 
 
 _measured: dict[int, DeviceModel] = {}
@@ -253,7 +242,8 @@ def measure_cpu(ranks: int) -> DeviceModel:
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        flops = {"float32": _matmul_flops(torch.float32) * share, "bfloat16": _matmul_flops(torch.bfloat16) * share}
+        # (the trainer's own CPU yardstick for MFU, on one thread)
+        flops = {dtype: measured_cpu_peak_tflops(getattr(torch, dtype)) * 1e12 * share for dtype in ("float32", "bfloat16")}
         flops["mx"] = flops["bfloat16"]  # (the CPU's MX products dequantize to the compute dtype)
         flops["attention"] = _attention_flops() * share
         memory = _memory_bytes_per_s() * share

@@ -63,11 +63,10 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-def layouts(cfg: TrainConfig, world: int, ranks_per_node: int) -> list[dict]:
-    """The mesh shapes of `cfg`'s model over `world` ranks to try (as config settings), without
-    recompute and micro-batch (`search` picks those): shard groups of whole machines, or of every
-    data-parallel rank."""
-    config = meta_model(cfg, layers=1).config
+def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config) -> list[dict]:
+    """The mesh shapes of `cfg`'s model (its HF `config`) over `world` ranks to try (as config
+    settings), without recompute and micro-batch (`search` picks those): shard groups of whole
+    machines, or of every data-parallel rank."""
     heads = config.num_attention_heads
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
     seq = cfg.data.seq_len
@@ -97,11 +96,10 @@ def configured(cfg: TrainConfig, settings: dict) -> TrainConfig:
                                   "training": cfg.training.model_copy(update=training)})
 
 
-def _depths(cfg: TrainConfig) -> tuple[int, int]:
+def _depths(config) -> tuple[int, int]:
     """Two depths to extrapolate from, past the leading dense layers of a MoE model: the second adds
     one layer like most of the model's. Not 1 and 2: FSDP's buffers at the peak hold a layer and its
     neighbours' prefetch, which one layer does not have (measured: linear from 2 on)."""
-    config = meta_model(cfg, layers=1).config
     first = getattr(config, "first_k_dense_replace", 0) or 0
     return first + 2, first + 3
 
@@ -134,7 +132,8 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
     budget = device.memory_bytes * (1 - HEADROOM)
     # the CPU's runtime term measured once, before any plan fills this process
     runtime = 0 if device.name != "cpu" else runtime_bytes(cfg.training.compile)
-    depth, (da, db) = _depth(cfg), _depths(cfg)
+    config = meta_model(cfg, layers=1).config  # (the HF config, its defaults filled in; one layer deep)
+    depth, (da, db) = _depth(cfg), _depths(config)
     simulations: dict = {}
 
     def screen(settings: dict) -> Plan | None:
@@ -151,7 +150,7 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
 
     screened: list[Candidate] = []
-    for mesh in layouts(cfg, world, device.ranks_per_node):
+    for mesh in layouts(cfg, world, device.ranks_per_node, config):
         data_ranks = world // (mesh["parallel.tp"] * mesh["parallel.cp"])  # (each reads its share of a batch)
         rows = cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
         micros = [m for m in _powers_of_two(rows) if rows % m == 0]
