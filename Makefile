@@ -12,7 +12,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 setup: $(STAMP)
 
 # Rebuild when the native sources or the project metadata change.
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h) hyperparallel/fusion/vf_table.txt hyperparallel/fusion/vf_spec.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"

@@ -10,7 +10,10 @@ paths are chosen at run time, never -march=native, every library at the level cs
 decides (hyperparallel.kernels.use_isa).
 """
 
+import importlib.util
 import platform
+import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -23,6 +26,17 @@ class BuildPlainC(build_ext):
         return ext.export_symbols
 
 
+def generate_vf_table():
+    """csrc/generated/dvm_vf_table.h: the DVM's precompiled vector functions, written from
+    hyperparallel/fusion/vf_table.txt by vf_spec.py (standard library only: no torch needed)."""
+    path = Path(__file__).parent / "hyperparallel" / "fusion" / "vf_spec.py"
+    spec = importlib.util.spec_from_file_location("hp_vf_spec", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    module.main([str(module.TABLE), str(Path(__file__).parent / "csrc" / "generated" / "dvm_vf_table.h")])
+
+
 def compile_args():
     args = ["-O3", "-fopenmp", "-std=c11", "-Wall", "-Wextra", "-fno-strict-aliasing"]
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -30,6 +44,7 @@ def compile_args():
     return args
 
 
+generate_vf_table()
 setup(
     ext_modules=[
         Extension(
@@ -44,7 +59,8 @@ setup(
             "hyperparallel._dvm_native",
             sources=["csrc/dvm_vm.c", "csrc/dvm_generic.c", "csrc/dvm_avx2.c", "csrc/dvm_avx512.c"],
             include_dirs=["csrc"],
-            depends=["csrc/dvm_vm.h", "csrc/dvm_kernels.h", "csrc/dvm_math.h", "csrc/hp_isa.h"],
+            depends=["csrc/dvm_vm.h", "csrc/dvm_kernels.h", "csrc/dvm_math.h", "csrc/hp_isa.h",
+                     "csrc/generated/dvm_vf_table.h"],
             # sqrtf without errno is one instruction, and FP operations may be computed ahead of a
             # select (both sides of `c ? a : b`): what lets GCC vectorize the interpreter's loops.
             # Neither changes a result (no -ffast-math).

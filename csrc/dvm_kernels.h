@@ -193,6 +193,22 @@ DVM_INLINE float min_nan(float a, float b) { return (a != a || b != b) ? a + b :
     X(OP_LT, a < b ? 1.0f : 0.0f) X(OP_LE, a <= b ? 1.0f : 0.0f)                               \
     X(OP_EQ, a == b ? 1.0f : 0.0f) X(OP_NE, a != b ? 1.0f : 0.0f)
 
+/* ---------------------------------------------------------------- VFs
+ * The generated vector functions (hyperparallel/fusion/vf_spec.py writes them from
+ * vf_table.txt): each op of a VF is the formula the per-op loops above use, so a VF's results are
+ * bitwise theirs; its values stay in registers from the load of its inputs to its outputs. */
+#define VF_UNARY_FN(OP, EXPR) DVM_INLINE float vf_e_##OP(float x) { return EXPR; }
+UNARY_OPS(VF_UNARY_FN)
+#undef VF_UNARY_FN
+#define VF_BINARY_FN(OP, EXPR) DVM_INLINE float vf_e_##OP(float a, float b) { return EXPR; }
+BINARY_OPS(VF_BINARY_FN)
+#undef VF_BINARY_FN
+DVM_INLINE float vf_e_OP_WHERE(float c, float x, float y) { return c != 0.0f ? x : y; }
+
+#define DVM_VF_BODIES
+#include "generated/dvm_vf_table.h"
+#undef DVM_VF_BODIES
+
 static void sincos_loop(float *d, const float *s, int64_t n, int cos) {
     int slow = 0;
     _Pragma("omp simd reduction(| : slow)")
@@ -552,6 +568,43 @@ static void pf_step(pf_cursor *c) {
     }
 }
 
+/* The VF of instruction I over the tile: one call over the packed tile, or a call per row when an
+ * input is a ROW register (its value is the row's). An output only a STORE reads is computed in
+ * the output's memory where the tile's rows are contiguous there. */
+static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int64_t r0, int64_t c0, int64_t tr,
+                   int64_t tc) {
+    float *o[DVM_VF_MAX_OUTPUTS];
+    const float *x[DVM_VF_MAX_ARGS];
+    int n_out = I->n_vf_out, n_in = I->n_vf_in, per_row = 0;
+    for (int j = 0; j < n_out; j++) {
+        int r = I->vf_regs[j];
+        if (I->vf_direct[j]) {
+            const dvm_tensor *t = &p->out[I->vf_direct[j] - 1];
+            R[r] = tr == 1 || t->rs == tc ? (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4) : S + p->reg_off[r];
+        }
+        o[j] = R[r];
+    }
+    for (int i = 0; i < n_in; i++) {
+        x[i] = R[I->vf_regs[n_out + i]];
+        per_row |= I->vf_kinds[n_out + i] == KIND_ROW;
+    }
+    dvm_vf_fn f = VF_FNS[I->idx];
+    if (!per_row || tr == 1) {
+        f(tr * tc, o, x);
+        return;
+    }
+    for (int64_t i = 0; i < tr; i++) {
+        float *oi[DVM_VF_MAX_OUTPUTS];
+        const float *xi[DVM_VF_MAX_ARGS];
+        for (int j = 0; j < n_out; j++) oi[j] = o[j] + i * tc;
+        for (int m = 0; m < n_in; m++) {
+            int kind = I->vf_kinds[n_out + m];
+            xi[m] = kind == KIND_FULL ? x[m] + i * tc : kind == KIND_ROW ? x[m] + i : x[m];
+        }
+        f(tc, oi, xi);
+    }
+}
+
 /* The program over the tile at (r0, c0) of tr x tc. R: the registers' buffers (S + reg_off),
  * except fp32 LOADs that point into their input; held: what kept registers hold; pf: the
  * prefetching of the next tile, a step per instruction. */
@@ -597,6 +650,7 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         case OP_RMAX:
         case OP_RMIN: reduce_rows(I->op, d, R[I->a], I->ka, tr, tc, p->cols); break;
         case OP_NOP: break;
+        case OP_VF: run_vf(p, I, S, R, r0, c0, tr, tc); break;
         case OP_MUL_MUL: mul_mul(d, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
         case OP_SUM_MUL: sum_mul(d, R[I->a], R[I->b], tr, tc); break;
         case OP_UNARY_MUL:

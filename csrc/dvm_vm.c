@@ -34,6 +34,8 @@
 #endif
 
 #include "dvm_vm.h"
+#define DVM_VF_INFO
+#include "generated/dvm_vf_table.h"
 
 #define PARALLEL_MIN_ELEMS 32768 /* below this, one thread: a parallel region costs microseconds */
 #define STREAM_MIN_BYTES ((int64_t)16 << 20) /* outputs at least this large skip the caches */
@@ -56,7 +58,12 @@ HP_ISA_LIBRARY(dvm)
 
 /* Raised whenever a function's arguments or meaning change (hyperparallel/kernels/native.py
  * VERSIONS); 2: hp_dvm_set_isa's levels are hp_isa.h's (0 generic, 1 AVX2, 2 AVX-512). */
-int hp_dvm_version(void) { return 2; }
+int hp_dvm_version(void) { return 3; }
+
+/* The VF table this library was built with: its size and digest (hyperparallel/fusion/vf_spec.py;
+ * the Python side uses VFs only when its table's digest is this one). */
+int hp_dvm_vf_count(void) { return DVM_VF_COUNT; }
+const char *hp_dvm_vf_digest(void) { return DVM_VF_DIGEST; }
 
 /* The interpreter of the level in force ([Note: one ISA choice]; hp_dvm_set_isa: 0 the portable
  * one, 1 AVX2, 2 AVX-512, each where the processor has it; for tests and benchmarks). */
@@ -100,6 +107,7 @@ const char *hp_dvm_strerror(int code) {
     case DVM_E_COLS: return "row reduction over more columns than the VM's row buffer holds";
     case DVM_E_SHAPE: return "negative size or count";
     case DVM_E_NOMEM: return "out of memory";
+    case DVM_E_VF: return "a VF the library's table does not have, or arguments that do not fit it";
     default: return "unknown error";
     }
 }
@@ -109,8 +117,12 @@ static int is_binary(int op) { return op >= OP_ADD && op <= OP_NE; }
 static int is_reduction(int op) { return op >= OP_RSUM && op <= OP_RMIN; }
 static int widest(int a, int b) { return a < b ? a : b; }
 
-/* The registers a decoded instruction reads (into regs) and writes (-1: none). */
+/* The registers a decoded instruction reads (into regs, DVM_VF_MAX_ARGS of them) and writes. */
 static int operands(const dvm_ins *I, int32_t *regs) {
+    if (I->op == OP_VF) {
+        for (int i = 0; i < I->n_vf_in; i++) regs[i] = I->vf_regs[I->n_vf_out + i];
+        return I->n_vf_in;
+    }
     int op = I->op, n = op == OP_LOAD || op == OP_CONST || op == OP_NOP ? 0
                         : op == OP_STORE || is_unary(op) || is_reduction(op) ? 1
                         : is_binary(op) || op == OP_SUM_MUL || op == OP_UNARY_MUL ? 2 : 3;
@@ -118,7 +130,50 @@ static int operands(const dvm_ins *I, int32_t *regs) {
     return n;
 }
 
-static int written(const dvm_ins *I) { return I->op == OP_STORE || I->op == OP_NOP ? -1 : I->d; }
+static int written(const dvm_ins *I, int32_t *regs) {
+    if (I->op == OP_VF) {
+        for (int j = 0; j < I->n_vf_out; j++) regs[j] = I->vf_regs[j];
+        return I->n_vf_out;
+    }
+    regs[0] = I->d;
+    return I->op == OP_STORE || I->op == OP_NOP ? 0 : 1;
+}
+
+/* Decodes the VF at code word w (instruction k) and its ARG instructions into I and ins[k + 1 ..]
+ * (NOPs); returns the number of ARG instructions, or -1 when they do not fit the table. */
+static int decode_vf(const int32_t *w, int k, int n_instr, const int32_t *kinds, int n_regs, dvm_ins *ins) {
+    dvm_ins *I = &ins[k];
+    int v = w[1], n_args = w[2], n_words = (n_args + 3) / 4;
+    if (v < 0 || v >= DVM_VF_COUNT) return -1;
+    const dvm_vf_info *f = &VF_INFO[v];
+    if (n_args != f->n_out + f->n_in || k + n_words >= n_instr) return -1;
+    I->idx = v;
+    I->n_vf_out = f->n_out;
+    I->n_vf_in = f->n_in;
+    for (int m = 0; m < n_words; m++) {
+        const int32_t *a = w + 5 * (m + 1);
+        if (a[0] != OP_ARG) return -1;
+        for (int i = 0; i < 4; i++) {
+            int j = 4 * m + i;
+            if (j < n_args) {
+                if (a[1 + i] < 0 || a[1 + i] >= n_regs) return -1;
+                I->vf_regs[j] = a[1 + i];
+                I->vf_kinds[j] = (int8_t)kinds[a[1 + i]];
+            } else if (a[1 + i] != 0) {
+                return -1;
+            }
+        }
+        memset(&ins[k + 1 + m], 0, sizeof *I);
+        ins[k + 1 + m].op = OP_NOP;
+    }
+    for (int j = 0; j < n_args; j++) {
+        int want_full = j < f->n_out || f->kinds[j - f->n_out] == 'F';
+        if (want_full != (I->vf_kinds[j] == KIND_FULL)) return -1;
+        for (int i = 0; i < j && j < f->n_out; i++)
+            if (I->vf_regs[i] == I->vf_regs[j]) return -1; /* an output twice */
+    }
+    return n_words;
+}
 
 /* Per thread, kept between calls: OpenMP reuses its threads, so steady state allocates nothing. */
 static _Thread_local float *tl_scratch = 0;
@@ -163,6 +218,24 @@ static int check(const int32_t *code, int n_instr, int n_imms, const int32_t *ki
         I->kd = I->ka = I->kb = I->kc = KIND_SCALAR;
         last_error_instr = k;
         int reads[3], n_reads = 0, writes = 1;
+        if (op == OP_VF) {
+            int n_words = decode_vf(w, k, n_instr, kinds, n_regs, ins);
+            if (n_words < 0) return DVM_E_VF;
+            for (int i = 0; i < I->n_vf_in; i++) {
+                int r = I->vf_regs[I->n_vf_out + i];
+                if (first[r] < 0) return DVM_E_UNDEFINED;
+                end[r] = k;
+            }
+            for (int j = 0; j < I->n_vf_out; j++) {
+                int r = I->vf_regs[j];
+                if (first[r] < 0) first[r] = k;
+                end[r] = k;
+                writes_of[r]++;
+            }
+            I->kd = KIND_FULL;
+            k += n_words;
+            continue;
+        }
         if (op == OP_LOAD || op == OP_CONST) {
             I->idx = w[2];
         } else if (op == OP_STORE) {
@@ -256,24 +329,27 @@ static void assign_slots(const dvm_ins *ins, int n_instr, const int32_t *kinds, 
     int n_free = 0, n_full = 0, n_row = 0, n_scalar = 0, n_dedicated = 0;
     for (int r = 0; r < n_regs; r++) slot[r] = -1;
     for (int k = 0; k < n_instr; k++) {
-        int32_t regs[3];
-        int n_reads = operands(&ins[k], regs), dst = written(&ins[k]);
+        int32_t regs[DVM_VF_MAX_ARGS], dsts[DVM_VF_MAX_OUTPUTS];
+        int n_reads = operands(&ins[k], regs), n_dsts = written(&ins[k], dsts);
         for (int i = 0; i < n_reads; i++) {
-            int r = regs[i];
-            if (kinds[r] == KIND_FULL && end[r] == k && r != dst && slot[r] >= 0 && !dedicated[r]) {
-                int dup = 0; /* the same register twice among the operands */
-                for (int j = 0; j < i; j++) dup |= regs[j] == r;
-                if (!dup) free_slots[n_free++] = (int32_t)slot[r];
+            int r = regs[i], dup = 0; /* the same register twice among the operands, or written here */
+            for (int j = 0; j < i; j++) dup |= regs[j] == r;
+            for (int j = 0; j < n_dsts; j++) dup |= dsts[j] == r;
+            if (kinds[r] == KIND_FULL && end[r] == k && !dup && slot[r] >= 0 && !dedicated[r])
+                free_slots[n_free++] = (int32_t)slot[r];
+        }
+        for (int j = 0; j < n_dsts; j++) {
+            int dst = dsts[j];
+            if (slot[dst] < 0) {
+                if (kinds[dst] == KIND_FULL && dedicated[dst]) slot[dst] = n_dedicated++;
+                else if (kinds[dst] == KIND_FULL) slot[dst] = n_free ? free_slots[--n_free] : n_full++;
+                else if (kinds[dst] == KIND_ROW) slot[dst] = n_row++;
+                else slot[dst] = n_scalar++;
             }
         }
-        if (dst >= 0 && slot[dst] < 0) {
-            if (kinds[dst] == KIND_FULL && dedicated[dst]) slot[dst] = n_dedicated++;
-            else if (kinds[dst] == KIND_FULL) slot[dst] = n_free ? free_slots[--n_free] : n_full++;
-            else if (kinds[dst] == KIND_ROW) slot[dst] = n_row++;
-            else slot[dst] = n_scalar++;
-        }
-        if (dst >= 0 && kinds[dst] == KIND_FULL && end[dst] == k && !dedicated[dst])
-            free_slots[n_free++] = (int32_t)slot[dst];
+        for (int j = 0; j < n_dsts; j++)
+            if (kinds[dsts[j]] == KIND_FULL && end[dsts[j]] == k && !dedicated[dsts[j]])
+                free_slots[n_free++] = (int32_t)slot[dsts[j]];
     }
     n_slots[KIND_FULL] = n_full;
     n_slots[KIND_ROW] = n_row;
@@ -455,17 +531,17 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     int32_t *reads_of = first; /* first[] is done with */
     memset(reads_of, 0, (size_t)n_regs * sizeof(int32_t));
     for (int k = 0; k < n_instr; k++) {
-        int32_t regs[3];
+        int32_t regs[DVM_VF_MAX_ARGS];
         int n = operands(&ins[k], regs);
         for (int i = 0; i < n; i++) reads_of[regs[i]]++;
     }
     if (!(tune_flags & 16)) fuse(ins, n_instr, reads_of);
     for (int r = 0; r < n_regs; r++) end[r] = -1;
     for (int k = 0; k < n_instr; k++) {
-        int32_t regs[3];
-        int n = operands(&ins[k], regs), dst = written(&ins[k]);
+        int32_t regs[DVM_VF_MAX_ARGS], dsts[DVM_VF_MAX_OUTPUTS];
+        int n = operands(&ins[k], regs), n_dsts = written(&ins[k], dsts);
         for (int i = 0; i < n; i++) end[regs[i]] = k;
-        if (dst >= 0) end[dst] = k;
+        for (int j = 0; j < n_dsts; j++) end[dsts[j]] = k;
     }
 
     /* A FULL register loaded from a row-broadcast input (a weight) and written by nothing else
@@ -493,11 +569,17 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         if (writes_of[r] != 1 || reads_of[r] != 1 || t->dtype != DT_F32 || !(t->cs == 1 || cols == 1) || !t->linear ||
             t->stream)
             continue;
-        for (int j = k - 1; j >= 0 && producer < 0; j--)
-            if (written(&ins[j]) == r) producer = j;
+        int out_of_vf = -1; /* which of the producer's outputs, for a VF */
+        for (int j = k - 1; j >= 0 && producer < 0; j--) {
+            int32_t dsts[DVM_VF_MAX_OUTPUTS];
+            int n_dsts = written(&ins[j], dsts);
+            for (int m = 0; m < n_dsts; m++)
+                if (dsts[m] == r) producer = j, out_of_vf = m;
+        }
         if (producer < 0 || ins[producer].op == OP_LOAD || ins[producer].op == OP_CONST) continue;
         if (overlaps(t, in, n_inputs, rows, cols)) continue;
-        ins[producer].direct = S->idx + 1;
+        if (ins[producer].op == OP_VF) ins[producer].vf_direct[out_of_vf] = S->idx + 1;
+        else ins[producer].direct = S->idx + 1;
         S->direct = 1;
     }
 

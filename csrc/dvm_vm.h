@@ -22,12 +22,29 @@ enum {
     OP_NE, /* = 52 */
     OP_WHERE = 60,
     OP_RSUM = 70, OP_RMAX, OP_RMIN,
+    /* a precompiled vector function (VF) of the table (hyperparallel/fusion/vf_table.txt): d = its
+     * index, a = its argument count (outputs, then inputs); the arguments follow as ARG
+     * instructions of four registers each (unused words 0) */
+    OP_VF = 80, OP_ARG = 81,
     /* the VM's own, from pairs of instructions (see fuse() in dvm_vm.c), never in bytecode */
     OP_NOP = 100,
     OP_MUL_MUL = 101, /* d = (a * b) * c */
     OP_SUM_MUL = 102, /* d (ROW) = row sums of a * b */
     OP_UNARY_MUL = 103, /* d = u(a) * b, u the unary opcode in idx */
 };
+
+/* A VF's arguments: at most 4 outputs and 12 inputs (hyperparallel/fusion/vf_spec.py). */
+#define DVM_VF_MAX_OUTPUTS 4
+#define DVM_VF_MAX_ARGS 16
+
+/* A VF: n elements of its FULL outputs o[] from its inputs x[] (a FULL input: n values; a U
+ * input: one value, x[i][0]). An output may share memory with an input element for element. */
+typedef void (*dvm_vf_fn)(int64_t n, float *const *o, const float *const *x);
+
+typedef struct {
+    int n_out, n_in;
+    const char *kinds; /* per input: 'F' (per element) or 'U' (a ROW or SCALAR register) */
+} dvm_vf_info;
 
 enum { KIND_FULL = 0, KIND_ROW = 1, KIND_SCALAR = 2 }; /* a smaller number is a wider kind */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BOOL = 3 }; /* bool: inputs only (0 / 1) */
@@ -46,6 +63,7 @@ enum {
     DVM_E_COLS = 8,      /* a row reduction over more than DVM_MAX_REDUCE_COLS columns */
     DVM_E_SHAPE = 9,     /* negative rows, cols or counts */
     DVM_E_NOMEM = 10,    /* out of memory for the register tiles */
+    DVM_E_VF = 11,       /* a VF the library's table does not have, or arguments that do not fit it */
 };
 
 /* A tile holds whole rows when the program reduces rows, so a row must fit a register buffer
@@ -65,6 +83,11 @@ typedef struct {
     int32_t direct;        /* the producer of a value only a STORE reads: 1 + the output it may
                               compute into (tiles whose rows are contiguous there); STORE: 1 if
                               its value was computed in place so */
+    /* VF: its outputs' and inputs' registers, their kinds, and per output its `direct` */
+    int32_t n_vf_out, n_vf_in;
+    int32_t vf_regs[DVM_VF_MAX_ARGS];
+    int8_t vf_kinds[DVM_VF_MAX_ARGS];
+    int32_t vf_direct[DVM_VF_MAX_OUTPUTS];
 } dvm_ins;
 
 /* A tensor over the rows x cols space. Rows may be nested up to three deep: row r is

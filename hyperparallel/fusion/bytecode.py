@@ -28,6 +28,12 @@ An instruction is 5 int32 words: opcode, dst, a, b, c (unused words are 0).
     binary  dst, a, b
     WHERE   dst, cond=a, x=b, y=c       cond != 0 ? x : y
     RSUM/RMAX/RMIN dst(ROW), a(FULL)    over the whole row (all `cols` columns)
+    VF      index=d, n_args=a           a precompiled vector function of the VF table
+                                        (vf_table.txt, vf_spec.py): its outputs, then its
+    ARG     r0, r1, r2, r3              inputs, four registers per ARG instruction after it
+                                        (unused words 0). Outputs are FULL registers; an input
+                                        is FULL where the table says F, ROW or SCALAR where U.
+                                        Same results as its ops one by one, bit for bit.
 
 Numerics: every operation computes in float32 on float32 registers and does not round in
 between, except ROUND_BF16 / ROUND_F16, which round a float32 value to bf16 / fp16 and back (what
@@ -123,6 +129,9 @@ class Op(IntEnum):
     RSUM = 70
     RMAX = 71
     RMIN = 72
+    # a precompiled vector function and its argument words (vf.py)
+    VF = 80
+    ARG = 81
 
 
 class Kind(IntEnum):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from hyperparallel.fusion import reference
+from hyperparallel.fusion import reference, vf
 from hyperparallel.fusion.bytecode import INPUT_DTYPES, TORCH_DTYPES, DType, Kind, Op, Program
 from hyperparallel.fusion.ops import LOWERINGS, Emitter, Reg
 from hyperparallel.kernels import host_cache
@@ -113,11 +113,13 @@ def lower(sub_gm: GraphModule) -> tuple[Program, list[Kind], list[Kind], tuple]:
                 program.emit(Op.STORE, 0, reg, i)
                 program.output_dtypes.append(TORCH_DTYPES[_val(out).dtype])
                 out_kinds.append(Kind.ROW if program.register_kinds[reg] == Kind.ROW else Kind.FULL)
+    if vf.active():
+        program = vf.apply(program)
     return program, in_kinds, out_kinds, domain
 
 
 def build(sub_gm: GraphModule) -> FusedOp:
-    key = _signature(sub_gm)
+    key = (_signature(sub_gm), vf.active())
     cached = _CACHE.get(key)
     if cached is None:
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperparallel.fusion import vf_spec
 from hyperparallel.fusion.bytecode import WORDS, DType, Kind, Op, Program, nested_strides
 
 _DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
@@ -34,13 +35,31 @@ def _view(t: torch.Tensor, rows: int, cols: int, strides, row_dims) -> torch.Ten
     return torch.as_strided(t, shape, nested_strides(strides, row_dims), t.storage_offset())
 
 
+def _vf(regs: dict, index: int, args: list[int]) -> None:
+    """A VF: its table entry's ops one by one (the VM runs them in registers, bit for bit the same)."""
+    spec = vf_spec.read()[index]
+    n_out = len(spec.outputs)
+    values = [regs[r] for r in args[n_out:]]
+    for name, operands in spec.ops:
+        op, xs = Op[name], [values[v] for v in operands]
+        values.append(_UNARY[op](*xs) if op in _UNARY else _BINARY[op](*xs) if op in _BINARY
+                      else torch.where(xs[0] != 0, xs[1], xs[2]))
+    for reg, v in zip(args[:n_out], spec.outputs, strict=True):
+        regs[reg] = values[v]
+
+
 def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, output_strides, row_dims=(1, 1)) -> None:
     regs: dict[int, torch.Tensor] = {}
     code = program.code
     for i in range(0, len(code), WORDS):
         op, dst, a, b, c = (Op(code[i]), *code[i + 1:i + WORDS])
-        kind = program.register_kinds[dst] if op != Op.STORE else None
-        if op == Op.LOAD:
+        kind = program.register_kinds[dst] if op not in (Op.STORE, Op.ARG, Op.VF) else None
+        if op == Op.ARG:
+            continue  # read with its VF
+        if op == Op.VF:
+            n_words = (a + 3) // 4
+            _vf(regs, dst, [r for j in range(n_words) for r in code[i + WORDS * (j + 1) + 1:i + WORDS * (j + 2)]][:a])
+        elif op == Op.LOAD:
             t = _view(inputs[a], rows, cols, input_strides[a], row_dims).reshape(rows, cols).float()
             regs[dst] = t[:1, :1] if kind == Kind.SCALAR else (t[:, :1] if kind == Kind.ROW else t)
         elif op == Op.CONST:

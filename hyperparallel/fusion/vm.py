@@ -41,6 +41,8 @@ _SIGNATURES = {
     "hp_dvm_tile_elems": ([_I64], _I64),
     "hp_dvm_max_reduce_cols": ([], _I64),
     "hp_dvm_tune": ([_INT], _INT),
+    "hp_dvm_vf_count": ([], _INT),
+    "hp_dvm_vf_digest": ([], ctypes.c_char_p),
 }
 
 

@@ -28,7 +28,7 @@ Signature = tuple[list | None, type | None]
 # against: the C side raises it whenever a function's arguments or meaning change.
 VERSIONS = {
     "hyperparallel._mx_native": ("hp_mx_version", 2),
-    "hyperparallel._dvm_native": ("hp_dvm_version", 2),
+    "hyperparallel._dvm_native": ("hp_dvm_version", 3),
     "hyperparallel._mega_gate_native": ("hp_mega_gate_version", 1),
     "hyperparallel._mega_mhc_native": ("hp_mega_mhc_version", 1),
 }
