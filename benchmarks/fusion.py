@@ -1,12 +1,14 @@
-"""DVM vs eager (decomposed and native ops) vs Inductor on element-wise chains, side by side,
-and the compile time of the trainer's decoder layers.
+"""DVM (with VFs and per-op) vs eager (decomposed and native ops) vs Inductor on element-wise chains,
+side by side, and the compile time of the trainer's decoder layers.
 
-    python benchmarks/fusion.py                          # 16M elements and the trainer's 0.25M / 0.5M
-    python benchmarks/fusion.py --sizes 1024x256 --no-layer
+    python benchmarks/fusion.py                          # 0.25M, 0.5M, 1M and 16M elements
+    python benchmarks/fusion.py --sizes 4096x256 --chains GELU-tanh,SiLU-mul --no-layer
 
-For each chain and size: runtime of the decomposed eager code (what a model's Python says), of
-eager with native fused ops where PyTorch has them (F.silu, F.gelu, F.rms_norm), of torch.compile
-with Inductor and with dvm, each under two memory regimes, every contender under both:
+For each chain (hyperparallel/fusion/vf_chains.py) and size: runtime of the decomposed eager code
+(what a model's Python says), of eager with native fused ops where PyTorch has them (F.silu,
+F.gelu, F.rms_norm, softmax), of torch.compile with Inductor, with dvm's per-op VM
+(HYPERPARALLEL_DVM_VF=0: a pass over the tile per op) and with dvm (VFs: one pass for the ops a
+VF covers), each under two memory regimes, every contender under both:
 - "allocator": outputs from the allocator as it comes (glibc's defaults; dvm's host buffer
   cache off), so a large fresh output costs its page faults;
 - "reused": freed memory kept for the next output: dvm's host buffer cache on, and glibc told
@@ -25,6 +27,7 @@ clustering and bytecode), forward and backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -35,49 +38,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-
-def silu(x):
-    return x * torch.sigmoid(x)
-
-
-def gelu_tanh(x):
-    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-
-
-def swiglu(a, b):
-    return a * torch.sigmoid(a) * b
-
-
-def rmsnorm(x, w):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
-def cast_chain(x):
-    y = x.float()
-    return (torch.tanh(y * 0.5 + 0.1) * y).to(x.dtype)
-
-
-NATIVE = {
-    "SiLU": lambda x: F.silu(x),
-    "GELU-tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "SwiGLU": lambda a, b: F.silu(a) * b,
-    "RMSNorm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6) if hasattr(F, "rms_norm") else rmsnorm(x, w),
-    "cast chain": cast_chain,  # no native op: the same code
-}
-CHAINS = {"SiLU": silu, "GELU-tanh": gelu_tanh, "SwiGLU": swiglu, "RMSNorm": rmsnorm, "cast chain": cast_chain}
-
-
-def inputs(name: str, rows: int, cols: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, cols, generator=g).to(dtype)
-    if name == "SwiGLU":
-        return x, torch.randn(rows, cols, generator=g).to(dtype)
-    if name == "RMSNorm":
-        return x, torch.randn(cols, generator=g).to(dtype)
-    return (x,)
+# the chains of the VF table (hyperparallel/fusion/vf_chains.py) timed here, forward
+BENCH_CHAINS = ["SiLU", "SiLU-mul", "SwiGLU", "GELU-tanh", "GELU-erf", "RMSNorm", "softmax", "rotary", "cast chain"]
 
 
 def median_ms(fn, args, repeat: int) -> float:
@@ -125,12 +88,26 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
+@contextlib.contextmanager
+def vfs(on: bool):
+    """DVM lowers with VFs on or off while inside (HYPERPARALLEL_DVM_VF)."""
+    from hyperparallel.fusion import vf
+
+    old = os.environ.get(vf.ENV)
+    os.environ[vf.ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(vf.ENV) if old is None else os.environ.__setitem__(vf.ENV, old)
+
+
 def chains_table(args) -> dict:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     from hyperparallel.fusion import compile as dvm_compile
     from hyperparallel.fusion.backend import dvm
+    from hyperparallel.fusion.vf_chains import BY_NAME
     from hyperparallel.kernels import host_cache
 
     cache_limit = host_cache.limit()
@@ -143,35 +120,43 @@ def chains_table(args) -> dict:
     for rows, cols in sizes:
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            for name, chain in CHAINS.items():
-                xs = inputs(name, rows, cols, dtype)
+            for name in args.chains.split(","):
+                chain = BY_NAME[name]
+                xs = chain.make(rows, cols, dtype, torch.Generator().manual_seed(0))
                 inductor_seconds, dvm_seconds = [], []
                 # static shapes: each size its own graphs (as the trainer's fixed shapes have)
-                inductor = torch.compile(chain, backend=timed_backend(compile_fx, inductor_seconds), dynamic=False)
+                inductor = torch.compile(chain.fn, backend=timed_backend(compile_fx, inductor_seconds), dynamic=False)
                 dvm_compile._CACHE.clear()
                 dvm_compile.STATS["built_graphs"].clear()
-                fused = torch.compile(chain, backend=timed_backend(dvm, dvm_seconds), dynamic=False)
+                fused = torch.compile(lambda *a, f=chain.fn: f(*a), backend=timed_backend(dvm, dvm_seconds),
+                                      dynamic=False)
+                per_op = torch.compile(lambda *a, f=chain.fn: f(*a), backend=dvm, dynamic=False)
                 with torch.no_grad():
-                    want = chain(*xs)
-                    for label, fn in (("Inductor", inductor), ("dvm", fused)):
-                        got = fn(*xs)
-                        err = (got.float() - want.float()).abs().max().item()
+                    want = chain.fn(*xs)
+                    with vfs(True):
+                        got = fused(*xs)
+                    built = list(dvm_compile.STATS["built_graphs"])
+                    with vfs(False):
+                        if not torch.equal(per_op(*xs), got):
+                            raise SystemExit(f"dvm with and without VFs differ on {name} {dtype_name}")
+                    for label, out in (("Inductor", inductor(*xs)), ("dvm", got)):
+                        err = (out.float() - want.float()).abs().max().item()
                         limit = 1e-5 if dtype == torch.float32 else 2e-2 * max(1.0, want.float().abs().max().item())
                         if err > limit:
                             raise SystemExit(f"{label} differs from eager on {name} {dtype_name}: {err}")
                 if (name, dtype_name) not in compile_rows:
-                    built = list(dvm_compile.STATS["built_graphs"])
                     build_us = 1e6 * max(build_seconds(sub) for sub in built) if built else float("nan")
                     compile_rows[(name, dtype_name)] = (1e3 * sum(inductor_seconds), 1e3 * sum(dvm_seconds), build_us)
-                fns = {"eager decomposed": chain, "eager native": NATIVE[name], "Inductor": inductor, "dvm": fused}
+                fns = {"eager decomposed": chain.fn, "eager native": chain.native or chain.fn, "Inductor": inductor,
+                       "dvm per-op": per_op, "dvm": fused}
                 cases.append((name, dtype_name, rows, cols, xs, fns))
 
     results = {}
     print(f"Element-wise chains, torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{args.repeat} runs at 16M elements, more at smaller sizes (the same total work)")
-    print("| chain | dtype | elements | memory | eager decomposed | eager native | Inductor | dvm | dvm / Inductor "
-          "| dvm / eager native | dvm vs decomposed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| chain | dtype | elements | memory | eager decomposed | eager native | Inductor | dvm per-op | dvm "
+          "| VFs: dvm / per-op | dvm / Inductor | dvm / eager native |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for memory in ("allocator", "reused"):
         if memory == "allocator":
             host_cache.set_limit(0)
@@ -181,12 +166,14 @@ def chains_table(args) -> dict:
         for name, dtype_name, rows, cols, xs, fns in cases:
             repeat = min(2000, max(args.repeat, args.repeat * (1 << 24) // (rows * cols)))
             with torch.no_grad():
-                t = {label: median_ms(fn, xs, repeat) for label, fn in fns.items()}
+                t = {}
+                for label, fn in fns.items():  # (a compiled graph keeps the program it was lowered to)
+                    t[label] = median_ms(fn, xs, repeat)
             results[f"{name}/{dtype_name}/{rows}x{cols}/{memory}"] = t
             print(f"| {name} | {dtype_name} | {rows * cols / 2**20:.2f}M | {memory} | {t['eager decomposed']:.3f} ms | "
-                  f"{t['eager native']:.3f} ms | {t['Inductor']:.3f} ms | {t['dvm']:.3f} ms | "
-                  f"{t['dvm'] / t['Inductor']:.2f} | {t['dvm'] / t['eager native']:.2f} | "
-                  f"{t['eager decomposed'] / t['dvm']:.2f}x faster |")
+                  f"{t['eager native']:.3f} ms | {t['Inductor']:.3f} ms | {t['dvm per-op']:.3f} ms | {t['dvm']:.3f} ms | "
+                  f"{t['dvm'] / t['dvm per-op']:.2f} | {t['dvm'] / t['Inductor']:.2f} | "
+                  f"{t['dvm'] / t['eager native']:.2f} |")
     rows0, cols0 = sizes[0]
     print(f"\nCompile time, {rows0} x {cols0} (the time inside the backend callable; Inductor's first compile in "
           "the process includes its start-up)")
@@ -271,8 +258,9 @@ def layer_compile_table() -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4096x4096,1024x256,2048x256",
-                        help="rows x cols, comma-separated (the trainer's: 1024 x 256 and 2048 x 256)")
+    parser.add_argument("--sizes", default="1024x256,2048x256,4096x256,4096x4096",
+                        help="rows x cols, comma-separated (the trainer's: 1024 x 256 and 2048 x 256; 1M; 16M)")
+    parser.add_argument("--chains", default=",".join(BENCH_CHAINS), help="of hyperparallel/fusion/vf_chains.py")
     parser.add_argument("--repeat", type=int, default=10, help="runs at 16M elements (more at smaller sizes)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-layer", dest="layer", action="store_false", help="skip the decoder layers' compile")

@@ -63,17 +63,38 @@ def active() -> bool:
     return COLLECT is not None or (enabled() and library_has_table())
 
 
-def _reads(op: Op, a: int, b: int, c: int) -> tuple[int, ...]:
-    """The registers an instruction reads."""
-    if op in (Op.LOAD, Op.CONST):
-        return ()
-    if op in UNARY or op in (Op.STORE, Op.RSUM, Op.RMAX, Op.RMIN):
-        return (a,)
-    return (a, b) if op in BINARY else (a, b, c)
+# per opcode: how many of a, b, c it reads, and its part in a run ("side": moves to the run's
+# start when its result is not FULL; "vf": a VF may run it; "ew": element-wise, per-op only)
+_N_READS = {**dict.fromkeys((int(Op.LOAD), int(Op.CONST)), 0),
+            **dict.fromkeys((int(o) for o in (*UNARY, Op.STORE, Op.RSUM, Op.RMAX, Op.RMIN)), 1),
+            **dict.fromkeys((int(o) for o in BINARY), 2), int(Op.WHERE): 3}
+_ROLE = {**{int(o): "ew" for o in (*UNARY, *BINARY, Op.WHERE)}, **{int(o): "vf" for o in _VF_OPS},
+         int(Op.LOAD): "side", int(Op.CONST): "side"}
+_NAME = {int(o): o.name for o in Op}
+
+
+def decode(program: Program) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+    """Per instruction: (index, destination, opcode, registers read); None for a program the split
+    leaves alone (already split, or a register written twice: not the lowering's SSA form)."""
+    code = program.code
+    out, written = [], set()
+    for k in range(len(code) // WORDS):
+        op, d, a, b, c = code[WORDS * k:WORDS * k + WORDS]
+        n = _N_READS.get(op)
+        if n is None:
+            return None  # VF, ARG: already split
+        if op != Op.STORE:
+            if d in written:
+                return None
+            written.add(d)
+        out.append((k, d, op, (a, b, c)[:n]))
+    return out
 
 
 def _segments(body: list[tuple], readers: dict[int, list[int]]) -> list[list[tuple]]:
     """The body's instructions cut into consecutive segments within the register budget."""
+    if _peak_live(body, readers) <= BUDGET:
+        return [body] if body else []  # (the usual case: one pass over the body)
     segments: list[list[tuple]] = []
     current: list[tuple] = []
     for instr in body:
@@ -86,88 +107,95 @@ def _segments(body: list[tuple], readers: dict[int, list[int]]) -> list[list[tup
     return segments
 
 
+def _escapes(d: int, seg: list[tuple], readers: dict[int, list[int]]) -> bool:
+    """Whether the program reads d after the segment (instructions are in program order, and only
+    the segment reads a FULL value between its first and last instruction)."""
+    rs = readers.get(d)
+    return bool(rs) and rs[-1] > seg[-1][0]
+
+
 def _peak_live(seg: list[tuple], readers: dict[int, list[int]]) -> int:
     """The most values alive at once in a VF of `seg`: its inputs from the start (a VF loads them
     first) to their last use, each result from its op to its last use in the segment, or to the
     end when the program reads it after the segment."""
-    positions = {instr[0] for instr in seg}
-    born = {instr[1]: t for t, instr in enumerate(seg)}
-    last = dict(born)
-    for t, (_, _, op, a, b, c) in enumerate(seg):
-        for r in _reads(op, a, b, c):
+    if not seg:
+        return 0
+    born: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t, (_, d, _, reads) in enumerate(seg):
+        for r in reads:
             born.setdefault(r, 0)
             last[r] = t
-    for d in list(last):
-        if d in {instr[1] for instr in seg} and any(k not in positions for k in readers.get(d, ())):
-            last[d] = len(seg)
-    return max(sum(1 for r in born if born[r] <= t <= last[r]) for t in range(len(seg)))
+        born[d] = last[d] = t
+    end = len(seg)
+    for _, d, _, _ in seg:
+        if _escapes(d, seg, readers):
+            last[d] = end
+    delta = [0] * (end + 2)
+    for r, t in born.items():
+        delta[t] += 1
+        delta[last[r] + 1] -= 1
+    peak = alive = 0
+    for t in range(end):
+        alive += delta[t]
+        peak = max(peak, alive)
+    return peak
 
 
 def _line(seg: list[tuple], kinds: list[Kind], readers: dict[int, list[int]]) -> tuple[str, list[int], list[int]]:
-    """The segment's canonical table line, its output registers and its input registers."""
-    positions = {ins[0] for ins in seg}
+    """The segment's canonical table line (vf_spec.VF.line), its output and its input registers."""
     number: dict[int, int] = {}
     inputs: list[int] = []
     defined = {instr[1] for instr in seg}
-    for _, _d, op, a, b, c in seg:  # inputs numbered by first use
-        for r in _reads(op, a, b, c):
+    for _, _, _, reads in seg:  # inputs numbered by first use
+        for r in reads:
             if r not in number and r not in defined:
                 number[r] = len(inputs)
                 inputs.append(r)
     ops = []
-    for m, (_, d, op, a, b, c) in enumerate(seg):
-        ops.append((op.name, tuple(number[r] for r in _reads(op, a, b, c))))
+    for m, (_, d, op, reads) in enumerate(seg):
+        ops.append(" ".join((_NAME[op], *(str(number[r]) for r in reads))))
         number[d] = len(inputs) + m
-    outputs = [d for _, d, *_ in seg if any(k not in positions for k in readers.get(d, ()))]
-    vf = vf_spec.VF("".join("F" if kinds[r] == Kind.FULL else "U" for r in inputs), tuple(ops),
-                    tuple(number[d] for d in outputs))
-    return vf.line, outputs, inputs
+    outputs = [d for _, d, _, _ in seg if _escapes(d, seg, readers)]
+    head = "".join("F" if kinds[r] == Kind.FULL else "U" for r in inputs)
+    return f"{head} : {' ; '.join(ops)} -> {' '.join(str(number[d]) for d in outputs)}", outputs, inputs
 
 
 def apply(program: Program) -> Program:
     """`program` with its table-covered segments run as VFs (the same program if none is)."""
+    ins = decode(program)
+    if ins is None:
+        return program
     code, kinds = program.code, program.register_kinds
-    ins = [(k, *code[WORDS * k:WORDS * k + WORDS]) for k in range(len(code) // WORDS)]
-    ins = [(k, d, Op(op), a, b, c) for k, op, d, a, b, c in ins]
-    written: set[int] = set()
     readers: dict[int, list[int]] = {}
-    for k, d, op, a, b, c in ins:
-        if op in (Op.VF, Op.ARG):
-            return program  # already split
-        for r in _reads(op, a, b, c):
+    for k, _, _, reads in ins:
+        for r in reads:
             readers.setdefault(r, []).append(k)
-        if op != Op.STORE:
-            if d in written:
-                return program  # a register written twice: not the lowering's SSA form, leave it
-            written.add(d)
-
-    def role(instr) -> str:
-        _, d, op, *_ = instr
-        if op in (Op.LOAD, Op.CONST):
-            return "side"
-        if op in UNARY or op in BINARY or op == Op.WHERE:
-            if kinds[d] != Kind.FULL:
-                return "side"
-            return "body" if op in _VF_OPS else "stop"
-        return "stop"
+    roles = []
+    for _, d, op, _ in ins:
+        role = _ROLE.get(op, "stop")
+        if role != "side" and role != "stop":
+            role = "side" if kinds[d] != Kind.FULL else "body" if role == "vf" else "stop"
+        roles.append(role)
 
     table_ = table()
     out: list[int] = []
     changed = False
     k = 0
     while k < len(ins):
-        if role(ins[k]) == "stop":
+        if roles[k] == "stop":
             out += code[WORDS * k:WORDS * k + WORDS]
             k += 1
             continue
         end = k
-        while end < len(ins) and role(ins[end]) != "stop":
+        while end < len(ins) and roles[end] != "stop":
             end += 1
-        run = ins[k:end]
-        side = [i for i in run if role(i) == "side"]
-        body = [i for i in run if role(i) == "body"]
-        for i in side:
-            out += code[WORDS * i[0]:WORDS * i[0] + WORDS]
+        body = []
+        for i in range(k, end):  # the run: what is not FULL first, then the body's segments
+            if roles[i] == "side":
+                out += code[WORDS * i:WORDS * i + WORDS]
+            else:
+                body.append(ins[i])
         for seg in _segments(body, readers):
             index = None
             if len(seg) >= 2:

@@ -195,11 +195,10 @@ def test_a_segment_is_cut_within_the_register_budget():
         p.emit(Op.MUL, m, acc, r)
         acc = m
     p.emit(Op.STORE, 0, acc, 0)
-    ins = [(k, p.code[WORDS * k + 1], Op(p.code[WORDS * k]), *p.code[WORDS * k + 2:WORDS * k + WORDS])
-           for k in range(len(p.code) // WORDS)]
+    ins = vf.decode(p)
     readers: dict[int, list[int]] = {}
-    for k, _d, op, a, b, c in ins:
-        for r in vf._reads(op, a, b, c):
+    for k, _, _, reads in ins:
+        for r in reads:
             readers.setdefault(r, []).append(k)
     body = [i for i in ins if i[2] == Op.MUL]
     segments = vf._segments(body, readers)
