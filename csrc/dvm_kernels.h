@@ -568,6 +568,17 @@ static void pf_step(pf_cursor *c) {
     }
 }
 
+/* d = rotate_half(a) along each of the tile's tr rows of tc (all the row's) columns */
+static void rot_half(float *d, const float *a, int64_t tr, int64_t tc) {
+    int64_t h = tc / 2;
+    for (int64_t i = 0; i < tr; i++) {
+        const float *ai = a + i * tc;
+        float *di = d + i * tc;
+        SIMD for (int64_t j = 0; j < h; j++) di[j] = -ai[j + h];
+        SIMD for (int64_t j = 0; j < h; j++) di[j + h] = ai[j];
+    }
+}
+
 /* The VF of instruction I over the tile: one call over the packed tile, or a call per row when an
  * input is a ROW register (its value is the row's). An output only a STORE reads is computed in
  * the output's memory where the tile's rows are contiguous there. */
@@ -651,6 +662,7 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         case OP_RMIN: reduce_rows(I->op, d, R[I->a], I->ka, tr, tc, p->cols); break;
         case OP_NOP: break;
         case OP_VF: run_vf(p, I, S, R, r0, c0, tr, tc); break;
+        case OP_ROT_HALF: rot_half(d, R[I->a], tr, tc); break;
         case OP_MUL_MUL: mul_mul(d, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
         case OP_SUM_MUL: sum_mul(d, R[I->a], R[I->b], tr, tc); break;
         case OP_UNARY_MUL:

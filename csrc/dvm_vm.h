@@ -26,6 +26,9 @@ enum {
      * index, a = its argument count (outputs, then inputs); the arguments follow as ARG
      * instructions of four registers each (unused words 0) */
     OP_VF = 80, OP_ARG = 81,
+    /* rotary's rotate_half along the row (cols even, h = cols / 2): d[j] = -a[j + h] for j < h,
+     * a[j - h] for j >= h; a tile holds whole rows, as for a reduction */
+    OP_ROT_HALF = 90,
     /* the VM's own, from pairs of instructions (see fuse() in dvm_vm.c), never in bytecode */
     OP_NOP = 100,
     OP_MUL_MUL = 101, /* d = (a * b) * c */

@@ -28,6 +28,8 @@ An instruction is 5 int32 words: opcode, dst, a, b, c (unused words are 0).
     binary  dst, a, b
     WHERE   dst, cond=a, x=b, y=c       cond != 0 ? x : y
     RSUM/RMAX/RMIN dst(ROW), a(FULL)    over the whole row (all `cols` columns)
+    ROT_HALF dst(FULL), a(FULL)         rotary's rotate_half along the row (cols even, h =
+                                        cols / 2): dst[j] = -a[j + h] for j < h, a[j - h] else
     VF      index=d, n_args=a           a precompiled vector function of the VF table
                                         (vf_table.txt, vf_spec.py): its outputs, then its
     ARG     r0, r1, r2, r3              inputs, four registers per ARG instruction after it
@@ -132,6 +134,8 @@ class Op(IntEnum):
     # a precompiled vector function and its argument words (vf.py)
     VF = 80
     ARG = 81
+    # along the row
+    ROT_HALF = 90
 
 
 class Kind(IntEnum):
@@ -154,6 +158,7 @@ UNARY = {Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIP, Op.TANH, O
          Op.GELU_ERF, Op.GELU_TANH, Op.SIN, Op.COS, Op.LOG1P, Op.EXPM1, Op.ROUND_BF16, Op.ROUND_F16, Op.COPY}
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.MIN, Op.POW, Op.GT, Op.GE, Op.LT, Op.LE, Op.EQ, Op.NE}
 REDUCTIONS = {Op.RSUM, Op.RMAX, Op.RMIN}
+WHOLE_ROWS = REDUCTIONS | {Op.ROT_HALF}  # a tile holds whole rows for these
 
 
 def nested_strides(strides, row_dims: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -178,7 +183,8 @@ class Program:
 
     @property
     def has_reduction(self) -> bool:
-        return any(self.code[i] in REDUCTIONS for i in range(0, len(self.code), WORDS))
+        """Whether a tile must hold whole rows (a row reduction, or a rotation along the row)."""
+        return any(self.code[i] in WHOLE_ROWS for i in range(0, len(self.code), WORDS))
 
     def register(self, kind: Kind) -> int:
         self.register_kinds.append(kind)

@@ -141,18 +141,15 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d)))
 
 
-# glibc serves blocks below its mmap ceiling (32 MiB on 64-bit Linux, where its dynamic threshold
-# stops) from its heap once such a block has been freed: warm, reused memory, as the host cache's
-# but without the DLPack round trip (a 0.25M-element fp32 SiLU took 0.150 ms so, 0.184 ms from
-# the cache). Larger blocks glibc always maps fresh, a page fault per 4 KiB: those come from the
-# buffers PyTorch gave back (mx's host cache).
-HOST_CACHE_MIN_BYTES = 32 << 20
-
-
-def _empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    if math.prod(shape) * dtype.itemsize < HOST_CACHE_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    return host_cache.empty(tuple(shape), dtype)
+# glibc serves small blocks from its heap once such a block has been freed: warm, reused memory,
+# as the host cache's but without the DLPack round trip (a 0.25M-element fp32 SiLU took 0.150 ms
+# so, 0.184 ms from the cache; an allocation 0.9 us, against 3.7 us). Blocks of 32 MiB and more
+# glibc always maps fresh, a page fault per 4 KiB; and in a training step, where other
+# allocations come and go between, it gives the top of its heap back often enough that blocks of
+# a few MiB fault too (the fused loss chunk's 8 MiB gradient of the logits: 1,365 page faults a
+# call, 2.6 ms instead of 0.7). Outputs from HOST_CACHE_MIN_BYTES up come from the buffers
+# PyTorch gave back (mx's host cache).
+HOST_CACHE_MIN_BYTES = 4 << 20
 
 
 MAX_PLANS = 16  # call plans kept per fused operator (one per input layout seen)
@@ -194,7 +191,10 @@ class _CallPlan:
     __slots__ = ("outs", "call")
 
     def __init__(self, outs, call):
-        self.outs = outs  # per output: (shape in memory order, dtype, permutation back or None)
+        # per output (large, shape, layout, dtype): a small one made with torch.empty_strided(shape,
+        # layout); a large one from the host cache in memory order (shape), then permuted back
+        # (layout: the permutation, or None)
+        self.outs = outs
         self.call = call
 
 
@@ -211,7 +211,7 @@ class FusedOp(nn.Module):
         self.plans: dict[tuple, _CallPlan | str] = {}  # by input layout
 
     def forward(self, *inputs):
-        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in inputs)
+        key = tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs)
         plan = self.plans.get(key)
         if plan is None:
             plan = self._plan(inputs)
@@ -222,12 +222,17 @@ class FusedOp(nn.Module):
             STATS["aten_calls"] += 1
             return self.fallback(*inputs)
         outs = []
-        for shape, dtype, back in plan.outs:
-            out = _empty(shape, dtype)
-            outs.append(out if back is None else out.permute(back))
+        for large, shape, layout, dtype in plan.outs:
+            if large:
+                out = host_cache.empty(shape, dtype)
+                outs.append(out if layout is None else out.permute(layout))
+            else:
+                outs.append(torch.empty_strided(shape, layout, dtype=dtype))
         plan.call(inputs, outs)
         STATS["fused_calls"] += 1
         return tuple(outs)
+
+    __call__ = forward  # no hooks: what nn.Module's call would add is time (1-2 us a call)
 
     def _plan(self, inputs) -> _CallPlan | str:
         """The call plan for these inputs' layout, or _UNFUSED."""
@@ -251,10 +256,20 @@ class FusedOp(nn.Module):
                 spec = (out_shape, dtype, None)
             else:
                 spec = ([out_shape[d] for d in order], dtype, [order.index(d) for d in range(len(out_shape))])
-            outs.append(spec)
             laid = torch.empty(spec[0], dtype=dtype, device="meta")
             laid = laid if spec[2] is None else laid.permute(spec[2])
+            large = math.prod(out_shape) * dtype.itemsize >= HOST_CACHE_MIN_BYTES
+            outs.append((True, tuple(spec[0]), spec[2], dtype) if large else (False, tuple(laid.shape), laid.stride(), dtype))
             strides.append(_strides_in(laid, shape if kind == Kind.FULL else row_shape))
+        if len(shape) > 2:
+            # rows walked in the first output's memory order, as TensorIterator walks them: any
+            # order gives the same results, and a transposed output (rotary's q and k, the norms'
+            # gradients laid out [B, H, S, D] over a [B, S, H, D] space) is then written row
+            # after row instead of 64 KiB apart (rotary's q: 100 us a call, 70 so)
+            ref = strides[len(inputs)]
+            perm = sorted(range(len(shape) - 1), key=lambda d: -ref[d]) + [len(shape) - 1]
+            shape = tuple(shape[d] for d in perm)
+            strides = [tuple(st[d] for d in perm) for st in strides]
         nested = _nest_rows(shape, strides)
         if nested is None:  # more than three row levels: the ATen graph (a layout not seen in models)
             return _UNFUSED

@@ -4,7 +4,8 @@ Classes (what the partitioner needs to know of an op):
 - element-wise: one value out per value in, operands broadcast (add, mul, exp, silu, where, ...);
 - cast: a dtype change (_to_copy, prims.convert_element_type), element-wise too;
 - reduction: sum / mean / amax / amin over the last dimension with keepdim (norms, softmax);
-- composite: _softmax and its backward, lowered to reductions and element-wise ops;
+- composite: _softmax and its backward, lowered to reductions and element-wise ops; rotary's
+  rotate_half (found by rotary.py), lowered to ROT_HALF;
 - opaque: everything else (matmuls, views, indexing, ...), left to ATen unchanged.
 
 Each lowering takes the emitter and the node's arguments (registers for tensors, Python numbers
@@ -21,6 +22,7 @@ import torch
 from torch.fx import Node
 
 from hyperparallel.fusion.bytecode import TORCH_DTYPES, Kind, Op, Program
+from hyperparallel.fusion.rotary import ROTATE_HALF
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -113,6 +115,16 @@ def _convert(e, x, dtype):
     return _cast(e, x, dtype)
 
 
+def _expand(e, x, sizes, implicit=False):
+    """A broadcast to the cluster's space: every value of the VM already lives in that space, so
+    a FULL value is itself; a per-row or scalar one becomes FULL (what the expanded tensor is)."""
+    if e.kind(x) == Kind.FULL:
+        return x
+    dst = e.program.register(Kind.FULL)
+    e.program.emit(Op.COPY, dst, x)
+    return Reg(dst)
+
+
 def _where(e, cond, x, y):
     return e.apply(Op.WHERE, cond, x, y)
 
@@ -131,6 +143,14 @@ def _amax(e, x, dims=(), keepdim=False):
 
 def _amin(e, x, dims=(), keepdim=False):
     return e.reduce(Op.RMIN, x)
+
+
+def _rotate_half(e, x):
+    if e.kind(x) != Kind.FULL:
+        x = _expand(e, x, None)
+    dst = e.program.register(Kind.FULL)
+    e.program.emit(Op.ROT_HALF, dst, x)
+    return Reg(dst)
 
 
 def _softmax(e, x, dim, half_to_float):
@@ -201,6 +221,7 @@ ELEMENTWISE: dict = {
     aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where, aten.where.Scalar: _where,
     aten._to_copy.default: _cast, prims.convert_element_type.default: _convert,
     aten.clone.default: lambda e, x, **kw: e.apply(Op.COPY, x),
+    aten.expand.default: _expand,
     aten.sigmoid_backward.default: _sigmoid_backward, aten.tanh_backward.default: _tanh_backward,
     aten.silu_backward.default: _silu_backward, aten.threshold_backward.default: _threshold_backward,
     aten.gelu_backward.default: _gelu_backward,
@@ -210,6 +231,7 @@ REDUCTIONS: dict = {
 }
 COMPOSITES: dict = {
     aten._softmax.default: _softmax, aten._softmax_backward_data.default: _softmax_backward,
+    ROTATE_HALF: _rotate_half,  # (rotary.py finds it in the graph)
 }
 LOWERINGS: dict[object, Callable] = {**ELEMENTWISE, **REDUCTIONS, **COMPOSITES}
 ROW_REDUCING = set(REDUCTIONS) | set(COMPOSITES)  # need whole rows in a tile
@@ -272,6 +294,9 @@ def fusible(node: Node) -> bool:
         else:
             dims, keepdim = (node.args[1] if len(node.args) > 1 else ()), (node.args[2] if len(node.args) > 2 else False)
         return bool(keepdim) and _last_dim_only(node, dims)
+    if node.target is ROTATE_HALF:
+        width = out.shape[-1]
+        return out.dim() > 0 and isinstance(width, int) and width % 2 == 0
     if kind == "composite":
         dim = node.args[1] if node.target is aten._softmax.default else node.args[2]
         ndim = out.dim()

@@ -78,5 +78,8 @@ def run(program: Program, inputs, outputs, rows: int, cols: int, input_strides, 
             regs[dst] = torch.where(regs[a] != 0, regs[b], regs[c])
         elif op in _REDUCE:
             regs[dst] = _REDUCE[op](regs[a].expand(rows, cols))
+        elif op == Op.ROT_HALF:
+            x = regs[a].expand(rows, cols)
+            regs[dst] = torch.cat((-x[:, cols // 2:], x[:, :cols // 2]), dim=1)
         else:
             raise ValueError(f"DVM reference: unknown opcode {op}")

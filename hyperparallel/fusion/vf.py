@@ -66,7 +66,7 @@ def active() -> bool:
 # per opcode: how many of a, b, c it reads, and its part in a run ("side": moves to the run's
 # start when its result is not FULL; "vf": a VF may run it; "ew": element-wise, per-op only)
 _N_READS = {**dict.fromkeys((int(Op.LOAD), int(Op.CONST)), 0),
-            **dict.fromkeys((int(o) for o in (*UNARY, Op.STORE, Op.RSUM, Op.RMAX, Op.RMIN)), 1),
+            **dict.fromkeys((int(o) for o in (*UNARY, Op.STORE, Op.RSUM, Op.RMAX, Op.RMIN, Op.ROT_HALF)), 1),
             **dict.fromkeys((int(o) for o in BINARY), 2), int(Op.WHERE): 3}
 _ROLE = {**{int(o): "ew" for o in (*UNARY, *BINARY, Op.WHERE)}, **{int(o): "vf" for o in _VF_OPS},
          int(Op.LOAD): "side", int(Op.CONST): "side"}

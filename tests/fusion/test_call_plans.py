@@ -87,9 +87,10 @@ def test_broadcast_over_middle_dimensions_is_walked_not_copied():
     torch.testing.assert_close(got, rotary(q, cos, sin), rtol=1e-6, atol=1e-6)
     assert _delta(before) == (1, 1, 0)
     [plan] = op.plans.values()
-    # [B, H, S] rows: q is transposed and cos broadcast over B and H, so no single stride walks
-    # them; the plan keeps (H, S) as row levels of their own
-    assert plan.call.tail[2].value == 3 and plan.call.tail[3].value == 12
+    # rows walked in the output's memory order, [B, S, H] (ATen lays the result out as q is):
+    # cos is broadcast over B and H, so no single stride walks them; the plan keeps (S, H) as
+    # row levels of their own
+    assert plan.call.tail[2].value == 12 and plan.call.tail[3].value == 3
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])

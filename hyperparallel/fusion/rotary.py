@@ -1,0 +1,149 @@
+"""Rotary embeddings' rotate_half, found in an ATen graph and made one fusible op.
+
+Hugging Face's `rotate_half(x)` is `cat((-x[..., h:], x[..., :h]), -1)` (h: half the last
+dimension): in an ATen graph two slices, a neg and a cat, and in its backward two slices, a neg,
+two `slice_backward`s (each a zero-filled tensor and a copy) and an add. Left to ATen, each writes
+a tensor the size of q or k and splits rotary's element-wise work over several fused operators.
+`rewrite(graph)` replaces the forward pattern by `hyperparallel::dvm_rotate_half(x)` and the
+backward one by `neg(dvm_rotate_half(g))` (the transpose of the rotation is its negative), which
+DVM lowers to the VM's ROT_HALF instruction (a tile spans whole rows, as for a reduction), so
+rotary's forward and backward are one fused operator each. The op's own implementation is the
+same cat, for a cluster that runs its ATen graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from hyperparallel.kernels.backends import custom_op
+
+aten = torch.ops.aten
+_END = 2 ** 63 - 1
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rotate_half_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+rotate_half = custom_op("dvm_rotate_half", _rotate_half, _rotate_half_fake)
+ROTATE_HALF = torch.ops.hyperparallel.dvm_rotate_half.default
+
+
+def _last_dim(node: Node, dim) -> bool:
+    ndim = node.meta["val"].dim()
+    return isinstance(dim, int) and dim % ndim == ndim - 1
+
+
+def _slice_of(node, source: Node | None = None) -> tuple[Node, int, int] | None:
+    """(x, start, end) when node is x[..., start:end] along the last dimension, step 1."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is aten.slice.Tensor):
+        return None
+    x, dim, start, end, step = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, end, step = dim or 0, start or 0, _END if end is None else end, 1 if step is None else step
+    width = x.meta["val"].shape[-1]
+    if not all(isinstance(v, int) for v in (start, end, step, width)):
+        return None  # symbolic: not a pattern this rewrite knows
+    if not _last_dim(x, dim) or step != 1 or (source is not None and x is not source):
+        return None
+    return x, start, min(end, width)
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target is target
+
+
+def _half(x: Node) -> int | None:
+    width = x.meta["val"].shape[-1]
+    return width // 2 if isinstance(width, int) and width % 2 == 0 and width > 0 else None
+
+
+def _forward_match(cat: Node) -> Node | None:
+    """x when `cat` is cat((-x[..., h:], x[..., :h]), -1)."""
+    if not _is(cat, aten.cat.default) or len(cat.args[0]) != 2:
+        return None
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    first, second = cat.args[0]
+    if not _last_dim(cat, dim) or not _is(first, aten.neg.default):
+        return None
+    upper, lower = _slice_of(first.args[0]), _slice_of(second)
+    if upper is None or lower is None or upper[0] is not lower[0]:
+        return None
+    x, h = upper[0], _half(upper[0])
+    width = x.meta["val"].shape[-1]
+    return x if h is not None and upper[1:] == (h, width) and lower[1:] == (0, h) else None
+
+
+def _slice_backward_of(node) -> tuple[Node, int, int] | None:
+    """(grad, start, end) when node scatters grad into zeros at [..., start:end] of the last dim."""
+    if not _is(node, aten.slice_backward.default):
+        return None
+    grad, sizes, dim, start, end, step = node.args
+    if not all(isinstance(v, int) for v in (start, end, step, sizes[-1])) or step != 1 or not _last_dim(node, dim):
+        return None
+    return grad, start, min(end, sizes[-1])
+
+
+def _backward_match(add: Node) -> Node | None:
+    """g when `add` is slice_backward(g[..., h:], at :h) + slice_backward(-g[..., :h], at h:)."""
+    if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+        return None
+    parts = [_slice_backward_of(a) for a in add.args]
+    if None in parts:
+        return None
+    low, high = sorted(parts, key=lambda p: p[1])  # the one landing at [:h], the one at [h:]
+    width = add.meta["val"].shape[-1]
+    h = width // 2 if isinstance(width, int) and width % 2 == 0 else None
+    if h is None or low[1:] != (0, h) or high[1:] != (h, width) or not _is(high[0], aten.neg.default):
+        return None
+    upper, lower = _slice_of(low[0]), _slice_of(high[0].args[0])
+    if upper is None or lower is None or upper[0] is not lower[0]:
+        return None
+    g = upper[0]
+    return g if upper[1:] == (h, width) and lower[1:] == (0, h) else None
+
+
+def _erase_dead(nodes: list[Node], graph: Graph) -> None:
+    for n in nodes:
+        if n.graph is graph and not n.users:
+            graph.erase_node(n)
+
+
+def rewrite(graph: Graph) -> int:
+    """Replace rotate_half's forward and backward patterns in `graph`; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.graph is not graph:
+            continue  # erased
+        x = _forward_match(node)
+        if x is not None:
+            first, second = node.args[0]
+            with graph.inserting_before(node):
+                rot = graph.call_function(ROTATE_HALF, (x,))
+            rot.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(rot)
+            graph.erase_node(node)
+            _erase_dead([first, first.args[0], second], graph)
+            count += 1
+            continue
+        g = _backward_match(node)
+        if g is not None:
+            parts = list(node.args)
+            with graph.inserting_before(node):
+                rot = graph.call_function(ROTATE_HALF, (g,))
+                neg = graph.call_function(aten.neg.default, (rot,))
+            rot.meta["val"] = neg.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(neg)
+            graph.erase_node(node)
+            dead = []
+            for p in parts:
+                inner = p.args[0]
+                dead += [p, inner] + ([inner.args[0]] if _is(inner, aten.neg.default) else [])
+            _erase_dead(dead, graph)
+            count += 1
+    return count
