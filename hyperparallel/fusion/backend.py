@@ -12,6 +12,7 @@ one FusedOp (compile.py) and leaves every other node as the ATen op it was.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -42,8 +43,39 @@ def fuse(gm: GraphModule) -> GraphModule:
         if name.startswith(prefix) and isinstance(sub, GraphModule):
             setattr(gm, name, dvm_compile.build(sub))
             STATS["fused_ops"] += 1
+    _cats_into_fused_outputs(gm)
     gm.recompile()
     return gm
+
+
+def _cats_into_fused_outputs(gm: GraphModule) -> None:
+    """A cat of outputs of one fused operator that nothing else reads (an MoE expert's gate and up
+    gradients, cat into the gate_up projection's) is computed in place: the operator writes
+    those outputs into the slices of one buffer (FusedOp.pack), which takes the cat's place."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        parts = list(node.args[0])
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        call = parts[0].args[0] if parts and parts[0].op == "call_function" and parts[0].target is operator.getitem \
+            else None
+        fused = getattr(gm, call.target, None) if call is not None and call.op == "call_module" else None
+        if not isinstance(fused, dvm_compile.FusedOp):
+            continue
+        if any(p.op != "call_function" or p.target is not operator.getitem or p.args[0] is not call or len(p.users) != 1
+               for p in parts):
+            continue
+        index = fused.pack([p.args[1] for p in parts], dim % node.meta["val"].dim())
+        if index is None:
+            continue
+        with gm.graph.inserting_before(node):
+            whole = gm.graph.call_function(operator.getitem, (call, index))
+        whole.meta = dict(node.meta)
+        node.replace_all_uses_with(whole)
+        gm.graph.erase_node(node)
+        for p in parts:
+            gm.graph.erase_node(p)
 
 
 def _compile_aten(gm: GraphModule, example_inputs):

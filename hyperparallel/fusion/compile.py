@@ -133,7 +133,10 @@ def build(sub_gm: GraphModule) -> FusedOp:
     program, in_kinds, out_kinds, _ = cached
     outputs = [n for n in sub_gm.graph.nodes if n.op == "output"][0].args[0]
     orders = [_memory_order(_val(o)) for o in outputs]
-    return FusedOp(program, in_kinds, out_kinds, [_val(o).dtype for o in outputs], orders, sub_gm)
+    # an expand may widen the space past every input's shape: then it is the graph's (static) one
+    widens = any(n.target is torch.ops.aten.expand.default for n in sub_gm.graph.nodes)
+    static = _domain(sub_gm) if widens else None
+    return FusedOp(program, in_kinds, out_kinds, [_val(o).dtype for o in outputs], orders, sub_gm, static)
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -188,13 +191,15 @@ class _CallPlan:
     the VM call with every argument but the data pointers, built once; a call then allocates the
     outputs (large ones from the buffer cache) and makes one native call."""
 
-    __slots__ = ("outs", "call")
+    __slots__ = ("outs", "packs", "call")
 
-    def __init__(self, outs, call):
+    def __init__(self, outs, packs, call):
         # per output (large, shape, layout, dtype): a small one made with torch.empty_strided(shape,
         # layout); a large one from the host cache in memory order (shape), then permuted back
-        # (layout: the permutation, or None)
+        # (layout: the permutation, or None); large None: a slice (layout: buffer, dim, start,
+        # length) of a packed buffer
         self.outs = outs
+        self.packs = packs  # per packed buffer: (large, shape, dtype), contiguous
         self.call = call
 
 
@@ -203,12 +208,31 @@ class FusedOp(nn.Module):
     for inputs the VM cannot take (another device, a dtype it does not load, a reduction over rows
     longer than the VM's tile holds)."""
 
-    def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, out_orders, fallback: GraphModule):
+    def __init__(self, program: Program, in_kinds, out_kinds, out_dtypes, out_orders, fallback: GraphModule,
+                 domain: tuple[int, ...] | None = None):
         super().__init__()
+        # the iteration space when the graph's shapes are static: an `expand` may make it wider
+        # than any input (GQA's repeated keys: [B, KV, 1, S, D] to [B, KV, G, S, D])
+        self.domain = domain
         self.program, self.in_kinds, self.out_kinds, self.out_dtypes = program, in_kinds, out_kinds, out_dtypes
         self.out_orders = out_orders  # each output's dimension order in memory, outermost first, as ATen's
         self.fallback = fallback
         self.plans: dict[tuple, _CallPlan | str] = {}  # by input layout
+        self.packs: list[tuple[int, tuple[int, ...]]] = []  # (dim, outputs): see pack()
+
+    def pack(self, outputs: list[int], dim: int) -> int | None:
+        """Compute `outputs` (FULL, of one dtype) straight into the slices of one buffer along
+        `dim`: what `cat([outputs...], dim)` of them would be, returned as one more output (its
+        index; None when they cannot be). The cat's pass over them is saved."""
+        taken = {i for _, idx in self.packs for i in idx}
+        n = len(self.out_kinds)
+        if (len(outputs) < 2 or len(set(outputs)) != len(outputs) or any(not 0 <= i < n for i in outputs)
+                or taken & set(outputs) or any(self.out_kinds[i] != Kind.FULL for i in outputs)
+                or len({self.out_dtypes[i] for i in outputs}) != 1):
+            return None
+        self.packs.append((dim, tuple(outputs)))
+        self.plans.clear()
+        return n + len(self.packs) - 1
 
     def forward(self, *inputs):
         key = tuple((t.shape, t.stride(), t.dtype, t.is_cpu) for t in inputs)
@@ -220,17 +244,23 @@ class FusedOp(nn.Module):
             self.plans[key] = plan
         if plan is _UNFUSED:
             STATS["aten_calls"] += 1
-            return self.fallback(*inputs)
+            outs = tuple(self.fallback(*inputs))
+            return outs + tuple(torch.cat([outs[i] for i in idx], dim) for dim, idx in self.packs)
+        bufs = [host_cache.empty(shape, dtype) if large else torch.empty(shape, dtype=dtype)
+                for large, shape, dtype in plan.packs]
         outs = []
         for large, shape, layout, dtype in plan.outs:
-            if large:
+            if large is None:
+                b, dim, start, length = layout
+                outs.append(bufs[b].narrow(dim, start, length))
+            elif large:
                 out = host_cache.empty(shape, dtype)
                 outs.append(out if layout is None else out.permute(layout))
             else:
                 outs.append(torch.empty_strided(shape, layout, dtype=dtype))
         plan.call(inputs, outs)
         STATS["fused_calls"] += 1
-        return tuple(outs)
+        return tuple(outs) + tuple(bufs)
 
     __call__ = forward  # no hooks: what nn.Module's call would add is time (1-2 us a call)
 
@@ -241,6 +271,8 @@ class FusedOp(nn.Module):
                for t, want in zip(inputs, self.program.input_dtypes, strict=True)):
             return _UNFUSED  # another device, or dtypes the program was not written for
         full = [t.shape for t, k in zip(inputs, self.in_kinds, strict=True) if k == Kind.FULL]
+        if self.domain is not None:
+            full.append(self.domain)
         shape = tuple(torch.broadcast_shapes(*full)) if full else tuple(inputs[0].shape)
         rows, cols = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
         if self.program.has_reduction and cols > _max_reduce_cols():
@@ -248,8 +280,21 @@ class FusedOp(nn.Module):
         row_shape = shape[:-1] + (1,) if shape else ()
         strides = [(0,) * len(shape) if kind == Kind.SCALAR else _strides_in(t, shape if kind == Kind.FULL else row_shape)
                    for t, kind in zip(inputs, self.in_kinds, strict=True)]
-        outs = []
-        for kind, dtype, order in zip(self.out_kinds, self.out_dtypes, self.out_orders, strict=True):
+        outs, packs, packed = [], [], {}
+        for b, (dim, idx) in enumerate(self.packs):
+            buf_shape = list(shape)
+            buf_shape[dim] = shape[dim] * len(idx)
+            large = math.prod(buf_shape) * self.out_dtypes[idx[0]].itemsize >= HOST_CACHE_MIN_BYTES
+            packs.append((large, tuple(buf_shape), self.out_dtypes[idx[0]]))
+            buf = torch.empty(buf_shape, dtype=self.out_dtypes[idx[0]], device="meta")
+            for j, i in enumerate(idx):
+                packed[i] = (buf.narrow(dim, j * shape[dim], shape[dim]), (b, dim, j * shape[dim], shape[dim]))
+        for i, (kind, dtype, order) in enumerate(zip(self.out_kinds, self.out_dtypes, self.out_orders, strict=True)):
+            if i in packed:
+                laid, where = packed[i]
+                outs.append((None, None, where, dtype))
+                strides.append(_strides_in(laid, shape))
+                continue
             out_shape = row_shape if kind == Kind.ROW else shape
             if len(order) != len(out_shape) or order == tuple(range(len(out_shape))):
                 order = tuple(range(len(out_shape)))
@@ -282,7 +327,7 @@ class FusedOp(nn.Module):
             from hyperparallel.fusion import vm
 
             call = vm.Call(self.program, rows, cols, (n_mid, n_inner), in_st, out_st)
-        return _CallPlan(outs, call)
+        return _CallPlan(outs, packs, call)
 
 
 def _max_reduce_cols() -> int:

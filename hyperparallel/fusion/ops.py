@@ -281,7 +281,9 @@ def fusible(node: Node) -> bool:
         if node.target is aten._to_copy.default and out.dtype not in FLOAT_DTYPES:
             return False
     elif node.kwargs and classify(node) != "cast":
-        allowed = {"alpha", "approximate"}
+        # a clone's memory format is its output's layout, which a fused operator's outputs take
+        # from the graph (`_memory_order`): `.contiguous()` of a fused value fuses too
+        allowed = {"alpha", "approximate"} | ({"memory_format"} if node.target is aten.clone.default else set())
         if set(node.kwargs) - allowed:
             return False
     if kind == "reduction":
@@ -294,6 +296,8 @@ def fusible(node: Node) -> bool:
         else:
             dims, keepdim = (node.args[1] if len(node.args) > 1 else ()), (node.args[2] if len(node.args) > 2 else False)
         return bool(keepdim) and _last_dim_only(node, dims)
+    if node.target is aten.expand.default and not all(type(d) is int for d in node.args[1]):
+        return False  # the space it widens to must be known when the operator is built (FusedOp.domain)
     if node.target is ROTATE_HALF:
         width = out.shape[-1]
         return out.dim() > 0 and isinstance(width, int) and width % 2 == 0

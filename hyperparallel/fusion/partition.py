@@ -4,7 +4,8 @@ Nodes are visited in graph order; a fusible node joins the cluster of one of its
 producers when both work on the same iteration space (the same full shape; a keepdim reduction
 and what follows it count as the same space), when merging makes no cycle (no path leaves the
 cluster and comes back into it), and when the cluster stays within the limits (ops, inputs,
-outputs). Clusters that meet at a node are merged the same way.
+outputs). Clusters that meet at a node are merged the same way, and so are siblings: clusters of
+one space that read a common input.
 
 Dtypes do not split a cluster: the VM computes every value in float32 registers, loads convert
 from each input's dtype, and a cast inside the cluster (bf16 work, a cast, fp32 work) is a
@@ -20,6 +21,8 @@ import torch
 from torch.fx import Graph, Node
 
 from hyperparallel.fusion.ops import ROW_REDUCING, classify, fusible
+
+_MOVES = {torch.ops.aten.expand.default, torch.ops.aten.clone.default}  # nodes that only move values
 
 # A program's size: its tile's scratch grows with the values alive at once, which these bound
 MAX_OPS = 64
@@ -123,6 +126,7 @@ def find_clusters(graph: Graph, *, min_ops: int = 2) -> list[Cluster]:
             for n in current.nodes:
                 cluster_of[n] = target
             clusters.remove(current)
+    _merge_siblings(clusters, graph)
     # a bool result leaving its cluster has nowhere to go: the VM stores floats only
     kept = []
     for c in clusters:
@@ -130,8 +134,35 @@ def find_clusters(graph: Graph, *, min_ops: int = 2) -> list[Cluster]:
             continue
         if len(c.nodes) < min_ops:
             continue
+        if all(n.target in _MOVES for n in c.nodes):
+            continue  # only copies (GQA's repeated keys: expand, then clone): ATen's copy is as good
         kept.append(c)
     return kept
+
+
+def _merge_siblings(clusters: list[Cluster], graph: Graph) -> None:
+    """Clusters of one space that read a common input and have no path between them become one:
+    the input is read once, and one call does the work of two (an MoE expert's backward computes
+    the gate's and the up projection's gradients from the same rows; a norm's backward, the
+    gradients of its input and of its weight)."""
+    order = _order(graph)
+    merged_one = True
+    while merged_one:
+        merged_one = False
+        for i, a in enumerate(clusters):
+            inputs_a = set(a.inputs())
+            for b in clusters[i + 1:]:
+                if a.domain != b.domain or not inputs_a & set(b.inputs()):
+                    continue
+                nodes = sorted(set(a.nodes) | set(b.nodes), key=order)
+                if not _within_limits(nodes) or _creates_cycle(a, b):
+                    continue
+                a.nodes = nodes
+                clusters.remove(b)
+                merged_one = True
+                break
+            if merged_one:
+                break
 
 
 def _order(graph: Graph):

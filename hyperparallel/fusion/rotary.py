@@ -5,7 +5,9 @@ dimension): in an ATen graph two slices, a neg and a cat, and in its backward tw
 two `slice_backward`s (each a zero-filled tensor and a copy) and an add. Left to ATen, each writes
 a tensor the size of q or k and splits rotary's element-wise work over several fused operators.
 `rewrite(graph)` replaces the forward pattern by `hyperparallel::dvm_rotate_half(x)` and the
-backward one by `neg(dvm_rotate_half(g))` (the transpose of the rotation is its negative), which
+backward one by `neg(dvm_rotate_half(g))` (the transpose of the rotation is its negative; the two
+scattered halves have disjoint supports, so their sum may be taken first, whichever order the
+graph adds the gradients in), which
 DVM lowers to the VM's ROT_HALF instruction (a tile spans whole rows, as for a reduction), so
 rotary's forward and backward are one fused operator each. The op's own implementation is the
 same cat, for a cluster that runs its ATen graph.
@@ -89,23 +91,31 @@ def _slice_backward_of(node) -> tuple[Node, int, int] | None:
     return grad, start, min(end, sizes[-1])
 
 
-def _backward_match(add: Node) -> Node | None:
-    """g when `add` is slice_backward(g[..., h:], at :h) + slice_backward(-g[..., :h], at h:)."""
-    if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+def _backward_match(high: Node) -> tuple[Node, Node, Node, Node] | None:
+    """(g, low, add, other) when `high` is slice_backward(-g[..., :h], at h:) whose only user is
+    `add` = other + high, and `low` = slice_backward(g[..., h:], at :h) is in the graph: then
+    low + high is -rotate_half(g), whatever the order the gradients were summed in."""
+    part = _slice_backward_of(high)
+    if part is None or not _is(part[0], aten.neg.default) or len(high.users) != 1:
         return None
-    parts = [_slice_backward_of(a) for a in add.args]
-    if None in parts:
-        return None
-    low, high = sorted(parts, key=lambda p: p[1])  # the one landing at [:h], the one at [h:]
-    width = add.meta["val"].shape[-1]
+    width = high.meta["val"].shape[-1]
     h = width // 2 if isinstance(width, int) and width % 2 == 0 else None
-    if h is None or low[1:] != (0, h) or high[1:] != (h, width) or not _is(high[0], aten.neg.default):
+    lower = _slice_of(part[0].args[0])
+    if h is None or part[1:] != (h, width) or lower is None or lower[1:] != (0, h):
         return None
-    upper, lower = _slice_of(low[0]), _slice_of(high[0].args[0])
-    if upper is None or lower is None or upper[0] is not lower[0]:
+    g = lower[0]
+    [add] = high.users
+    if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs or add.args[0] is add.args[1]:
         return None
-    g = upper[0]
-    return g if upper[1:] == (h, width) and lower[1:] == (0, h) else None
+    other = add.args[0] if add.args[1] is high else add.args[1]
+    for user in g.users:  # low: g[..., h:] scattered back at [..., :h]
+        upper = _slice_of(user, g)
+        if upper is None or upper[1:] != (h, width):
+            continue
+        for low in user.users:
+            if _slice_backward_of(low) == (user, 0, h) and low.meta["val"].shape == high.meta["val"].shape:
+                return g, low, add, other
+    return None
 
 
 def _erase_dead(nodes: list[Node], graph: Graph) -> None:
@@ -131,19 +141,17 @@ def rewrite(graph: Graph) -> int:
             _erase_dead([first, first.args[0], second], graph)
             count += 1
             continue
-        g = _backward_match(node)
-        if g is not None:
-            parts = list(node.args)
-            with graph.inserting_before(node):
+        found = _backward_match(node)
+        if found is not None:
+            g, low, add, other = found
+            with graph.inserting_before(low):
                 rot = graph.call_function(ROTATE_HALF, (g,))
                 neg = graph.call_function(aten.neg.default, (rot,))
-            rot.meta["val"] = neg.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(neg)
-            graph.erase_node(node)
-            dead = []
-            for p in parts:
-                inner = p.args[0]
-                dead += [p, inner] + ([inner.args[0]] if _is(inner, aten.neg.default) else [])
+            rot.meta["val"] = neg.meta["val"] = low.meta["val"]
+            low.replace_all_uses_with(neg)
+            add.replace_all_uses_with(other if other is not low else neg)
+            graph.erase_node(add)
+            dead = [node, node.args[0], node.args[0].args[0], low, low.args[0]]
             _erase_dead(dead, graph)
             count += 1
     return count
