@@ -582,22 +582,29 @@ static void rot_half(float *d, const float *a, int64_t tr, int64_t tc) {
 /* The VF of instruction I over the tile: one call over the packed tile, or a call per row when an
  * input is a ROW register (its value is the row's). An output only a STORE reads is computed in
  * the output's memory where the tile's rows are contiguous there. */
-static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int64_t r0, int64_t c0, int64_t tr,
-                   int64_t tc) {
+static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int64_t *P, int64_t r0, int64_t c0,
+                   int64_t tr, int64_t tc) {
     float *o[DVM_VF_MAX_OUTPUTS];
     const float *x[DVM_VF_MAX_ARGS];
+    int64_t pitch[DVM_VF_MAX_ARGS]; /* per FULL operand: elements from one of the tile's rows to the next */
     int n_out = I->n_vf_out, n_in = I->n_vf_in, per_row = 0;
+    (void)S;
     for (int j = 0; j < n_out; j++) {
         int r = I->vf_regs[j];
-        if (I->vf_direct[j]) {
+        if (I->vf_direct[j]) { /* straight into the output, at its own row stride */
             const dvm_tensor *t = &p->out[I->vf_direct[j] - 1];
-            R[r] = tr == 1 || t->rs == tc ? (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4) : S + p->reg_off[r];
+            R[r] = (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4);
+            P[r] = tr == 1 || t->rs == tc ? 0 : t->rs;
         }
         o[j] = R[r];
+        pitch[j] = P[r] ? P[r] : tc;
+        per_row |= pitch[j] != tc;
     }
     for (int i = 0; i < n_in; i++) {
-        x[i] = R[I->vf_regs[n_out + i]];
-        per_row |= I->vf_kinds[n_out + i] == KIND_ROW;
+        int r = I->vf_regs[n_out + i], kind = I->vf_kinds[n_out + i];
+        x[i] = R[r];
+        pitch[n_out + i] = kind == KIND_FULL ? (P[r] ? P[r] : tc) : kind == KIND_ROW ? 1 : 0;
+        per_row |= kind == KIND_ROW || (kind == KIND_FULL && pitch[n_out + i] != tc);
     }
     dvm_vf_fn f = VF_FNS[I->idx];
     if (!per_row || tr == 1) {
@@ -607,11 +614,8 @@ static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int
     for (int64_t i = 0; i < tr; i++) {
         float *oi[DVM_VF_MAX_OUTPUTS];
         const float *xi[DVM_VF_MAX_ARGS];
-        for (int j = 0; j < n_out; j++) oi[j] = o[j] + i * tc;
-        for (int m = 0; m < n_in; m++) {
-            int kind = I->vf_kinds[n_out + m];
-            xi[m] = kind == KIND_FULL ? x[m] + i * tc : kind == KIND_ROW ? x[m] + i : x[m];
-        }
+        for (int j = 0; j < n_out; j++) oi[j] = o[j] + i * pitch[j];
+        for (int m = 0; m < n_in; m++) xi[m] = x[m] + i * pitch[n_out + m];
         f(tc, oi, xi);
     }
 }
@@ -619,8 +623,8 @@ static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int
 /* The program over the tile at (r0, c0) of tr x tc. R: the registers' buffers (S + reg_off),
  * except fp32 LOADs that point into their input; held: what kept registers hold; pf: the
  * prefetching of the next tile, a step per instruction. */
-static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int64_t r0, int64_t c0, int64_t tr,
-                     int64_t tc, pf_cursor *pf) {
+static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int64_t *P, int64_t r0, int64_t c0,
+                     int64_t tr, int64_t tc, pf_cursor *pf) {
     for (int k = 0; k < p->n_instr; k++) {
         const dvm_ins *I = &p->ins[k];
         pf_step(pf);
@@ -640,6 +644,10 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
             }
             if (I->in_place && (tr == 1 || (t->rs == tc && t->linear))) {
                 R[I->d] = (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4);
+                P[I->d] = 0;
+            } else if (I->pitched) { /* only VFs read it: they walk its rows where they lie */
+                R[I->d] = (float *)(t->ptr + (dvm_row(t, r0) + c0 * t->cs) * 4);
+                P[I->d] = t->rs;
             } else {
                 if (I->in_place) R[I->d] = d = S + p->reg_off[I->d];
                 load(t, d, I->kd, r0, c0, tr, tc);
@@ -652,7 +660,7 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
             break;
         }
         case OP_STORE:
-            if (!(I->direct && (tr == 1 || p->out[I->idx].rs == tc)))
+            if (!(I->direct == 2 || (I->direct && (tr == 1 || p->out[I->idx].rs == tc))))
                 store(&p->out[I->idx], R[I->a], I->ka, r0, c0, tr, tc);
             break;
         case OP_COPY: broadcast(d, I->kd, R[I->a], I->ka, tr, tc); break;
@@ -661,7 +669,7 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         case OP_RMAX:
         case OP_RMIN: reduce_rows(I->op, d, R[I->a], I->ka, tr, tc, p->cols); break;
         case OP_NOP: break;
-        case OP_VF: run_vf(p, I, S, R, r0, c0, tr, tc); break;
+        case OP_VF: run_vf(p, I, S, R, P, r0, c0, tr, tc); break;
         case OP_ROT_HALF: rot_half(d, R[I->a], tr, tc); break;
         case OP_MUL_MUL: mul_mul(d, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
         case OP_SUM_MUL: sum_mul(d, R[I->a], R[I->b], tr, tc); break;
@@ -693,11 +701,12 @@ static void tile_at(const dvm_plan *p, int64_t t, int64_t *at) {
 }
 
 static void run_tiles(const dvm_plan *p, int64_t t0, int64_t t1, float *scratch) {
-    float **R = (float **)(scratch + (p->scratch_floats - 8 * (size_t)p->n_regs));
-    int64_t *held = (int64_t *)(R + p->n_regs);
+    float **R = (float **)(scratch + (p->scratch_floats - 10 * (size_t)p->n_regs));
+    int64_t *held = (int64_t *)(R + p->n_regs), *P = held + 3 * p->n_regs;
     for (int r = 0; r < p->n_regs; r++) {
         R[r] = scratch + p->reg_off[r];
         held[3 * r] = -1;
+        P[r] = 0; /* the register's rows are packed in the tile (pitch: the tile's columns) */
     }
     int64_t cur[4], next[4] = {0, 0, 0, 0};
     pf_cursor pf;
@@ -707,7 +716,7 @@ static void run_tiles(const dvm_plan *p, int64_t t0, int64_t t1, float *scratch)
         if (t + 1 < t1) tile_at(p, t + 1, next);
         else next[2] = 0;
         pf_plan(p, next, p->n_instr, &pf);
-        run_tile(p, scratch, R, held, cur[0], cur[1], cur[2], cur[3], &pf);
+        run_tile(p, scratch, R, held, P, cur[0], cur[1], cur[2], cur[3], &pf);
     }
     stream_fence();
 }

@@ -84,8 +84,9 @@ int64_t hp_dvm_tile_elems(int64_t elems) {
 int64_t hp_dvm_max_reduce_cols(void) { return DVM_MAX_REDUCE_COLS; }
 
 /* Turns techniques off, for benchmarks and tests: 1 prefetching, 2 non-temporal stores, 4
- * in-place loads, 8 kept weights, 16 fused instruction pairs, 32 results computed in outputs. < 0 leaves them. Returns the flags
- * that were in force. */
+ * in-place loads, 8 kept weights, 16 fused instruction pairs, 32 results computed in outputs,
+ * 64 VFs walking rows at a tensor's own pitch. < 0 leaves them. Returns the flags that were in
+ * force. */
 int hp_dvm_tune(int flags) {
     int old = tune_flags;
     if (flags >= 0) tune_flags = flags;
@@ -471,7 +472,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     int64_t n_outer = rows > 0 ? rows / (n_mid * n_inner) : 1;
     size_t n_tensors = (size_t)n_inputs + (size_t)n_outputs;
     size_t bytes = (size_t)n_instr * sizeof(dvm_ins) + n_tensors * sizeof(dvm_tensor) +
-                   (size_t)n_regs * (2 * sizeof(int64_t) + 4 * sizeof(int32_t) + 1);
+                   (size_t)n_regs * (2 * sizeof(int64_t) + 5 * sizeof(int32_t) + 1);
     char *mem = malloc(bytes ? bytes : 1);
     if (!mem) return DVM_E_NOMEM;
     dvm_ins *ins = (dvm_ins *)mem;
@@ -556,8 +557,15 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
 
     /* A FULL register loaded from a row-broadcast input (a weight) and written by nothing else
      * keeps its values from tile to tile while the columns stay, in a buffer of its own. */
-    int8_t *kept_reg = (int8_t *)(free_slots + n_regs);
+    int32_t *vf_reads = free_slots + n_regs; /* per register: the VF instructions that read it */
+    int8_t *kept_reg = (int8_t *)(vf_reads + n_regs);
     memset(kept_reg, 0, (size_t)n_regs);
+    memset(vf_reads, 0, (size_t)n_regs * sizeof(int32_t));
+    for (int k = 0; k < n_instr; k++) {
+        int32_t regs[DVM_VF_MAX_ARGS];
+        int n = ins[k].op == OP_VF ? operands(&ins[k], regs) : 0;
+        for (int i = 0; i < n; i++) vf_reads[regs[i]]++;
+    }
     for (int k = 0; k < n_instr; k++) {
         dvm_ins *I = &ins[k];
         if (I->op != OP_LOAD || I->kd != KIND_FULL || writes_of[I->d] != 1) continue;
@@ -565,6 +573,8 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         if (overlaps(t, out, n_outputs, rows, cols)) continue;
         I->in_place = t->dtype == DT_F32 && (t->cs == 1 || cols == 1) && !(tune_flags & 4);
         I->keep = kept_reg[I->d] = t->rs == 0 && t->linear && rows > 1 && !(tune_flags & 8);
+        I->pitched = I->in_place && !I->keep && t->linear && reads_of[I->d] > 0 &&
+                     vf_reads[I->d] == reads_of[I->d] && !(tune_flags & 64);
     }
 
     /* A FULL value that only a STORE reads, bound for an fp32 output whose tile rows are
@@ -590,7 +600,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         if (overlaps(t, in, n_inputs, rows, cols)) continue;
         if (ins[producer].op == OP_VF) ins[producer].vf_direct[out_of_vf] = S->idx + 1;
         else ins[producer].direct = S->idx + 1;
-        S->direct = 1;
+        S->direct = ins[producer].op == OP_VF && !(tune_flags & 64) ? 2 : 1;
     }
 
     int n_slots[4];
@@ -599,7 +609,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     int64_t target = tile_elems_setting;
     if (target <= 0) {
         int64_t streams = n_slots[KIND_FULL] + n_slots[3];
-        for (int k = 0; k < n_instr; k++) streams += ins[k].in_place;
+        for (int k = 0; k < n_instr; k++) streams += ins[k].in_place || ins[k].pitched;
         target = L1_TILE_BYTES / (4 * (streams > 0 ? streams : 1));
         /* A tile that reduces rows runs its per-row work (the ROW instructions, the reductions'
          * ends) for few rows at a time: tiles that small cost more in dispatch than they save in
@@ -643,7 +653,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
     plan.n_tiles = cdiv(rows, tile_rows) * plan.n_col_tiles;
     int64_t full_stride = cdiv(tile_rows * tile_cols, 16) * 16, row_stride = cdiv(tile_rows, 16) * 16;
     size_t buffers = lay_out(reg_kinds, n_regs, kept_reg, slot, n_slots, full_stride, row_stride, reg_off);
-    plan.scratch_floats = (buffers + 1) / 2 * 2 + 2 * (size_t)n_regs * 4; /* + pointers, kept tiles */
+    plan.scratch_floats = (buffers + 1) / 2 * 2 + 2 * (size_t)n_regs * 5; /* + pointers, kept tiles, pitches */
 
     const dvm_isa *isa = active();
     int threads = n_threads > 0 ? n_threads : omp_get_max_threads();

@@ -83,9 +83,13 @@ typedef struct {
     int32_t keep;          /* LOAD of a row-broadcast input (a weight): the register keeps its
                               own buffer, reloaded only when the tile's columns change */
     int32_t readers;       /* LOAD: the instructions that read the register */
+    int32_t pitched;       /* LOAD read in place and only by VFs: where the tile's rows are not
+                              contiguous in the input, the register points at its first row and
+                              the VFs walk the rows at the input's own row stride (no copy) */
     int32_t direct;        /* the producer of a value only a STORE reads: 1 + the output it may
                               compute into (tiles whose rows are contiguous there); STORE: 1 if
-                              its value was computed in place so */
+                              its value was computed in place so, 2 if a VF computed it there
+                              whatever the tile (at the output's own row stride) */
     /* VF: its outputs' and inputs' registers, their kinds, and per output its `direct` */
     int32_t n_vf_out, n_vf_in;
     int32_t vf_regs[DVM_VF_MAX_ARGS];
