@@ -598,9 +598,11 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         }
         if (producer < 0 || ins[producer].op == OP_LOAD || ins[producer].op == OP_CONST) continue;
         if (overlaps(t, in, n_inputs, rows, cols)) continue;
+        /* (a VF computes into the output at its own row stride, so every tile: 64 turns that off) */
+        if (ins[producer].op == OP_VF && (tune_flags & 64)) continue;
         if (ins[producer].op == OP_VF) ins[producer].vf_direct[out_of_vf] = S->idx + 1;
         else ins[producer].direct = S->idx + 1;
-        S->direct = ins[producer].op == OP_VF && !(tune_flags & 64) ? 2 : 1;
+        S->direct = ins[producer].op == OP_VF ? 2 : 1;
     }
 
     int n_slots[4];

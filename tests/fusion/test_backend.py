@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hyperparallel.fusion import backend as dvm_backend
 from hyperparallel.fusion import compile as dvm_compile
-from hyperparallel.fusion.backend import dvm
+from hyperparallel.fusion.backend import dvm, fuse
 
 torch._dynamo.config.cache_size_limit = 512
 
@@ -396,3 +396,98 @@ def test_a_bool_mask_from_outside_the_cluster_is_loaded_by_the_vm(dtype, backwar
     calls = _vm_calls()
     check(_masked, t, mask, dtype=dtype, backward=backward)
     assert _vm_calls()[0] > calls[0] and _vm_calls()[1] == calls[1]  # on the VM, not the ATen graph
+
+
+def _fused_graph(fn, *example):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return fuse(make_fx(fn, tracing_mode="fake")(*example))
+
+
+def _fused_ops(gm) -> list:
+    return [m for m in gm.modules() if isinstance(m, dvm_compile.FusedOp)]
+
+
+def test_sibling_clusters_reading_one_input_become_one_fused_operator():
+    # two chains from the same input, joined only by an opaque op after both: two clusters by
+    # producer and consumer, one once siblings merge (the input read once, one call)
+    def f(a, b):
+        left = torch.sigmoid(a) * b
+        right = torch.tanh(a) + b
+        return torch.mm(left, right.t())
+
+    a, b = x(16, 24), x(16, 24, seed=1)
+    gm = _fused_graph(f, a, b)
+    assert len(_fused_ops(gm)) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(gm(a, b), f(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_with_a_path_between_them_stay_apart():
+    # the second chain reads the first's result through an opaque op: merging would make a cycle
+    def f(a):
+        left = torch.sigmoid(a) * a
+        right = torch.tanh(torch.mm(left, a.t())) + 1.0
+        return right * 2.0
+
+    a = x(16, 16)
+    gm = _fused_graph(f, a)
+    assert len(_fused_ops(gm)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(gm(a), f(a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_cat_of_fused_outputs_is_computed_in_place(dtype):
+    # an MoE expert's backward: the gate's and the up projection's gradients, then cat: the fused
+    # operator writes both into the halves of one buffer, and no cat runs
+    def f(gate, up, grad):
+        s = torch.sigmoid(gate)
+        d_gate = grad * up * s * (1 + gate * (1 - s))
+        d_up = grad * gate * s
+        return torch.cat([d_gate, d_up], dim=-1)
+
+    args = [x(32, 40, seed=i).to(dtype) for i in range(3)]
+    gm = _fused_graph(f, *args)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cat.default not in targets
+    [op] = _fused_ops(gm)
+    assert op.packs == [(1, (0, 1))]
+    with torch.no_grad():
+        got, want = gm(*args), f(*args)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_a_packed_cat_on_the_aten_path_is_still_a_cat():
+    def f(gate, up):
+        return torch.cat([torch.sigmoid(gate) * up, torch.tanh(gate) * up], dim=-1)
+
+    args = [x(8, 16, seed=i) for i in range(2)]
+    gm = _fused_graph(f, *args)
+    [op] = _fused_ops(gm)
+    before = dvm_compile.STATS["aten_calls"]
+    with torch.no_grad():  # float64: a dtype the program was not written for runs the ATen graph
+        got = gm(*[a.double() for a in args])
+    assert dvm_compile.STATS["aten_calls"] == before + 1
+    torch.testing.assert_close(got, f(*[a.double() for a in args]))
+
+
+def test_contiguous_of_a_fused_value_and_an_expand_fuse():
+    # a norm's backward pattern: a per-row value expanded to the row, and .contiguous() of a
+    # transposed result, all in one fused operator
+    def f(a, b):  # a transposed: the products are laid out as a is, .contiguous() copies them
+        r = (a * b).sum(-1, keepdim=True).expand(a.shape)
+        return (torch.sigmoid(a) * r).contiguous(), r * b
+
+    a, b = x(8, 12, 16).transpose(0, 1), x(12, 8, 16, seed=1)
+    gm = _fused_graph(f, a, b)
+    assert len(_fused_ops(gm)) == 1
+    leftover = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.clone.default not in leftover and torch.ops.aten.expand.default not in leftover
+    with torch.no_grad():
+        got, want = gm(a, b), f(a, b)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.stride() == w.stride()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

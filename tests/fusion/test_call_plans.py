@@ -109,3 +109,41 @@ def test_more_row_levels_than_the_vm_walks_run_the_aten_graph():
         got = gm(scrambled, x(8, seed=1))
     torch.testing.assert_close(got, chain(scrambled, x(8, seed=1)), rtol=1e-6, atol=1e-6)
     assert _delta(before) == (1, 0, 1)
+
+
+def _graph_targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_rotate_half_forward_and_backward_are_one_fused_operator_each():
+    # Hugging Face's rotate_half is slice, slice, neg, cat in the forward and slice, slice, neg,
+    # slice_backward, slice_backward, add in the backward: rotary.py makes each one ROT_HALF, so
+    # nothing of rotary is left to ATen but the transpose (a view)
+    from hyperparallel.fusion import backend
+
+    q, cos, sin = _rotary_inputs()
+    seen = []
+    real = backend.fuse
+
+    def spy(gm):
+        out = real(gm)
+        seen.append(out)
+        return out
+
+    backend.fuse = spy
+    try:
+        torch._dynamo.reset()
+        leaf = q.clone().requires_grad_()
+        out = torch.compile(rotary, backend="dvm")(leaf, cos, sin)
+        out.backward(torch.ones_like(out))
+    finally:
+        backend.fuse = real
+    aten = torch.ops.aten
+    assert len(seen) == 2  # forward and backward
+    for gm in seen:
+        targets = _graph_targets(gm)
+        assert not {aten.cat.default, aten.slice_backward.default, aten.neg.default, aten.slice.Tensor} & set(targets)
+        assert sum(isinstance(m, dvm_compile.FusedOp) for m in gm.modules()) == 1
+    leaf_ref = q.clone().requires_grad_()
+    rotary(leaf_ref, cos, sin).backward(torch.ones_like(out))
+    torch.testing.assert_close(leaf.grad, leaf_ref.grad, rtol=1e-6, atol=1e-6)

@@ -204,3 +204,31 @@ def test_a_segment_is_cut_within_the_register_budget():
     segments = vf._segments(body, readers)
     assert len(segments) > 1 and sum(map(len, segments)) == len(body)
     assert all(vf._peak_live(s, readers) <= vf.BUDGET for s in segments)
+
+
+def test_vfs_walk_strided_rows_where_they_lie(isa):
+    # inputs and outputs that are column slices of wider tensors (an MoE's gate and up halves,
+    # the halves of a packed cat): a VF reads and writes them at their own row stride; the same
+    # values as through tile buffers (hp_dvm_tune 64 turns that off)
+    index = next(i for i, s in enumerate(vf_spec.read()) if s.kinds == "FF")
+    p, outs = _vf_program(index, "FF")
+    rows, cols = 37, 77
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(rows, 2 * cols, generator=g)
+    ins = [wide[:, :cols], wide[:, cols:]]
+    results = []
+    for flags in (0, 64):
+        old = vm.LIB.hp_dvm_tune(flags)
+        try:
+            packed = torch.zeros(rows, (len(outs) + 1) * cols)
+            got = [packed[:, j * cols:(j + 1) * cols] for j in range(len(outs))]
+            vm.run(p, ins, got, rows, cols, [(2 * cols, 1)] * 2, [(packed.stride(0), 1)] * len(outs))
+            assert torch.equal(packed[:, len(outs) * cols:], torch.zeros(rows, cols))  # nothing written past them
+            results.append([t.clone() for t in got])
+        finally:
+            vm.LIB.hp_dvm_tune(old)
+    want = [torch.empty(rows, cols) for _ in outs]
+    reference.run(p, [t.contiguous() for t in ins], want, rows, cols, [(cols, 1)] * 2, [(cols, 1)] * len(outs))
+    for a, b, w in zip(results[0], results[1], want, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)

@@ -819,6 +819,24 @@ def test_errors_name_the_instruction():
     assert torch.equal(out, torch.zeros(4, 8))  # nothing was written
 
 
+@pytest.mark.parametrize("shape", [(3, 8), (5, 2), (7, 130)])
+def test_rotate_half_along_the_row(shape, isa):
+    rows, cols = shape
+    t = torch.randn(rows, cols, generator=gen(3))
+    b = P()
+    b.store(b.op(Op.EXP, b.op(Op.ROT_HALF, b.op(Op.MUL, b.load(0), b.load(0)))))  # in a chain: whole-row tiles
+    out = torch.empty(rows, cols)
+    vm.run(b.p, [t], [out], rows, cols, [(cols, 1)], [(cols, 1)])
+    sq = t * t
+    want = torch.exp(torch.cat((-sq[:, cols // 2:], sq[:, :cols // 2]), dim=1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    ref = torch.empty(rows, cols)
+    reference.run(b.p, [t], [ref], rows, cols, [(cols, 1)], [(cols, 1)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    if cols > 2:  # an odd row: no half to rotate by
+        expect_error(b.p, [t[:, :cols - 1]], [out[:, :cols - 1]], rows, cols - 1, [(cols, 1)], [(cols, 1)], 9, 3)
+
+
 def test_native_arrays_are_built_once_per_program():
     b = unary_program(Op.EXP)
     x, out = torch.randn(2, 3), torch.empty(2, 3)
