@@ -17,7 +17,7 @@ The split (`apply`), after lowering, in one walk over the bytecode:
 
 So compiling stays a table lookup (microseconds). The table holds the segments of the chains in
 vf_chains.py (activations and their backward, norms, softmax, rotary, casts, the loss chunk, the
-default model's decoder layers), harvested by vf_harvest.py.
+default model's decoder layers), harvested by scripts/dvm_vf_harvest.py.
 
 `HYPERPARALLEL_DVM_VF=0` turns VFs off (the per-op VM), for comparison and as an escape hatch. VFs
 are used only when the native library was built from this table (its digest matches).
@@ -34,7 +34,7 @@ from hyperparallel.fusion.bytecode import BINARY, UNARY, WORDS, Kind, Op, Progra
 ENV = "HYPERPARALLEL_DVM_VF"
 BUDGET = 12  # values a VF keeps alive at once (see 2. above)
 _VF_OPS = {Op[name] for name in vf_spec.ARITY}
-COLLECT: set[str] | None = None  # when a set, every segment's line is added to it (vf_harvest.py)
+COLLECT: set[str] | None = None  # when a set, every segment's line is added to it (scripts/dvm_vf_harvest.py)
 
 
 def enabled() -> bool:

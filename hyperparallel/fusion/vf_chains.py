@@ -1,10 +1,10 @@
 """The element-wise chains DVM's VFs are made for, as a model's Python writes them.
 
-One list serves three users: vf_harvest.py lowers each chain (forward, and backward where it has
+One list serves three users: scripts/dvm_vf_harvest.py lowers each chain (forward, and backward where it has
 gradients; fp32 and bf16) to collect the segments the VF table must hold, tests/fusion/test_vf.py
 checks the table holds them and that VFs and the per-op path agree bit for bit on each, and
 benchmarks/fusion.py times them. The default model's decoder layers and the fused loss chunk are
-harvested too (vf_harvest.py), so the table also covers what the trainer compiles.
+harvested too (by that script), so the table also covers what the trainer compiles.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Collect the segments the VF table should hold: `python -m hyperparallel.fusion.vf_harvest [--write]`.
+"""Collect the segments DVM's VF table should hold: `python scripts/dvm_vf_harvest.py [--write]`.
 
 Lowers, with dvm and the split in collecting mode (vf.COLLECT), every chain of vf_chains.py
 (forward without gradients; forward and backward with them; float32 and bfloat16), the fused
 loss's chunk, and the default config's decoder layers for a training step in float32 and under
 bf16 autocast. Prints the segments the table lacks; `--write` rewrites vf_table.txt with exactly
 them (sorted, so a change shows as a small diff). Then `make setup` (or setup.py build_ext)
-regenerates and compiles the C.
+regenerates and compiles the C. (A script, not part of the package: it drives the models and the
+trainer's config, which `fusion` may not import.)
 """
 
 from __future__ import annotations
