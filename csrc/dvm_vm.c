@@ -305,6 +305,7 @@ static int check(const int32_t *code, int n_instr, int n_imms, const int32_t *ki
             break;
         case OP_ROT_HALF:
             if (kd != KIND_FULL || I->ka != KIND_FULL) return DVM_E_KIND;
+            if (I->d == I->a) return DVM_E_REGISTER; /* it reads other columns than it writes */
             if (cols % 2) return DVM_E_SHAPE;
             *has_reduction = 1; /* whole rows in a tile */
             break;
@@ -573,7 +574,7 @@ int hp_dvm_run(const int32_t *code, int n_instr, const double *imms, int n_imms,
         if (overlaps(t, out, n_outputs, rows, cols)) continue;
         I->in_place = t->dtype == DT_F32 && (t->cs == 1 || cols == 1) && !(tune_flags & 4);
         I->keep = kept_reg[I->d] = t->rs == 0 && t->linear && rows > 1 && !(tune_flags & 8);
-        I->pitched = I->in_place && !I->keep && t->linear && reads_of[I->d] > 0 &&
+        I->pitched = I->in_place && !I->keep && t->linear && t->rs != 0 && reads_of[I->d] > 0 &&
                      vf_reads[I->d] == reads_of[I->d] && !(tune_flags & 64);
     }
 

@@ -64,6 +64,8 @@ _METHODS = {
 def _views_as_methods(gm: GraphModule) -> None:
     for node in gm.graph.nodes:
         method = _METHODS.get(node.target) if node.op == "call_function" and not node.kwargs else None
+        if method == "expand" and len(node.args) != 2:
+            continue  # (expand's `implicit`, passed by position, is no argument of Tensor.expand)
         if method is not None:
             node.op, node.target = "call_method", method
 
@@ -81,8 +83,8 @@ def _cats_into_fused_outputs(gm: GraphModule) -> None:
         call = parts[0].args[0] if parts and parts[0].op == "call_function" and parts[0].target is operator.getitem \
             else None
         fused = getattr(gm, call.target, None) if call is not None and call.op == "call_module" else None
-        if not isinstance(fused, dvm_compile.FusedOp):
-            continue
+        if not isinstance(fused, dvm_compile.FusedOp) or not node.meta["val"].is_contiguous():
+            continue  # (the buffer is contiguous, as a cat of contiguous parts is)
         if any(p.op != "call_function" or p.target is not operator.getitem or p.args[0] is not call or len(p.users) != 1
                for p in parts):
             continue

@@ -296,7 +296,7 @@ def fusible(node: Node) -> bool:
         else:
             dims, keepdim = (node.args[1] if len(node.args) > 1 else ()), (node.args[2] if len(node.args) > 2 else False)
         return bool(keepdim) and _last_dim_only(node, dims)
-    if node.target is aten.expand.default and not all(type(d) is int for d in node.args[1]):
+    if node.target is aten.expand.default and not all(type(d) is int and d >= 0 for d in node.args[1]):
         return False  # the space it widens to must be known when the operator is built (FusedOp.domain)
     if node.target is ROTATE_HALF:
         width = out.shape[-1]

@@ -3,6 +3,8 @@ the executable spec the native VM is tested against (slow; never used for speed)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hyperparallel.fusion import vf_spec
@@ -35,9 +37,14 @@ def _view(t: torch.Tensor, rows: int, cols: int, strides, row_dims) -> torch.Ten
     return torch.as_strided(t, shape, nested_strides(strides, row_dims), t.storage_offset())
 
 
+@functools.cache
+def _table() -> list:
+    return vf_spec.read()
+
+
 def _vf(regs: dict, index: int, args: list[int]) -> None:
     """A VF: its table entry's ops one by one (the VM runs them in registers, bit for bit the same)."""
-    spec = vf_spec.read()[index]
+    spec = _table()[index]
     n_out = len(spec.outputs)
     values = [regs[r] for r in args[n_out:]]
     for name, operands in spec.ops:

@@ -108,14 +108,30 @@ def _backward_match(high: Node) -> tuple[Node, Node, Node, Node] | None:
     if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs or add.args[0] is add.args[1]:
         return None
     other = add.args[0] if add.args[1] is high else add.args[1]
+    same = (add.meta["val"].shape, add.meta["val"].dtype)
+    if not isinstance(other, Node) or (other.meta["val"].shape, other.meta["val"].dtype) != same:
+        return None  # the add broadcast or promoted: not a plain sum of gradients
     for user in g.users:  # low: g[..., h:] scattered back at [..., :h]
         upper = _slice_of(user, g)
         if upper is None or upper[1:] != (h, width):
             continue
         for low in user.users:
-            if _slice_backward_of(low) == (user, 0, h) and low.meta["val"].shape == high.meta["val"].shape:
+            if _slice_backward_of(low) == (user, 0, h) and low.meta["val"].shape == high.meta["val"].shape \
+                    and _summed_into(low, other):
                 return g, low, add, other
     return None
+
+
+def _summed_into(low: Node, other: Node, depth: int = 16) -> bool:
+    """Whether `other` is `low`, or a sum (adds, each read by the next only) that has `low` as a
+    term: then low and high are parts of one tensor's gradient (the x of one rotate_half), not
+    the rotations of two tensors that happen to share g."""
+    if other is low:
+        return True
+    if depth == 0 or not _is(other, aten.add.Tensor) or other.kwargs or len(other.args) != 2:
+        return False
+    return any(isinstance(a, Node) and (a is low or (len(a.users) == 1 and _summed_into(low, a, depth - 1)))
+               for a in other.args)
 
 
 def _erase_dead(nodes: list[Node], graph: Graph) -> None:

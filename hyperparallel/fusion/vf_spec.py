@@ -72,7 +72,8 @@ def parse_line(line: str) -> VF:
         ops.append((name, values))
     outputs = tuple(int(v) for v in outs.split())
     n_values = len(kinds) + len(ops)
-    if not outputs or len(outputs) > MAX_OUTPUTS or any(not len(kinds) <= v < n_values for v in outputs):
+    if (not outputs or len(outputs) > MAX_OUTPUTS or len(set(outputs)) != len(outputs)
+            or any(not len(kinds) <= v < n_values for v in outputs)):
         raise ValueError(f"outputs must be 1-{MAX_OUTPUTS} op results: {line!r}")
     if len(kinds) > MAX_INPUTS:
         raise ValueError(f"more than {MAX_INPUTS} inputs: {line!r}")

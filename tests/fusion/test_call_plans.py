@@ -147,3 +147,21 @@ def test_rotate_half_forward_and_backward_are_one_fused_operator_each():
     leaf_ref = q.clone().requires_grad_()
     rotary(leaf_ref, cos, sin).backward(torch.ones_like(out))
     torch.testing.assert_close(leaf.grad, leaf_ref.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_halves_of_two_tensors_are_no_rotate_half():
+    # cat((-a[..., h:], b[..., :h])) with a != b: the forward is not rotate_half, and in the
+    # backward the two scattered halves belong to two gradients; both stay as they are
+    def f(a, b, c, s):
+        half = a.shape[-1] // 2
+        return a * c + torch.cat((-a[..., half:], b[..., :half]), dim=-1) * s
+
+    args = [x(2, 4, 8, 16, seed=i) for i in range(4)]
+    torch._dynamo.reset()
+    leaves = [t.clone().requires_grad_() for t in args[:2]]
+    out = torch.compile(f, backend="dvm")(*leaves, *args[2:])
+    out.backward(torch.ones_like(out))
+    refs = [t.clone().requires_grad_() for t in args[:2]]
+    f(*refs, *args[2:]).backward(torch.ones_like(out))
+    for got, want in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)

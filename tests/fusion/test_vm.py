@@ -835,6 +835,11 @@ def test_rotate_half_along_the_row(shape, isa):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     if cols > 2:  # an odd row: no half to rotate by
         expect_error(b.p, [t[:, :cols - 1]], [out[:, :cols - 1]], rows, cols - 1, [(cols, 1)], [(cols, 1)], 9, 3)
+    same = P()  # into the register it reads: refused (it reads other columns than it writes)
+    r = same.load(0)
+    same.p.emit(Op.ROT_HALF, r, r)
+    same.store(r)
+    expect_error(same.p, [t], [out], rows, cols, [(cols, 1)], [(cols, 1)], 2, 1)
 
 
 def test_native_arrays_are_built_once_per_program():
