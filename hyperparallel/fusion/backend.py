@@ -132,10 +132,32 @@ def dvm(gm: GraphModule, example_inputs):
 
 def _inference(gm: GraphModule, example_inputs):
     """No gradients: Dynamo's own graph, its element-wise nodes rewritten to ATen (canonical.py)."""
-    forward = fuse(canonicalize(gm)).forward  # (not the GraphModule's call: its wrapper costs microseconds)
+    fused = fuse(canonicalize(gm))
+    forward = _only_fused_op(fused) or fused.forward  # (not the GraphModule's call: its wrapper costs microseconds)
 
     def run(*args):
+        if not torch.is_grad_enabled():
+            return forward(*args)
         with torch.no_grad():
             return forward(*args)
 
     return run
+
+
+def _only_fused_op(gm: GraphModule):
+    """The FusedOp's own call when the graph is nothing but it (its inputs, in order, in; all its
+    outputs, in order, out: a chain compiled on its own), else None."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    if len(calls) != 1 or len(nodes) != len(placeholders) + len(calls) + len(calls[0].users) + 1:
+        return None
+    op = getattr(gm, calls[0].target)
+    output = nodes[-1].args[0]
+    if (not isinstance(op, dvm_compile.FusedOp) or op.packs or list(calls[0].args) != placeholders
+            or calls[0].kwargs or not isinstance(output, (tuple, list)) or len(output) != len(op.out_kinds)):
+        return None
+    for i, out in enumerate(output):
+        if not (isinstance(out, torch.fx.Node) and out.target is operator.getitem and out.args == (calls[0], i)):
+            return None
+    return op.forward

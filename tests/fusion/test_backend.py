@@ -491,3 +491,13 @@ def test_contiguous_of_a_fused_value_and_an_expand_fuse():
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.stride() == w.stride()
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_compiled_alone_calls_its_fused_operator_directly():
+    # the inference path skips the GraphModule around a graph that is nothing but one fused
+    # operator (its inputs in, all its outputs out); any other graph runs as the GraphModule
+    alone = _fused_graph(lambda a, b: (torch.sigmoid(a) * b + a,), x(8, 16), x(8, 16, seed=1))
+    [op] = _fused_ops(alone)
+    assert dvm_backend._only_fused_op(alone) == op.forward
+    around = _fused_graph(lambda a, b: (torch.mm(torch.sigmoid(a) * b + a, b.t()),), x(8, 16), x(8, 16, seed=1))
+    assert dvm_backend._only_fused_op(around) is None
