@@ -580,15 +580,15 @@ static void rot_half(float *d, const float *a, int64_t tr, int64_t tc) {
 }
 
 /* The VF of instruction I over the tile: one call over the packed tile, or a call per row when an
- * input is a ROW register (its value is the row's). An output only a STORE reads is computed in
- * the output's memory where the tile's rows are contiguous there. */
-static void run_vf(const dvm_plan *p, const dvm_ins *I, float *S, float **R, int64_t *P, int64_t r0, int64_t c0,
-                   int64_t tr, int64_t tc) {
+ * input is a ROW register (its value is the row's) or a FULL operand lies at a pitch of its own
+ * (P[r]: an input only VFs read, walked where it lies; an output only a STORE reads, computed in
+ * the output's memory at the output's row stride). */
+static void run_vf(const dvm_plan *p, const dvm_ins *I, float **R, int64_t *P, int64_t r0, int64_t c0, int64_t tr,
+                   int64_t tc) {
     float *o[DVM_VF_MAX_OUTPUTS];
     const float *x[DVM_VF_MAX_ARGS];
     int64_t pitch[DVM_VF_MAX_ARGS]; /* per FULL operand: elements from one of the tile's rows to the next */
     int n_out = I->n_vf_out, n_in = I->n_vf_in, per_row = 0;
-    (void)S;
     for (int j = 0; j < n_out; j++) {
         int r = I->vf_regs[j];
         if (I->vf_direct[j]) { /* straight into the output, at its own row stride */
@@ -669,7 +669,7 @@ static void run_tile(const dvm_plan *p, float *S, float **R, int64_t *held, int6
         case OP_RMAX:
         case OP_RMIN: reduce_rows(I->op, d, R[I->a], I->ka, tr, tc, p->cols); break;
         case OP_NOP: break;
-        case OP_VF: run_vf(p, I, S, R, P, r0, c0, tr, tc); break;
+        case OP_VF: run_vf(p, I, R, P, r0, c0, tr, tc); break;
         case OP_ROT_HALF: rot_half(d, R[I->a], tr, tc); break;
         case OP_MUL_MUL: mul_mul(d, R[I->a], I->ka, R[I->b], I->kb, R[I->c], I->kc, tr, tc); break;
         case OP_SUM_MUL: sum_mul(d, R[I->a], R[I->b], tr, tc); break;
