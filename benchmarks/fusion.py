@@ -27,7 +27,6 @@ clustering and bytecode), forward and backward.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import os
@@ -88,24 +87,12 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-@contextlib.contextmanager
-def vfs(on: bool):
-    """DVM lowers with VFs on or off while inside (HYPERPARALLEL_DVM_VF)."""
-    from hyperparallel.fusion import vf
-
-    old = os.environ.get(vf.ENV)
-    os.environ[vf.ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(vf.ENV) if old is None else os.environ.__setitem__(vf.ENV, old)
-
-
 def chains_table(args) -> dict:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     from hyperparallel.fusion import compile as dvm_compile
+    from hyperparallel.fusion import vf
     from hyperparallel.fusion.backend import dvm
     from hyperparallel.fusion.vf_chains import BY_NAME
     from hyperparallel.kernels import host_cache
@@ -133,10 +120,10 @@ def chains_table(args) -> dict:
                 per_op = torch.compile(lambda *a, f=chain.fn: f(*a), backend=dvm, dynamic=False)
                 with torch.no_grad():
                     want = chain.fn(*xs)
-                    with vfs(True):
+                    with vf.lowering_with(True):
                         got = fused(*xs)
                     built = list(dvm_compile.STATS["built_graphs"])
-                    with vfs(False):
+                    with vf.lowering_with(False):
                         if not torch.equal(per_op(*xs), got):
                             raise SystemExit(f"dvm with and without VFs differ on {name} {dtype_name}")
                     for label, out in (("Inductor", inductor(*xs)), ("dvm", got)):

@@ -3,11 +3,9 @@ the executable spec the native VM is tested against (slow; never used for speed)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from hyperparallel.fusion import vf_spec
+from hyperparallel.fusion import vf
 from hyperparallel.fusion.bytecode import WORDS, DType, Kind, Op, Program, nested_strides
 
 _DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
@@ -37,14 +35,9 @@ def _view(t: torch.Tensor, rows: int, cols: int, strides, row_dims) -> torch.Ten
     return torch.as_strided(t, shape, nested_strides(strides, row_dims), t.storage_offset())
 
 
-@functools.cache
-def _table() -> list:
-    return vf_spec.read()
-
-
 def _vf(regs: dict, index: int, args: list[int]) -> None:
     """A VF: its table entry's ops one by one (the VM runs them in registers, bit for bit the same)."""
-    spec = _table()[index]
+    spec = vf.specs()[index]
     n_out = len(spec.outputs)
     values = [regs[r] for r in args[n_out:]]
     for name, operands in spec.ops:

@@ -98,8 +98,7 @@ def _backward_match(high: Node) -> tuple[Node, Node, Node, Node] | None:
     part = _slice_backward_of(high)
     if part is None or not _is(part[0], aten.neg.default) or len(high.users) != 1:
         return None
-    width = high.meta["val"].shape[-1]
-    h = width // 2 if isinstance(width, int) and width % 2 == 0 else None
+    width, h = high.meta["val"].shape[-1], _half(high)
     lower = _slice_of(part[0].args[0])
     if h is None or part[1:] != (h, width) or lower is None or lower[1:] != (0, h):
         return None

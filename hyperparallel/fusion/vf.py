@@ -25,6 +25,7 @@ are used only when the native library was built from this table (its digest matc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -41,10 +42,31 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+@contextlib.contextmanager
+def lowering_with(on: bool):
+    """Lowering writes VFs (on) or runs every op on its own (off) while inside: HYPERPARALLEL_DVM_VF
+    set for the time, as a user would (for comparisons: benchmarks, tests)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+@functools.cache
+def specs() -> list[vf_spec.VF]:
+    """The table's VFs, read once (a VF's index is its place here)."""
+    return vf_spec.read()
+
+
 @functools.cache
 def table() -> dict[str, int]:
     """Each VF's canonical line -> its index."""
-    return {vf.line: i for i, vf in enumerate(vf_spec.read())}
+    return {vf.line: i for i, vf in enumerate(specs())}
 
 
 @functools.cache
@@ -55,7 +77,7 @@ def library_has_table() -> bool:
     except ImportError:
         return False
     lib = vm.LIB
-    return lib is not None and lib.hp_dvm_vf_digest().decode() == vf_spec.digest(vf_spec.read())
+    return lib is not None and lib.hp_dvm_vf_digest().decode() == vf_spec.digest(specs())
 
 
 def active() -> bool:

@@ -7,8 +7,6 @@ does not fit its table."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -27,37 +25,20 @@ def vf_count(programs) -> int:
     return sum(p.code[i] == Op.VF for p in programs for i in range(0, len(p.code), WORDS))
 
 
-def compiled(fn, use_vfs: bool):
-    """fn compiled with dvm, its programs lowered with VFs on or off; returns (fn, its programs)."""
-    old = os.environ.get(vf.ENV)
-    os.environ[vf.ENV] = "1" if use_vfs else "0"
-    dvm_compile._CACHE.clear()
-    dvm_compile.STATS["built_graphs"].clear()
-    return torch.compile(fn, backend="dvm", dynamic=False), old
-
-
-def restore(old):
-    if old is None:
-        os.environ.pop(vf.ENV, None)
-    else:
-        os.environ[vf.ENV] = old
-
-
 def run_both(fn, xs, grad: bool):
     """fn's outputs (and input gradients) with VFs on and off, and the programs each built."""
     results, programs = {}, {}
     for use_vfs in (True, False):
         torch._dynamo.reset()
-        f, old = compiled(lambda *a: fn(*a), use_vfs)
-        try:
+        dvm_compile._CACHE.clear()
+        f = torch.compile(lambda *a: fn(*a), backend="dvm", dynamic=False)
+        with vf.lowering_with(use_vfs):
             leaves = [x.detach().clone().requires_grad_(grad) for x in xs]
             with torch.set_grad_enabled(grad):
                 out = f(*leaves)
                 if grad:
                     out.float().square().sum().backward()
             programs[use_vfs] = [prog for prog, *_ in dvm_compile._CACHE.values()]
-        finally:
-            restore(old)
         results[use_vfs] = [out.detach()] + ([x.grad for x in leaves] if grad else [])
     return results, programs
 
