@@ -4,7 +4,7 @@ The interpreter is plain C (csrc/dvm_*.c, the library ``hyperparallel._dvm_nativ
 kernels' loader; ``LIB`` is None when it is not built (or is a stale build), and its instruction
 set follows ``hyperparallel.kernels.use_isa``. ``run`` does little per call: the program's
 code, immediates, register kinds and dtypes become ctypes arrays once, kept on the Program
-(``Program._native``); a call only builds the pointer and stride arrays.
+(``Program._native``); a call only packs the data pointers.
 
 What the VM does with a call (csrc/dvm_vm.c): it checks the program against the tensors (an
 error raises VMError and writes nothing), runs it tile by tile (a tile's FULL registers hold
@@ -19,6 +19,7 @@ the stored value).
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Sequence
 from itertools import chain
 
@@ -28,12 +29,12 @@ from hyperparallel.errors import BackendError, HyperparallelError
 from hyperparallel.fusion.bytecode import INPUT_DTYPES, WORDS, Op, Program, nested_strides
 from hyperparallel.kernels.native import load, unavailable_reason
 
-_P = ctypes.c_void_p
 _INT = ctypes.c_int
 _I64 = ctypes.c_int64
+_data_ptr = torch.Tensor.data_ptr
 # hp_dvm_run has no argtypes: ctypes' conversion of 19 declared arguments costs more than the
-# call itself, so run() passes ctypes objects of the exact C types (arrays for pointers, c_int64
-# for rows and cols, Python ints only where the C type is int).
+# call itself, so run() passes objects of the exact C types (ctypes arrays, or bytes, for pointers;
+# c_int64 for rows and cols; Python ints only where the C type is int).
 _SIGNATURES = {
     "hp_dvm_run": (None, _INT),
     "hp_dvm_strerror": ([_INT], ctypes.c_char_p),
@@ -65,7 +66,7 @@ class _Native:
     """A Program as the C function takes it, built once per Program."""
 
     __slots__ = ("key", "code", "n_instr", "imms", "n_imms", "kinds", "n_regs", "in_dtypes", "out_dtypes",
-                 "in_torch", "out_torch", "in_ptrs", "out_ptrs", "in_strides", "out_strides")
+                 "in_torch", "out_torch", "pack_in", "pack_out", "in_strides", "out_strides")
 
     def __init__(self, program: Program):
         self.key = _key(program)
@@ -82,8 +83,9 @@ class _Native:
         by_code = {int(code): dtype for dtype, code in INPUT_DTYPES.items()}
         self.in_torch = tuple(by_code[int(d)] for d in program.input_dtypes)
         self.out_torch = tuple(by_code[int(d)] for d in program.output_dtypes)
-        # the array types a call fills
-        self.in_ptrs, self.out_ptrs = _P * max(n_in, 1), _P * max(n_out, 1)
+        # a call's pointer arrays: bytes, which ctypes passes as pointers to their contents (packed
+        # with struct, they cost a third of a ctypes array's time and are no objects for the GC)
+        self.pack_in, self.pack_out = struct.Struct(f"{n_in}P").pack, struct.Struct(f"{n_out}P").pack
         self.in_strides, self.out_strides = _I64 * max(4 * n_in, 1), _I64 * max(4 * n_out, 1)
 
 
@@ -134,7 +136,7 @@ class Call:
     Called with the input and output tensors; the caller guarantees their shapes, strides and
     dtypes are the ones the Call was made for (FusedOp keys its plans by them)."""
 
-    __slots__ = ("head", "in_ptrs", "in_dtypes", "in_strides", "n_in", "out_ptrs", "out_dtypes", "out_strides",
+    __slots__ = ("head", "pack_in", "in_dtypes", "in_strides", "n_in", "pack_out", "out_dtypes", "out_strides",
                  "n_out", "tail", "program")
 
     def __init__(self, program: Program, rows: int, cols: int, row_dims: tuple[int, int],
@@ -145,16 +147,16 @@ class Call:
         self.program = program
         self.head = (native.code, native.n_instr, native.imms, native.n_imms, native.kinds, native.n_regs)
         self.n_in, self.n_out = len(input_strides), len(output_strides)
-        self.in_ptrs, self.out_ptrs = native.in_ptrs, native.out_ptrs
+        self.pack_in, self.pack_out = native.pack_in, native.pack_out
         self.in_dtypes, self.out_dtypes = native.in_dtypes, native.out_dtypes
         self.in_strides = native.in_strides(*chain.from_iterable(nested_strides(s, row_dims) for s in input_strides))
         self.out_strides = native.out_strides(*chain.from_iterable(nested_strides(s, row_dims) for s in output_strides))
         self.tail = (_I64(rows), _I64(cols), _I64(n_mid), _I64(n_inner), int(n_threads))
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        rc = LIB.hp_dvm_run(*self.head, self.n_in, self.in_ptrs(*[t.data_ptr() for t in inputs]), self.in_dtypes,
-                            self.in_strides, self.n_out, self.out_ptrs(*[t.data_ptr() for t in outputs]),
-                            self.out_dtypes, self.out_strides, *self.tail)
+        rc = LIB.hp_dvm_run(*self.head, self.n_in, self.pack_in(*map(_data_ptr, inputs)), self.in_dtypes,
+                            self.in_strides, self.n_out, self.pack_out(*map(_data_ptr, outputs)), self.out_dtypes,
+                            self.out_strides, *self.tail)
         if rc:
             raise _error(self.program, rc)
 

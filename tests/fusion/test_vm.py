@@ -673,17 +673,24 @@ def test_output_aliasing_its_input():
 
 
 def test_threads_give_bitwise_equal_results():
+    """Any number of threads (8 on fewer cores: threads taking others' tiles), with each thread
+    given its own part of the tiles or all tiles handed out in turn (tune flag 128)."""
     rows, cols = 513, 3001
     g = gen(22)
     x, w = torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
     programs = [(softmax_program(F32), [x]), (rmsnorm_program(F32, cols), [x, w]),
                 (unary_program(Op.GELU_TANH), [x])]
+    old = vm.LIB.hp_dvm_tune(-1)
     for prog, inputs in programs:
         outs = []
-        for threads in (1, 2, 3, 8):
-            out = torch.empty(rows, cols)
-            run(prog, inputs, [out], rows, cols, n_threads=threads)
-            outs.append(out)
+        try:
+            for threads, flags in ((1, old), (2, old), (3, old), (8, old), (2, old | 128), (8, old | 128)):
+                vm.LIB.hp_dvm_tune(flags)
+                out = torch.empty(rows, cols)
+                run(prog, inputs, [out], rows, cols, n_threads=threads)
+                outs.append(out)
+        finally:
+            vm.LIB.hp_dvm_tune(old)
         for out in outs[1:]:
             assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
 
@@ -723,6 +730,44 @@ def test_tile_size_does_not_change_elementwise_results():
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     torch.testing.assert_close(outs[0], torch.sigmoid(x) * w.float(), rtol=1e-5, atol=1e-6)
+
+
+def _row_sums_in_lanes(terms: torch.Tensor) -> torch.Tensor:
+    """Row sums of fp32 `terms` [rows, n] in the VM's documented order (csrc/dvm_kernels.h,
+    ROW_SUM_OF): 16 lanes, four vectors a step added (a + b) + (c + d), then 16-element steps,
+    the tail into the first lanes, the lanes pairwise, halves first. fp32 element-wise additions
+    are exact IEEE roundings, so this reproduces the order's bits."""
+    rows, n = terms.shape
+    acc = torch.zeros(rows, 16)
+    j = 0
+    while j + 64 <= n:
+        t = terms[:, j:j + 64]
+        acc = acc + ((t[:, 0:16] + t[:, 16:32]) + (t[:, 32:48] + t[:, 48:64]))
+        j += 64
+    while j + 16 <= n:
+        acc = acc + terms[:, j:j + 16]
+        j += 16
+    acc[:, :n - j] += terms[:, j:]
+    for w in (8, 4, 2, 1):
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    return acc
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 64, 65, 100, 256, 1000])
+def test_row_sums_add_in_one_order_under_every_isa(cols, isa):
+    """RSUM and the fused sum of a product (SUM_MUL) add in one fixed order, whatever the
+    instruction set: bitwise the lanes-then-pairs order of _row_sums_in_lanes."""
+    rows = 9
+    g = gen(cols)
+    x, y = torch.randn(rows, cols, generator=g) * 10, torch.randn(rows, cols, generator=g)
+    prog = P((F32, F32), (F32, F32))
+    xr, yr = prog.load(0), prog.load(1)
+    prog.store(prog.op(Op.RSUM, xr), 0)
+    prog.store(prog.op(Op.RSUM, prog.op(Op.MUL, xr, yr)), 1)  # fused into one pass: SUM_MUL
+    outs = [torch.empty(rows, 1), torch.empty(rows, 1)]
+    run(prog, [x, y], outs, rows, cols)
+    assert bitwise_equal(outs[0], _row_sums_in_lanes(x))
+    assert bitwise_equal(outs[1], _row_sums_in_lanes(x * y))
 
 
 def test_fused_instruction_pairs_round_alike():
