@@ -418,19 +418,19 @@ DVM_INLINE float lanes_total(float *acc) {
 }
 
 /* Row sums in 16 lanes written out here rather than left to `omp simd reduction`: without
- * reassociation the compiler ends such a reduction by adding its lanes one after another (16
- * dependent scalar additions a row: the larger part of RMSNorm's sum of squares over 256
+ * reassociation the compiler ends such a reduction by adding its lanes one after another (a
+ * dependent scalar addition per lane, 16 a row under AVX-512: the larger part of RMSNorm's sum of squares over 256
  * columns: its native call at 2048 x 256 took 57-59 us that way, 52-54 so). Lane l adds the
  * row's terms l, l + 16, ..., four vectors a step (the running lanes wait one addition per 64
  * terms), the tail's terms into the first lanes, then lanes_total: an order fixed by n alone,
- * the same under every ISA. The body of a function returning the sum of TERM(0 .. n - 1). */
-#define ROW_SUM_OF(TERM, n)                                                                                 \
+ * the same under every ISA. The body of a function returning the sum of T(0 .. n - 1). */
+#define ROW_SUM_OF(T, n)                                                                                    \
     float acc[16] = {0};                                                                                    \
     int64_t j = 0;                                                                                          \
-    for (; j + 64 <= n; j += 64)                                                                            \
-        SIMD for (int l = 0; l < 16; l++) acc[l] += (TERM(j + l) + TERM(j + 16 + l)) + (TERM(j + 32 + l) + TERM(j + 48 + l)); \
-    for (; j + 16 <= n; j += 16) SIMD for (int l = 0; l < 16; l++) acc[l] += TERM(j + l);                  \
-    for (int l = 0; j + l < n; l++) acc[l] += TERM(j + l);                                                  \
+    for (; j + 64 <= (n); j += 64)                                                                          \
+        SIMD for (int l = 0; l < 16; l++) acc[l] += (T(j + l) + T(j + 16 + l)) + (T(j + 32 + l) + T(j + 48 + l)); \
+    for (; j + 16 <= (n); j += 16) SIMD for (int l = 0; l < 16; l++) acc[l] += T(j + l);                   \
+    for (int l = 0; j + l < (n); l++) acc[l] += T(j + l);                                                   \
     return lanes_total(acc)
 
 static float row_sum(const float *s, int64_t n) {

@@ -15,7 +15,7 @@
  * Math: the exponential and log1p are the vectorizable float32 functions of dvm_math.h (within
  * 1.5 ulp, branch-free), not libm's: libm's calls do not vectorize without -ffast-math, and a
  * scalar log1pf per element made the sqrt-softplus forward slower than PyTorch's vectorized ops.
- * No fused multiply-adds (DVM_HAVE_FMA is left undefined, and -std=c11 does not contract), so
+ * No fused multiply-adds (DVM_HAVE_FMA is left undefined, and the build has -ffp-contract=off), so
  * every level's copy of the row loops rounds every element the same way; only the order of the
  * row sums (softmax's denominator) follows the vector width.
  */

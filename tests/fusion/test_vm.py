@@ -673,8 +673,9 @@ def test_output_aliasing_its_input():
 
 
 def test_threads_give_bitwise_equal_results():
-    """Any number of threads (8 on fewer cores: threads taking others' tiles), with each thread
-    given its own part of the tiles or all tiles handed out in turn (tune flag 128)."""
+    """Any number of threads (8 on fewer cores, where a thread done with its part of the tiles
+    may take chunks of another's, as the timing falls), with each thread given its own part of
+    the tiles or all tiles handed out in turn (tune flag 128)."""
     rows, cols = 513, 3001
     g = gen(22)
     x, w = torch.randn(rows, cols, generator=g), torch.randn(cols, generator=g)
