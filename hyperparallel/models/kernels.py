@@ -17,14 +17,19 @@ from hyperparallel.moe import TopKRouter
 class KernelsReport:
     mega_gate: int  # routers that run as MegaGate
     mega_mhc: int  # decoder layers whose hyper-connections run as MegaMHC
+    routers: int = 0  # the model's routers, MegaGate's or not
+    hyper_connected: int = 0  # the model's hyper-connected decoder layers (DeepSeek-V4's), MegaMHC's or not
 
     def summary(self, *, mega_gate: bool, mega_mhc: bool) -> str:
-        def one(name: str, wanted: bool, count: int, what: str) -> str:
-            if not wanted:
-                return f"{name} off"
-            return f"{name} on ({count} {what})" if count else f"{name} (the model has no {what})"
-        return (f"kernels: {one('MegaGate', mega_gate, self.mega_gate, 'routers')}, "
-                f"{one('MegaMHC', mega_mhc, self.mega_mhc, 'hyper-connected layers')}")
+        """The run summary's line: each kernel the model has modules for, on or off; one it has
+        none for (MegaGate without routers, MegaMHC outside DeepSeek-V4) goes unnamed, and a model
+        with neither gets no line ("")."""
+        said = [f"{name} on ({count} {what})" if wanted else f"{name} off"
+                for name, wanted, count, has, what in (
+                    ("MegaGate", mega_gate, self.mega_gate, self.routers, "routers"),
+                    ("MegaMHC", mega_mhc, self.mega_mhc, self.hyper_connected, "hyper-connected layers"))
+                if has]
+        return f"kernels: {', '.join(said)}" if said else ""
 
 
 def use_kernels(model: nn.Module, *, mega_gate: bool, mega_mhc: bool) -> KernelsReport:
@@ -33,9 +38,11 @@ def use_kernels(model: nn.Module, *, mega_gate: bool, mega_mhc: bool) -> Kernels
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     for router in routers:
         router.fused = mega_gate
-    layers = 0
-    if mega_mhc and getattr(getattr(model, "config", None), "model_type", None) == "deepseek_v4":
+    layers, config = 0, getattr(model, "config", None)
+    deepseek_v4 = getattr(config, "model_type", None) == "deepseek_v4"  # (every decoder layer hyper-connected)
+    if mega_mhc and deepseek_v4:
         from .deepseek_v4 import use_mega_mhc  # (imports transformers' DeepSeek-V4 and the kernels)
 
         layers = use_mega_mhc(model)
-    return KernelsReport(len(routers) if mega_gate else 0, layers)
+    return KernelsReport(len(routers) if mega_gate else 0, layers, routers=len(routers),
+                         hyper_connected=config.num_hidden_layers if deepseek_v4 else 0)

@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.train.metrics import GPU_PEAK_BF16_TFLOPS, measured_cpu_peak_tflops
+from hyperparallel.train.peak_flops import GPU_PEAK_BF16_TFLOPS, measured_cpu_peak_tflops
 
 
 @dataclass(frozen=True)

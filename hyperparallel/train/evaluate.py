@@ -5,7 +5,9 @@ The set is the same on any layout: `training.eval_batches` global batches of the
 sequences in corpus order (wrapping around when there are fewer), each split over the ranks as a
 training batch is (over the data-parallel replicas; the tp x cp ranks of one read the same
 batch, and count its tokens as often as they are: the mean is unchanged). Every rank sums its token losses and counts, and one float64 all-reduce
-makes the mean over all of them, so 1 rank and N sharded ranks agree to float rounding.
+makes the mean over all of them, so 1 rank and N sharded ranks agree to float rounding. The
+count reported, `val_tokens`, is the tokens the loss was taken over, each once: the sum over the
+ranks divided by the tp x cp ranks that read each batch, the same on every layout.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Evaluator:
         self.cross_entropy_only = ({"output_router_logits": False}
                                    if getattr(built.model.config, "output_router_logits", False) else {})
         rank, replicas = data_rank(built, rt)
+        self.readers = rt.world // replicas  # (the ranks that read and count one batch: tp x cp)
         self.batches = data.Batches(rows, data.InOrder(len(rows)), global_batch, micro_batch, rank, replicas)
 
     @torch.no_grad()
@@ -53,4 +56,4 @@ class Evaluator:
             model.train()
         total_sum, token_sum = sum_over_ranks([total.item(), float(tokens)])
         mean = total_sum / max(token_sum, 1.0)
-        return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0)), "val_tokens": int(token_sum)}
+        return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0)), "val_tokens": int(token_sum) // self.readers}

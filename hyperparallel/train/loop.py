@@ -19,12 +19,11 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import training_flops_per_token
-from hyperparallel.parallel.mesh import describe_groups
-from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
-from hyperparallel.train import checkpointing, data, elastic, preflight, run_dir
+from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
+from hyperparallel.train.console import Console, announce, compile_phase, data_phase, model_phase
 from hyperparallel.train.distributed import (
     agree,
     background_group,
@@ -36,8 +35,11 @@ from hyperparallel.train.distributed import (
     restart_count,
 )
 from hyperparallel.train.evaluate import Evaluator
-from hyperparallel.train.metrics import LogWindow, MetricsLog, peak_memory_bytes, peak_tflops
+from hyperparallel.train.metrics import LogWindow, MetricsLog, peak_memory_bytes
+from hyperparallel.train.peak_flops import mfu_peak
 from hyperparallel.train.preemption import StopRequests
+from hyperparallel.train.quiet import LOG_FILE as LIBRARIES_LOG
+from hyperparallel.train.quiet import LibraryOutput
 from hyperparallel.train.step import TrainStep
 from hyperparallel.train.tracing import StepTrace
 
@@ -95,13 +97,23 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     slot would (after writing a checkpoint there); the schedule stays that of training.steps.
     `on_step(step, record)` is called after each step, outside its timing (record: the metrics
     logged at that step, or None); tools such as benchmarks hook in there.
+
+    What the libraries log, warn and draw meanwhile goes to RUN_DIR/libraries.log (`quiet`).
     """
+    with LibraryOutput(int(os.environ.get("RANK", 0))) as libraries:
+        return _train(cfg, libraries, stop_after, on_step)
+
+
+def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
+           on_step: Callable[[int, dict | None], None] | None) -> dict:
     check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     timeout_s = cfg.training.collective_timeout_s(device_for_this_rank().type)
     rt = init_distributed(timeout_s)
     restarted = restart_count() > 0
     decided = decided_by_rank0(lambda: _decide_start(cfg, rt.world, restarted))
     run_dir_path = Path(decided["run_dir"])
+    libraries.keep_in(run_dir_path / LIBRARIES_LOG)
+    console = Console(enabled=rt.is_main, progress=cfg.logging.progress)
     resume_from = None if decided["resume"] is None else Path(decided["resume"])
     ckpt_root = run_dir.checkpoint_root(run_dir_path, cfg.checkpoint.dir)
     accumulation = cfg.grad_accumulation(rt.world)
@@ -109,12 +121,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     torch.manual_seed(cfg.training.seed)
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True)
+    console.phase(data_phase(cfg))
     dataset = build_data(cfg, rt)
     # resuming fills every tensor from the checkpoint: the init or model.path's files are not read
+    console.phase(model_phase(cfg, resume_from))
     built = build_trained_model(cfg, rt, dataset.tokenizer.vocab_size, fill=resume_from is None)
     optimizer, scheduler = build_optimization(cfg, built.model)
     start, rng_restored, saved_world, schedule_change = 0, True, rt.world, None
     if resume_from is not None:
+        console.phase(f"loading checkpoint {resume_from}")
         state = checkpointing.load(resume_from, built.model, optimizer, cfg)
         scheduler.load_state_dict(state["scheduler"])
         start, rng_restored, saved_world = state["step"], state["rng_restored"], state["world_size"]
@@ -128,12 +143,12 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                              autocast_bf16=autocast_bf16)
     if rt.is_main:
         _write_run_files(cfg, run_dir_path, dataset.tokenizer)
+        run_dir.point_latest(cfg.logging.run_dir, run_dir_path)
 
-    log = MetricsLog(run_dir_path, enabled=rt.is_main, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                     total_steps=cfg.training.steps, first_step=start)
+    log = MetricsLog(run_dir_path, console, tensorboard=cfg.logging.tensorboard, first_step=start)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
-    peak, peak_source = peak_tflops(rt.device, compute_dtype, cfg.logging.peak_tflops)
-    _announce(log, cfg, rt, built, dataset, accumulation, f"{peak:.2f} TFLOP/s ({peak_source})")
+    peak = mfu_peak(rt.device, compute_dtype, cfg.logging.peak_tflops)
+    announce(console, cfg, rt.world, built, dataset, accumulation, peak)
     log.build(start, built.memory, rt.device)
     if restarted:
         where = f"resumed from {resume_from} at step {start}" if resume_from else "no checkpoint yet: from step 0"
@@ -160,6 +175,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     launched = elastic.launched_by_hyperparallel()  # (then the launcher announces a stop, and forwards it)
     tracer = StepTrace(run_dir_path / "trace.json", first_step=start, last_step=last, steps=cfg.logging.trace_steps,
                        enabled=cfg.logging.trace)
+    compiling = compile_phase(cfg, start)
+    if compiling:
+        console.phase(compiling)
+    console.start_steps(cfg.training.steps, start, "compiling" if compiling else "")
     with StopRequests(announce=rt.is_main and not launched, forwarded=launched) as stop:
         try:
             for step in range(start, last):
@@ -179,7 +198,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 record = None
                 if logged(done, start, last, cfg.logging.every) or agreed.stop:
                     record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
-                                         world=rt.world, peak_tflops=peak, peak_mem_bytes=peak_memory_bytes(rt.device))
+                                         world=rt.world, peak_tflops=peak.tflops, peak_mem_bytes=peak_memory_bytes(rt.device))
                 log.step(done, record)
                 if evaluate is not None and not agreed.stop and (done == last or (
                         cfg.training.eval_every and done % cfg.training.eval_every == 0)):
@@ -214,50 +233,3 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 def _log_saved(log: MetricsLog, path: Path | None) -> None:
     if path is not None:
         log.print(f"checkpoint {path}")
-
-
-def _validation(cfg: TrainConfig, dataset) -> str:
-    if dataset.validation is None:
-        return "no validation"
-    steps = cfg.training.eval_every
-    every = "every step and " if steps == 1 else f"every {steps} steps and " if steps else ""
-    return f"{len(dataset.validation):,} held out, evaluated {every}at the end"
-
-
-def _announce(log: MetricsLog, cfg: TrainConfig, rt, built, dataset, accumulation: int, peak: str) -> None:
-    """The run's first lines: what trains, on what, how."""
-    layout = f"sharded ({cfg.parallel.shard_geometry}, align {cfg.parallel.align})" if built.sharded else "replicated"
-    p = cfg.parallel
-    if p.dp_replicate > 1:
-        layout += f", {p.dp_replicate} replicas (HSDP)"
-    if p.tp > 1:
-        layout += f", tensor parallel over {p.tp} ranks (tp{', sequence parallel' if p.sequence_parallel else ''})"
-    if p.cp > 1:
-        layout += f", each sequence split over {p.cp} ranks (cp, {p.cp_mode} attention)"
-    if built.ep > 1:
-        layout += f", experts split over {built.ep} ranks (ep"
-        layout += f", MegaMoE in {built.waves} waves)" if built.waves else ")"
-    log.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
-              f"{len(dataset.train):,} sequences of {cfg.data.seq_len} ({_validation(cfg, dataset)}); {rt.world} rank(s) {layout}, grad accumulation "
-              f"{accumulation}, recompute {cfg.parallel.recompute}, mixed precision {cfg.training.mixed_precision}, compile "
-              f"{cfg.training.compile}; MFU against {peak}")
-    if built.mesh is not None:  # HSDP's groups; shard groups that span machines (torchrun's ranks per machine)
-        for line in describe_groups(built.mesh.shape, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None):
-            log.print(line)
-    log.print(data.describe(dataset, cfg.data, preflight.document_mask(cfg)[1]))
-    tp_state = tensor_parallel_state(built.model)
-    if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."
-        by_placement: dict[str, set[str]] = {}
-        for module, placement in tp_state.plan:
-            by_placement.setdefault(placement, set()).add(module.rsplit(".", 1)[-1])
-        log.print("tensor parallel: " + "; ".join(f"{', '.join(sorted(names))}: {placement}"
-                                                 for placement, names in by_placement.items()))
-    if built.conversion_summary:
-        log.print(built.conversion_summary)
-    if built.kernels:
-        log.print(built.kernels)
-    if built.balancer is not None:
-        b = built.balancer
-        how = {"aux_loss": f"auxiliary loss x {b.aux_loss_coef:g}", "bias": f"correction bias, rate {b.bias_update_rate:g}",
-               "none": "none"}[b.mode]
-        log.print(f"MoE: {len(b.routers)} layers, load balancing {how}")

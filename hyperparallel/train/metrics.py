@@ -1,4 +1,5 @@
-"""What a run reports: a live progress bar, metrics.jsonl, TensorBoard events, and peak figures.
+"""What a run records: metrics.jsonl, TensorBoard events and loss.png (rank 0 only), with each
+record's line on the console (`train.console`), and the peak memory figures.
 
 metrics.jsonl holds one JSON object per logged step with at least
 ``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops``,
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyperparallel.train.plot import draw_loss
+
+if TYPE_CHECKING:
+    from hyperparallel.train.console import Console
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -41,35 +44,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-GPU_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-
-
-def measured_cpu_peak_tflops(dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """What torch.mm reaches here on a large square product: the yardstick for a CPU's MFU.
-
-    The best of the calls made within `seconds`: the first calls pay for warming the thread
-    pool and the clock, and other work on the machine only ever slows a call down."""
-    a = torch.randn(1024, 1024, dtype=dtype)
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        torch.mm(a, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 1024**3 / best / 1e12
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> tuple[float, str]:
-    """The peak that MFU divides by, and where it came from."""
-    if configured:
-        return configured, "logging.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return value, f"{key} dense bf16"
-    return measured_cpu_peak_tflops(dtype), "measured torch.mm"
 
 
 class LogWindow:
@@ -123,33 +97,20 @@ class LogWindow:
 class MetricsLog:
     """metrics.jsonl, TensorBoard and the console of rank 0 (other ranks write nothing)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, progress: bool, total_steps: int,
-                 first_step: int):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, console: Console, *, tensorboard: bool, first_step: int):
+        self.console = console
+        self.enabled = console.enabled
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict] = []
         self.writer = None
-        self.bar = None
-        if not enabled:
+        if not self.enabled:
             return
         self._keep_up_to(first_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
-        from rich.console import Console
-
-        console = Console(file=sys.stdout)
-        if progress and console.is_terminal:  # a log file gets the step lines only
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.description}"), console=console, transient=False,
-            )
-            self.task = self.bar.add_task("", total=total_steps, completed=first_step)
-            self.bar.start()
 
     def _keep_up_to(self, step: int) -> None:
         """A resumed run continues the file: records past the checkpoint's step are dropped."""
@@ -162,12 +123,7 @@ class MetricsLog:
         tmp.replace(self.path)
 
     def print(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.console.print(message)
-        else:
-            print(message, flush=True)
+        self.console.print(message)
 
     def _write(self, step: int, record: dict) -> None:
         self.records.append(record)
@@ -186,16 +142,7 @@ class MetricsLog:
             return
         if record is not None:
             self._write(step, record)
-            summary = (f"loss {record['loss']:.4f}  lr {record['lr']:.1e}  gnorm {record['grad_norm']:.2f}  "
-                       f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms  "
-                       f"mfu {record['mfu'] * 100:.0f}%  {record['peak_mem_bytes'] / 2**30:.2f} GiB")
-            if "moe_imbalance" in record:
-                summary += f"  moe imbalance {record['moe_imbalance']:.2f}"
-            if self.bar is not None:
-                self.bar.update(self.task, description=summary)
-            self.print(f"step {step:>6}  {summary}")
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step)
+        self.console.step(step, record)
 
     def build(self, step: int, memory, device: torch.device) -> None:
         """The model build's record (`build_peak_mem_bytes`: the largest rank's peak; `build_s`)
@@ -213,14 +160,12 @@ class MetricsLog:
         if not self.enabled:
             return
         self._write(step, {"step": step, **record})
-        self.print(f"step {step:>6}  validation loss {record['val_loss']:.4f}  perplexity "
-                   f"{record['val_perplexity']:.2f}  ({record['val_tokens']:,} tokens)")
+        self.console.evaluation(step, record)
 
     def close(self) -> None:
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.stop()
+        self.console.close()
         if self.writer is not None:
             self.writer.close()
         if self.records:

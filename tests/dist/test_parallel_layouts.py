@@ -426,10 +426,12 @@ def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
     steps' losses and the validation loss are the tp run's."""
     runs = spawned["trainer"]
     tp, cp = (Path(runs[name]["run_dir"]) for name in ("tp", "cp"))
-    # the run summary names the layout, and the TP plan by placement
-    assert "tensor parallel over 2 ranks (tp, sequence parallel)" in runs["tp"]["printed"]
+    # the run summary names the layout that ran (FSDP's geometry where it shards), and the TP plan by placement
+    assert ("layout: 4 ranks: dp_shard 2 x tp 2 (sequence parallel); FSDP over 2 ranks (chunk, align 1)\n"
+            in runs["tp"]["printed"])
     assert "o_proj: row-parallel over heads" in runs["tp"]["printed"]
-    assert "each sequence split over 2 ranks (cp, ring attention)" in runs["cp"]["printed"]
+    assert ("layout: 4 ranks: dp_replicate 2 (HSDP) x cp 2 (ring attention); FSDP over 2 ranks (chunk, align 1)\n"
+            in runs["cp"]["printed"])
     assert ("HSDP: 2 replicas x FSDP over 2 rank(s); shard groups [0, 1] [2, 3]; replica groups [0, 2] [1, 3]"
             in runs["cp"]["printed"])
 
@@ -445,3 +447,6 @@ def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):
     cp_val = [r["val_loss"] for r in records(cp) if "val_loss" in r]
     assert len(tp_val) == 2 and len(cp_val) == 1
     assert cp_val[0] == pytest.approx(tp_val[1], rel=1e-6)  # measured: 9.6e-8 relative
+    # the tokens the validation loss was taken over, each once (one global batch of 4 x 31 targets),
+    # though each batch is read by the 2 tp (or cp) ranks of its replica
+    assert [r["val_tokens"] for run in (tp, cp) for r in records(run) if "val_tokens" in r] == [4 * 31] * 3

@@ -145,7 +145,8 @@ def test_two_sharded_ranks_match_one_rank(spawn_2, tmp_path, private_cache):
     config, run_dir = Path(sharded["config"]), Path(sharded["run_dir"])
     one_rank(tiny_config(tmp_path, tmp_path / "one", family="qwen3_moe"), *SHARDED_RUN)
     printed = sharded["printed"]
-    assert "2 rank(s) sharded (balanced, align 32), experts split over 2 ranks (ep)" in printed
+    # the run summary names the layout that ran: ep and dp_shard, with FSDP's geometry
+    assert "layout: 2 ranks: dp_shard 2, ep 2; FSDP over 2 ranks (balanced, align 32)\n" in printed
     # (evaluating after every step, under FSDP, changes nothing of the training)
     assert printed.count("  validation loss ") == 4
     # the expert loads, summed over the ranks, are one rank's: the same routing
