@@ -6,7 +6,6 @@ Errors a user can cause print ``error: ...`` on stderr and exit with status 2, n
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import runpy
 import signal
@@ -50,7 +49,11 @@ def _train(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     from hyperparallel.train.config import load_config
 
-    config = load_config(args.config, args.set)  # bad input stops here, before any rank starts
+    notes: list[str] = []
+    config = load_config(args.config, args.set, notes)  # bad input stops here, before any rank starts
+    if not elastic.launched_by_hyperparallel():  # (once for the run, not per rank)
+        for line in notes:
+            print(f"note: {line}", file=sys.stderr if args.print_config else sys.stdout)
     if args.print_config:
         from hyperparallel.train.config import dump
 
@@ -90,7 +93,9 @@ def _train_here(config) -> int:
     if summary["last_loss"] is not None and os.environ.get("RANK", "0") == "0":  # once, not per rank
         run_dir = Path(summary["run_dir"])
         contents = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()))
-        print(f"done: {summary['steps']} steps, {_losses(summary)}; "
+        weights = [r["weights_from"] for r in summary["records"] if r.get("weights_from", "").startswith("model.path")]
+        tuned = f" from {weights[0]}" if weights else ""
+        print(f"done: {summary['steps']} steps{tuned}, {_losses(summary)}; "
               f"{memory_summary(config, int(os.environ.get('WORLD_SIZE', '1')), runtime, summary['records'])}\n"
               f"run dir {run_dir}: {contents}")
     return 0
@@ -109,9 +114,10 @@ def _losses(summary: dict) -> str:
 
 def _export(args: argparse.Namespace) -> int:
     from hyperparallel.checkpoint.export import export_hf
+    from hyperparallel.checkpoint.io import checkpoint_in
 
     out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size)
-    print(f"exported {args.checkpoint} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    print(f"exported {checkpoint_in(args.checkpoint)} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
 
@@ -229,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the resolved config (the file, its defaults and the --set overrides) and exit")
     train.set_defaults(func=_train)
     export = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
-    export.add_argument("checkpoint", help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N)")
+    export.add_argument("checkpoint", help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N), or a "
+                                           "run directory for its newest one (runs/latest: the newest run)")
     export.add_argument("out_dir", help="the directory to create (config.json, safetensors, the run's tokenizer.json)")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the weights' dtype (default: the dtype the model was trained in)")
@@ -240,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="continue a prompt with a trained model (checkpoint or export)")
     generate.add_argument("source", metavar="CHECKPOINT_OR_HF_DIR",
                           help="a checkpoint of `hyperparallel train` (RUN_DIR/checkpoints/step_N, with the run's "
-                               "tokenizer.json) or a Hugging Face directory with a tokenizer.json "
-                               "(`hyperparallel export`)")
+                               "tokenizer.json; a run directory for its newest one, runs/latest for the newest run) "
+                               "or a Hugging Face directory with a tokenizer.json (`hyperparallel export`)")
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                           help="stop after N new tokens, or earlier at the end-of-text token (default: 64)")
@@ -287,16 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_optional_imports() -> None:
-    """transformers imports torchao when it is installed (the `bench` extra). torchao then logs a
-    warning for each of its CUDA and other-Python libraries that cannot load here, and registers
-    enums that torch's pytree warns about: lines on every run that concern nothing a command does."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _quiet_optional_imports()
+    from hyperparallel.train.quiet import quiet_optional_imports
+
+    quiet_optional_imports()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -7,7 +7,7 @@ from hyperparallel.lazy_exports import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "export": ("export_hf", "model_from_checkpoint"),
     "hf_files": ("FileTensor", "HFReadPlan", "plan_hf_read"),
-    "io": ("MANIFEST", "complete_checkpoints", "load", "read_manifest", "save"),
+    "io": ("MANIFEST", "checkpoint_in", "complete_checkpoints", "load", "read_manifest", "save"),
     "model_card": ("ModelCard",),
     "pending": ("PendingSave", "async_save"),
     "safetensors_stream": ("SafetensorsWriter", "TensorSpec"),

@@ -31,6 +31,7 @@ from hyperparallel.checkpoint.hf_files import INDEX_FILE, SAFETENSORS_FILE
 from hyperparallel.checkpoint.io import (
     _check_fits,
     _first_failure,
+    checkpoint_in,
     hush_single_process_notice,
     load,
     no_gc_pauses,
@@ -175,13 +176,14 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     `max_shard_size` bytes of tensors each (`model-00001-of-0000N.safetensors`, a tensor larger
     than that alone in its own) with `model.safetensors.index.json` (loadable with
     `AutoModelForCausalLM.from_pretrained`, or as the trainer's `model.path`), and, when the
-    checkpoint sits in a run directory (`RUN_DIR/checkpoints/step_N`), the run's `tokenizer.json`
+    checkpoint sits in a run directory (`RUN_DIR/checkpoints/step_N`; a run directory given is its
+    newest checkpoint, `io.checkpoint_in`), the run's `tokenizer.json`
     with a `tokenizer_config.json` for `AutoTokenizer`. `dtype` (float32 | bfloat16) defaults to
     the training dtype. The weights are streamed: read from the checkpoint `batch_bytes` at a time
     (a larger tensor alone), never the whole model at once.
     The directory appears whole or not at all; an existing non-empty `out_dir` is refused.
     """
-    directory, out = Path(checkpoint_dir), Path(out_dir)
+    directory, out = checkpoint_in(checkpoint_dir), Path(out_dir)
     shard_limit = parse_size(max_shard_size)
     manifest = read_manifest(directory)
     card = ModelCard.from_manifest(directory, manifest)

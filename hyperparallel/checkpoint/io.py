@@ -278,6 +278,17 @@ def _first_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
+def checkpoint_in(path: str | os.PathLike) -> Path:
+    """The checkpoint a command given `path` reads: `path` itself when it is one (or when it holds
+    none: the reader then names what is wrong), else the newest complete checkpoint of the run
+    directory (or of its checkpoints/) that `path` is, so `runs/latest` names a run's last save."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
+        return path
+    newest = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+    return newest[-1] if newest else path
+
+
 def complete_checkpoints(root: str | os.PathLike, pattern: str = "step_*") -> list[Path]:
     """Complete checkpoints under `root` (those with a manifest), oldest name first."""
     root = Path(root)

@@ -97,25 +97,12 @@ def _check_qwen3_moe(config: Qwen3MoeConfig) -> None:
 
 def _check_deepseek_v3(config: DeepseekV3Config) -> None:
     _check_attention_heads(config)
-    experts, groups, top_groups, top_k = (
-        config.n_routed_experts,
-        config.n_group,
-        config.topk_group,
-        config.num_experts_per_tok,
-    )
-    # The router scores a group by the sum of its two best experts and then picks top_k among the
-    # experts of the topk_group best groups; these are the shapes for which that is defined.
-    if groups <= 0 or experts % groups or experts // groups < 2:
-        raise ConfigError(
-            f"n_routed_experts ({experts}) must split into n_group ({groups}) groups of at least 2 experts"
-        )
-    if not 0 < top_groups <= groups:
-        raise ConfigError(f"topk_group ({top_groups}) must be in 1..n_group ({groups})")
-    if not 0 < top_k <= top_groups * (experts // groups):
-        raise ConfigError(
-            f"num_experts_per_tok ({top_k}) must be in 1..topk_group * n_routed_experts / n_group "
-            f"({top_groups * (experts // groups)})"
-        )
+    from hyperparallel.kernels.mega_gate import group_problem  # (its kernels load on first use)
+
+    problem = group_problem(config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok,
+                            ("n_routed_experts", "n_group", "topk_group", "num_experts_per_tok"))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _check_deepseek_v4(config: DeepseekV4Config) -> None:

@@ -59,9 +59,11 @@ class TopKRouter(nn.Module):
             raise ConfigError(f"router top_k ({top_k}) must be in 1..num_experts ({num_experts})")
         if hash_vocab_size is not None and (correction_bias or num_groups > 1):
             raise ConfigError("a hash-routed router chooses no experts: it takes no correction bias and no groups")
-        if num_groups < 1 or num_experts % num_groups or not 0 < top_groups <= num_groups:
-            raise ConfigError(f"router groups: {num_experts} experts in {num_groups} groups, {top_groups} of them "
-                              f"eligible; the groups must divide the experts and 1 <= top_groups <= groups")
+        from hyperparallel.kernels.mega_gate import group_problem  # (its kernels load on first use)
+
+        problem = group_problem(num_experts, num_groups, top_groups, top_k)
+        if problem is not None:
+            raise ConfigError(f"router: {problem}")
         self.hidden_dim, self.num_experts, self.top_k = hidden_dim, num_experts, top_k
         self.score, self.norm_topk_prob = score, norm_topk_prob
         self.num_groups, self.top_groups = num_groups, top_groups

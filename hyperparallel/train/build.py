@@ -175,7 +175,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         trained = torch.nn.parallel.DistributedDataParallel(model)
     summary = conversion.summary() if cfg.low_precision.enabled else None
     memory = BuildMemory.measure(rt, start_mem, time.perf_counter() - start_s,
-                                 "init" if hf_plan is None and fill else "model.path" if fill else "checkpoint")
+                                 "init" if hf_plan is None and fill else f"model.path {cfg.model.path}" if fill
+                                 else "checkpoint")
     return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
                       waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context,
                       kernels, memory)
@@ -195,7 +196,7 @@ class BuildMemory:
     peak_bytes: int  # the largest rank's peak (device on GPUs, else host), from the start of the process
     grown_bytes: int  # the largest rank's rise of that peak during the build
     seconds: float
-    weights_from: str  # "init", "model.path" or "checkpoint" (filled by the resume that follows)
+    weights_from: str  # "init", "model.path DIR" or "checkpoint" (filled by the resume that follows)
     host_peak_bytes: int = 0  # the largest rank's host peak resident set (the same as peak_bytes on the CPU)
 
     @classmethod

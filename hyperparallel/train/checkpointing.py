@@ -24,6 +24,21 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in checkpoint.complete_checkpoints(root) if _NAME.match(p.name)]
 
 
+def not_a_model_directory(path: Path) -> str | None:
+    """For a model.path that is a training checkpoint or a run directory (no Hugging Face model
+    directory), what to do instead: export it to fine-tune from, or resume it; None otherwise."""
+    if (path / checkpoint.MANIFEST).is_file():
+        return (f"model.path {path} is a training checkpoint, not a Hugging Face model directory: "
+                f"`hyperparallel export {path} OUT_DIR` writes one to fine-tune from (model.path: OUT_DIR), and "
+                f"checkpoint.resume: {path} continues the training that saved it")
+    newest = complete_checkpoints(path / "checkpoints")[-1:] if (path / "config.yaml").is_file() else []
+    if newest:
+        return (f"model.path {path} is a training run directory, not a Hugging Face model directory: "
+                f"`hyperparallel export {newest[0]} OUT_DIR` writes its newest checkpoint as one to fine-tune from "
+                f"(model.path: OUT_DIR), and checkpoint.resume: {newest[0]} continues that run")
+    return None
+
+
 def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
     """The checkpoint to start from: what `checkpoint.resume` names (none, latest, or a path), or,
     after an elastic restart, the newest complete one under root (this run's own progress)."""

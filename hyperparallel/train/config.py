@@ -76,6 +76,12 @@ class ModelSection(Section):
 def _family_in(path: Path) -> str:
     """The family that model.path's config.json names (by its model_type)."""
     config_json = path / "config.json"
+    if not config_json.is_file():
+        from hyperparallel.train.checkpointing import not_a_model_directory
+
+        instead = not_a_model_directory(path)
+        if instead is not None:
+            raise ValueError(instead)
     try:
         model_type = json.loads(config_json.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -489,8 +495,35 @@ def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None)
     return config
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read, override and validate a YAML config (the embedded default when `path` is None)."""
+def _model_path_given(raw: dict, overrides: list[str]) -> list[str]:
+    """`--set model.path=DIR` on a config written for a model of its own (every example config):
+    the directory's model replaces the file's (its config.json names the family, so the file's
+    model.config and model.family go) and its tokenizer replaces a builtin one (a pretrained
+    model's token ids are its own), unless the command line sets those keys too. Edits `raw`;
+    returns one line saying what was replaced, or none."""
+    given = {tuple(_parse_override(item)[0]): _parse_override(item)[1] for item in overrides}
+    path = given.get(("model", "path"))
+    model, data = raw.get("model"), raw.get("data")
+    if not isinstance(path, str) or not isinstance(model, dict):
+        return []
+    replaced = []
+    for key in ("config", "family"):
+        if model.get(key) is not None and ("model", key) not in given:
+            del model[key]
+            replaced.append(f"model.{key}")
+    if (isinstance(data, dict) and data.get("tokenizer") == "builtin" and ("data", "tokenizer") not in given
+            and (Path(path).expanduser() / "tokenizer.json").is_file()):
+        data["tokenizer"] = None
+        replaced.append("data.tokenizer: builtin (its own tokenizer instead)")
+    if not replaced:
+        return []
+    return [f"model.path {path} from the command line replaces the config's {', '.join(replaced)}"]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                notes: list[str] | None = None) -> TrainConfig:
+    """Read, override and validate a YAML config (the embedded default when `path` is None).
+    What the overrides replaced beyond their own keys is appended to `notes` (one line each)."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if path.is_dir():
         raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/default.yaml)")
@@ -509,7 +542,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(error, 'problem', error)}") from None
     if isinstance(raw, dict):
+        replaced = _model_path_given(raw, overrides or [])
         raw = apply_overrides(raw, overrides or [])
+        if notes is not None:
+            notes += replaced
     return from_mapping(raw, str(path), base_dir=path.resolve().parent)
 
 

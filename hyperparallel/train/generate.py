@@ -61,10 +61,12 @@ class _Source:
 
 def _resolve(source: str | os.PathLike) -> _Source:
     from hyperparallel.checkpoint.export import TOKENIZER_FILE, run_tokenizer_file
-    from hyperparallel.checkpoint.io import MANIFEST, complete_checkpoints, read_manifest
+    from hyperparallel.checkpoint.io import MANIFEST, checkpoint_in, complete_checkpoints, read_manifest
     from hyperparallel.checkpoint.model_card import ModelCard
 
     path = Path(source)
+    if path.is_dir() and not (path / CONFIG_FILE).is_file():
+        path = checkpoint_in(path)  # a run directory: its newest checkpoint
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a checkpoint (RUN_DIR/checkpoints/step_N) or a Hugging Face "
                           f"directory (what `hyperparallel export` writes)")
@@ -153,7 +155,8 @@ def _load_model(source: _Source):
 def generate(source: str | os.PathLike, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0, device: str | torch.device = "cpu") -> GenerationResult:
     """Continue `prompt` with the model of `source`: a checkpoint of `hyperparallel train`
-    (RUN_DIR/checkpoints/step_N, its tokenizer at RUN_DIR/tokenizer.json) or a Hugging Face
+    (RUN_DIR/checkpoints/step_N, its tokenizer at RUN_DIR/tokenizer.json; a run directory: its
+    newest checkpoint) or a Hugging Face
     directory with a tokenizer.json (`hyperparallel export`'s output).
 
     Greedy with `temperature` 0; otherwise sampled from softmax(logits / temperature), over the

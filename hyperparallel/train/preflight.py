@@ -18,14 +18,15 @@ from pathlib import Path
 from hyperparallel.errors import ConfigError, HyperparallelError
 from hyperparallel.models import get_family
 from hyperparallel.train import data
+from hyperparallel.train.checkpointing import not_a_model_directory
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.run_dir import checkpoint_root
 
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
     problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg) + compile_problems(cfg)
-    try:
-        vocab = data.tokenizer_vocab_size(cfg.data, cfg.model.path)
+    try:  # (a model.path that is a training checkpoint has no tokenizer to read: model_problems says what it is)
+        vocab = None if _training_output(cfg) else data.tokenizer_vocab_size(cfg.data, cfg.model.path)
     except HyperparallelError as error:
         problems.append(str(error))
         vocab = None
@@ -162,6 +163,11 @@ def _expert_problems(cfg: TrainConfig, hf_config) -> list[str]:
     return []
 
 
+def _training_output(cfg: TrainConfig) -> str | None:
+    """What to do instead when model.path is a training checkpoint or run directory (None: it is not)."""
+    return None if cfg.model.path is None else not_a_model_directory(Path(cfg.model.path).expanduser())
+
+
 def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     """The model's HF config, built and checked by its family (the inline keys, the heads, the
     experts); its vocabulary against the tokenizer's (`data.tokenizer_vocab_size`; None: unknown)."""
@@ -172,6 +178,9 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
             hf_config = make_config(cfg.model.family, cfg.model.config)
             given = cfg.model.config.get("vocab_size")  # (absent: it follows the tokenizer)
         else:
+            instead = _training_output(cfg)
+            if instead is not None:
+                return [instead]
             hf_config = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser())
             given = hf_config.vocab_size
     except HyperparallelError as error:
@@ -187,10 +196,15 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
         where = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}"
         return experts + [f"{where} ({given}) is smaller than the vocabulary of the tokenizer {source} "
                 f"({tokenizer_vocab}); give the model's own tokenizer or a larger vocab_size"]
-    source = "model.config.vocab_size" if cfg.model.config is not None else f"model.path {cfg.model.path}: vocab_size"
-    return experts + [f"{source} ({given}) is smaller than the builtin tokenizer's data.vocab_size ({cfg.data.vocab_size}); "
-            f"set data.vocab_size: {given}" + (" or leave vocab_size out of the model config (it then follows the "
-                                               "tokenizer)" if cfg.model.config is not None else "")]
+    if cfg.model.config is not None:
+        return experts + [f"model.config.vocab_size ({given}) is smaller than the builtin tokenizer's data.vocab_size "
+                          f"({cfg.data.vocab_size}); set data.vocab_size: {given} or leave vocab_size out of the model "
+                          f"config (it then follows the tokenizer)"]
+    own = (Path(cfg.model.path).expanduser() / data.TOKENIZER_FILE).is_file()
+    return experts + [f"model.path {cfg.model.path}: vocab_size ({given}) is smaller than the builtin tokenizer's "
+                      f"data.vocab_size ({cfg.data.vocab_size}); " + (
+                          "give data.tokenizer: null to tokenize with model.path's own tokenizer (its ids are the "
+                          "model's)" if own else f"set data.vocab_size: {given}")]
 
 
 def _weight_file_problems(cfg: TrainConfig) -> list[str]:

@@ -4,6 +4,10 @@
 every elastic restart) the result, so they all write to and resume from the same directory.
 Ranks started by torchrun itself resolve it on rank 0 (`train.loop`).
 
+With a template whose last part is `{time}` (runs/{time}), `latest` beside the runs is a link to
+the newest one started (as wandb's latest-run), so `hyperparallel export runs/latest hf-model`
+needs no time typed.
+
 `checkpoint.resume: latest` with a `{time}` template continues a run instead of starting one:
 the newest directory the template names whose config.yaml has this config's fingerprint and
 that holds a complete checkpoint.
@@ -12,6 +16,7 @@ that holds a complete checkpoint.
 from __future__ import annotations
 
 import glob
+import os
 import re
 import time
 from pathlib import Path
@@ -39,6 +44,23 @@ def resolve(cfg) -> Path:
     if cfg.checkpoint.dir is not None:  # every run's checkpoints in one place: they say whose they are
         return run_of_newest_checkpoint(Path(cfg.checkpoint.dir), cfg)
     return newest_matching_run(template, cfg)
+
+
+LATEST = "latest"
+
+
+def point_latest(template: str, run_dir: Path) -> None:
+    """For a template ending in `{time}`: RUN_DIR/../latest made a relative link to `run_dir`,
+    replaced atomically (no link where the file system has none: nothing else depends on it)."""
+    if Path(template).name != "{time}":
+        return
+    link, tmp = run_dir.parent / LATEST, run_dir.parent / f".{LATEST}.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(run_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def run_of_newest_checkpoint(root: Path, cfg) -> Path:

@@ -213,6 +213,20 @@ def test_recompute_records_the_same_counts_not_twice():
     torch.testing.assert_close(grad, plain_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("groups, top_groups, top_k, named", [
+    (8, 4, 2, r"num_experts \(8\) must split into num_groups \(8\) groups of at least 2 experts"),
+    (3, 1, 2, r"num_experts \(8\) must split into num_groups \(3\)"),
+    (4, 5, 2, r"top_groups \(5\) must be in 1\.\.num_groups \(4\)"),
+    (4, 1, 3, r"top_k \(3\) must be in 1\.\.top_groups \* num_experts / num_groups \(2\)"),
+])
+def test_group_limited_shapes_that_cannot_route_are_refused_when_made(groups, top_groups, top_k, named):
+    """Shapes for which group-limited top-k is undefined fail when the router is made, naming
+    the keys, not in forward (a group of one expert: torch.topk's "selected index k out of range")."""
+    with pytest.raises(ConfigError, match=f"router: {named}"):
+        TopKRouter(16, 8, top_k, score="sigmoid", num_groups=groups, top_groups=top_groups, correction_bias=True)
+    TopKRouter(16, 8, 2, score="sigmoid", num_groups=4, top_groups=1, correction_bias=True)  # the most that fits
+
+
 # -- LoadBalancer --
 
 

@@ -146,6 +146,36 @@ def test_the_family_is_read_from_model_path(tmp_path):
         load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n"))
 
 
+def _hf_directory(path, model_type="qwen3_moe", tokenizer=True):
+    path.mkdir()
+    (path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_model_path_on_the_command_line_replaces_an_example_configs_model_and_builtin_tokenizer(tmp_path):
+    """configs/qwen3.yaml has model.family, model.config and data.tokenizer: builtin; --set
+    model.path=DIR fine-tunes DIR's model (its family from config.json) with DIR's tokenizer, and
+    says so in one line. Keys the command line sets itself stay as it sets them."""
+    hf = _hf_directory(tmp_path / "hf")
+    example = DEFAULT_CONFIG.parent / "qwen3.yaml"
+    notes = []
+    cfg = load_config(example, [f"model.path={hf}"], notes)
+    assert (cfg.model.path, cfg.model.config, cfg.model.family, cfg.data.tokenizer) == (str(hf), None, "qwen3_moe", None)
+    assert notes == [f"model.path {hf} from the command line replaces the config's model.config, model.family, "
+                     f"data.tokenizer: builtin (its own tokenizer instead)"]
+    notes = []
+    cfg = load_config(example, [f"model.path={hf}", "data.tokenizer=builtin", "model.family=qwen3_moe"], notes)
+    assert (cfg.data.tokenizer, notes) == ("builtin", [f"model.path {hf} from the command line replaces the "
+                                                       f"config's model.config"])
+    bare = _hf_directory(tmp_path / "bare", tokenizer=False)  # no tokenizer of its own: the builtin one stays
+    assert load_config(example, [f"model.path={bare}"]).data.tokenizer == "builtin"
+    notes = []
+    load_config(DEFAULT_CONFIG, ["training.steps=3"], notes)
+    assert notes == []
+
+
 def test_data_files_and_validation_take_one_path_or_a_list(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL + "data: {source: files, files: a.txt, validation: b.txt}\n"))
     assert cfg.data.files == ["a.txt"] and cfg.data.validation == ["b.txt"]

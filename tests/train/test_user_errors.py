@@ -257,6 +257,22 @@ def test_model_path_files_that_do_not_fit_the_model_are_named_before_any_rank_st
                           rf"error: model.path: checkpoint {hf}: model.norm.weight is missing from the files")
 
 
+@pytest.mark.parametrize("what", ["checkpoint", "run directory"])
+def test_a_training_checkpoint_or_run_as_model_path_names_export_and_resume(cli, tmp_path, what):
+    """model.path is a Hugging Face directory; a trainer's checkpoint or run directory there gets
+    one line naming `hyperparallel export` (to fine-tune from it) and checkpoint.resume."""
+    run_dir = tmp_path / "old_run"
+    step = run_dir / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "checkpoint.json").write_text("{}")
+    (run_dir / "config.yaml").write_text("model: {family: qwen3}\n")
+    given = step if what == "checkpoint" else run_dir
+    fails_cleanly(cli, tmp_path, str(ROOT / "configs" / "qwen3.yaml"), "--set", f"model.path={given}",
+                  message=rf"^error: model.path {given} is a training {what}, not a Hugging Face model directory: "
+                          rf"`hyperparallel export {step} OUT_DIR` writes .*to fine-tune from \(model.path: OUT_DIR\), "
+                          rf"and checkpoint.resume: {step} continues")
+
+
 def yaml_config(family: str) -> dict:
     import yaml
 

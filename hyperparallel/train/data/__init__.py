@@ -20,5 +20,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "batches": ("Batches", "InOrder", "MicroBatch", "SequenceOrder"),
     "dataset": ("Dataset", "cache_root", "describe", "input_problems", "open_prepared", "prepare"),
     "rows": ("IGNORE", "DocumentRows", "PackedRows", "TensorRows", "TokenStore"),
-    "tokenizer": ("EOS", "PAD", "Tokenizer", "load_tokenizer", "tokenizer_source", "tokenizer_vocab_size"),
+    "tokenizer": ("EOS", "PAD", "TOKENIZER_FILE", "Tokenizer", "load_tokenizer", "tokenizer_source",
+                  "tokenizer_vocab_size"),
 })
