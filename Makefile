@@ -31,9 +31,12 @@ test: setup
 
 demo: setup
 	$(PY) -m hyperparallel train
+	@echo "hyperparallel is in $(VENV)/bin; for the commands of README.md and docs/ as written: source $(VENV)/bin/activate"
 
+# Every benchmark of `hyperparallel bench` (tests/docs holds the list to hyperparallel/cli.py's).
 bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench mx
+	$(PY) -m hyperparallel bench lowp
 	$(PY) -m hyperparallel bench train
 	$(PY) -m hyperparallel bench fsdp
 	$(PY) -m hyperparallel bench checkpoint
@@ -41,6 +44,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench moe
 	$(PY) -m hyperparallel bench parallel
 	$(PY) -m hyperparallel bench kernels
+	$(PY) -m hyperparallel bench data
 
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
