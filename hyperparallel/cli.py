@@ -51,7 +51,7 @@ def _train(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     config = load_config(args.config, args.set, notes)  # bad input stops here, before any rank starts
-    if not elastic.launched_by_hyperparallel():  # (once for the run, not per rank)
+    if not elastic.launched_by_hyperparallel() and os.environ.get("RANK", "0") == "0":  # (once, not per rank)
         for line in notes:
             print(f"note: {line}", file=sys.stderr if args.print_config else sys.stdout)
     if args.print_config:
@@ -116,8 +116,9 @@ def _export(args: argparse.Namespace) -> int:
     from hyperparallel.checkpoint.export import export_hf
     from hyperparallel.checkpoint.io import checkpoint_in
 
-    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size)
-    print(f"exported {checkpoint_in(args.checkpoint)} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    source = checkpoint_in(args.checkpoint)  # (once: a run may save a newer one meanwhile)
+    out = export_hf(source, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    print(f"exported {source} to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
 

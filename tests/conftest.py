@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ NATIVE = {"hyperparallel._mx_native": ("mx_*.[ch]", "hp_*.h"), "hyperparallel._d
 
 
 def pytest_sessionstart(session):
+    # Caches kept per machine (the CPU's measured MFU peak, hyperparallel.train.peak_flops) go to a
+    # directory of this session's, for its processes too: a test never reads or writes the user's.
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="hyperparallel-test-cache-")
     # The native libraries are built by `make setup`; testing an old build against new sources
     # would report on code that is not the code under test.
     for module, sources in NATIVE.items():

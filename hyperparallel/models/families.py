@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hyperparallel.kernels.router_groups import group_problem
 from hyperparallel.moe import TopKRouter
 
 from ..errors import ConfigError
@@ -97,8 +98,6 @@ def _check_qwen3_moe(config: Qwen3MoeConfig) -> None:
 
 def _check_deepseek_v3(config: DeepseekV3Config) -> None:
     _check_attention_heads(config)
-    from hyperparallel.kernels.mega_gate import group_problem  # (its kernels load on first use)
-
     problem = group_problem(config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok,
                             ("n_routed_experts", "n_group", "topk_group", "num_experts_per_tok"))
     if problem is not None:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.errors import ConfigError, ShapeError
+from hyperparallel.kernels.router_groups import group_problem
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
@@ -59,8 +60,6 @@ class TopKRouter(nn.Module):
             raise ConfigError(f"router top_k ({top_k}) must be in 1..num_experts ({num_experts})")
         if hash_vocab_size is not None and (correction_bias or num_groups > 1):
             raise ConfigError("a hash-routed router chooses no experts: it takes no correction bias and no groups")
-        from hyperparallel.kernels.mega_gate import group_problem  # (its kernels load on first use)
-
         problem = group_problem(num_experts, num_groups, top_groups, top_k)
         if problem is not None:
             raise ConfigError(f"router: {problem}")

@@ -76,6 +76,8 @@ class ModelSection(Section):
 def _family_in(path: Path) -> str:
     """The family that model.path's config.json names (by its model_type)."""
     config_json = path / "config.json"
+    if not path.is_dir():
+        raise ValueError(f"model.path {path} is not a directory; give a local Hugging Face model directory")
     if not config_json.is_file():
         from hyperparallel.train.checkpointing import not_a_model_directory
 

@@ -69,9 +69,12 @@ def cpu_key(dtype: torch.dtype, threads: int) -> str:
 def cpu_peak_tflops(dtype: torch.dtype) -> float:
     """torch.mm's TFLOP/s on this CPU at torch's current thread count: the cached measurement, or
     one made now (a second) and cached. A cache that cannot be read or written is measured past."""
-    key, path = cpu_key(dtype, torch.get_num_threads()), cache_dir() / CACHE_FILE
-    try:
+    key = cpu_key(dtype, torch.get_num_threads())
+    try:  # (no home directory: Path.home() raises RuntimeError; then there is no cache)
+        path = cache_dir() / CACHE_FILE
         known = json.loads(path.read_text())
+    except RuntimeError:
+        path, known = None, {}
     except (OSError, ValueError):
         known = {}
     if not isinstance(known, dict):
@@ -79,6 +82,8 @@ def cpu_peak_tflops(dtype: torch.dtype) -> float:
     if isinstance(known.get(key), (int, float)) and known[key] > 0:
         return float(known[key])
     measured = measured_cpu_peak_tflops(dtype, seconds=1.0)
+    if path is None:
+        return measured
     try:  # (ranks that measure together each write the whole file under a name of their own, then rename)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{CACHE_FILE}.{os.getpid()}")

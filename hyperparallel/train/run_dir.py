@@ -51,10 +51,11 @@ LATEST = "latest"
 
 def point_latest(template: str, run_dir: Path) -> None:
     """For a template ending in `{time}`: RUN_DIR/../latest made a relative link to `run_dir`,
-    replaced atomically (no link where the file system has none: nothing else depends on it)."""
-    if Path(template).name != "{time}":
-        return
+    replaced atomically; a `latest` that is no link is left alone, and where the file system has
+    no links there is none (nothing else depends on it)."""
     link, tmp = run_dir.parent / LATEST, run_dir.parent / f".{LATEST}.{os.getpid()}"
+    if Path(template).name != "{time}" or (link.exists() and not link.is_symlink()):
+        return  # (a `latest` of the user's own is theirs)
     try:
         tmp.unlink(missing_ok=True)
         os.symlink(run_dir.name, tmp, target_is_directory=True)

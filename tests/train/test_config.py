@@ -60,7 +60,7 @@ BAD = [
     (MINIMAL + "data: {validation: 0.9}\n", r"data.validation: a held-out fraction is a number in \(0, 0.5\], got 0.9"),
     (MINIMAL + "training: {eval_batches: 0}\n", r"training.eval_batches: .*greater than or equal to 1"),
     ("model: {family: qwen3, config: nowhere.yaml}\n", r"model.config: cannot read the model config file .*nowhere.yaml"),
-    ("model: {path: /nonexistent-model}\n", r"model.family is not given and /nonexistent-model/config.json cannot be read"),
+    ("model: {path: /nonexistent-model}\n", r"model.path /nonexistent-model is not a directory; give a local Hugging Face"),
     (MINIMAL + "parallel: {cp_mode: striped}\n", r"parallel.cp_mode: .*got 'striped'"),
     (MINIMAL + "parallel: {tp: 0}\n", r"parallel.tp: .*greater than or equal to 1"),
     (MINIMAL + "parallel: {dp_shard: 0}\n", r"parallel.dp_shard: .*greater than or equal to 1"),

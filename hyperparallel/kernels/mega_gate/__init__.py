@@ -32,6 +32,6 @@ of equal score. Hash-routed layers keep the table's order.
 
 from hyperparallel.kernels.backends import BACKENDS
 from hyperparallel.kernels.mega_gate.op import backend_for, mega_gate, run_backend
-from hyperparallel.kernels.mega_gate.reference import SCORES, group_problem, mega_gate_reference
+from hyperparallel.kernels.mega_gate.reference import SCORES, mega_gate_reference
 
-__all__ = ["BACKENDS", "SCORES", "backend_for", "group_problem", "mega_gate", "mega_gate_reference", "run_backend"]
+__all__ = ["BACKENDS", "SCORES", "backend_for", "mega_gate", "mega_gate_reference", "run_backend"]
