@@ -172,7 +172,8 @@ def test_resume_latest_with_a_time_template_continues_the_newest_run_of_this_con
     (other / "config.yaml").write_text((ran / "config.yaml").read_text().replace("lr: 0.001", "lr: 0.5"))
     resumed = train(config(tmp_path, "qwen3", logging=timed, checkpoint={"resume": "latest"}))
     assert resumed["run_dir"] == str(ran) and resumed["first_step"] == 3
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([ran.name, other.name])  # no new one
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([ran.name, other.name, "latest"])  # no new one
+    assert (tmp_path / "runs" / "latest").resolve() == ran.resolve()  # (the run started last: the resumed one)
     assert losses(resumed) == losses(whole)
 
 
