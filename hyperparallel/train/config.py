@@ -503,7 +503,7 @@ def _model_path_given(raw: dict, overrides: list[str]) -> list[str]:
     model.config and model.family go) and its tokenizer replaces a builtin one (a pretrained
     model's token ids are its own), unless the command line sets those keys too. Edits `raw`;
     returns one line saying what was replaced, or none."""
-    given = {tuple(_parse_override(item)[0]): _parse_override(item)[1] for item in overrides}
+    given = {tuple(key): value for key, value in map(_parse_override, overrides)}
     path = given.get(("model", "path"))
     model, data = raw.get("model"), raw.get("data")
     if not isinstance(path, str) or not isinstance(model, dict):
