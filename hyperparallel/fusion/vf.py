@@ -25,12 +25,12 @@ are used only when the native library was built from this table (its digest matc
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
 from hyperparallel.fusion import vf_spec
 from hyperparallel.fusion.bytecode import BINARY, UNARY, WORDS, Kind, Op, Program
+from hyperparallel.kernels.env_setting import env_set
 
 ENV = "HYPERPARALLEL_DVM_VF"
 BUDGET = 12  # values a VF keeps alive at once (see 2. above)
@@ -42,19 +42,10 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-@contextlib.contextmanager
 def lowering_with(on: bool):
     """Lowering writes VFs (on) or runs every op on its own (off) while inside: HYPERPARALLEL_DVM_VF
     set for the time, as a user would (for comparisons: benchmarks, tests)."""
-    old = os.environ.get(ENV)
-    os.environ[ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
+    return env_set(ENV, "1" if on else "0")
 
 
 @functools.cache

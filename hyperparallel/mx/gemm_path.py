@@ -23,13 +23,12 @@ operands.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 
 from hyperparallel.errors import BackendError
+from hyperparallel.kernels.env_setting import env_set
 from hyperparallel.mx.tensor import MXTensor
 
 PATHS = ("dequantize", "triton", "scaled_mm")
@@ -47,21 +46,9 @@ ENV = "HYPERPARALLEL_MX_GEMM"
 AUTOMATIC = (((10, 0), "scaled_mm"),)
 
 
-@contextlib.contextmanager
-def forcing(path: str | None) -> Iterator[None]:
+def forcing(path: str | None):
     """HYPERPARALLEL_MX_GEMM set to `path` (None: unset) inside the block, as it was after it."""
-    previous = os.environ.get(ENV)
-    try:
-        if path is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = path
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = previous
+    return env_set(ENV, path)
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
