@@ -27,16 +27,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def not_a_model_directory(path: Path) -> str | None:
     """For a model.path that is a training checkpoint or a run directory (no Hugging Face model
     directory), what to do instead: export it to fine-tune from, or resume it; None otherwise."""
-    if (path / checkpoint.MANIFEST).is_file():
+    found = checkpoint.checkpoint_in(path)  # (what export and generate would read from it)
+    if not (found / checkpoint.MANIFEST).is_file():
+        return None
+    if found == path:
         return (f"model.path {path} is a training checkpoint, not a Hugging Face model directory: "
                 f"`hyperparallel export {path} OUT_DIR` writes one to fine-tune from (model.path: OUT_DIR), and "
                 f"checkpoint.resume: {path} continues the training that saved it")
-    newest = complete_checkpoints(path / "checkpoints")[-1:] if (path / "config.yaml").is_file() else []
-    if newest:
-        return (f"model.path {path} is a training run directory, not a Hugging Face model directory: "
-                f"`hyperparallel export {newest[0]} OUT_DIR` writes its newest checkpoint as one to fine-tune from "
-                f"(model.path: OUT_DIR), and checkpoint.resume: {newest[0]} continues that run")
-    return None
+    return (f"model.path {path} is a training run directory, not a Hugging Face model directory: "
+            f"`hyperparallel export {found} OUT_DIR` writes its newest checkpoint as one to fine-tune from "
+            f"(model.path: OUT_DIR), and checkpoint.resume: {found} continues that run")
 
 
 def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
