@@ -141,15 +141,13 @@ def _load_model(source: _Source):
 
     # the dtype it was saved in (float16 and others are read as float32); HF's own experts modules
     dtype = DTYPES.get(source.hf_config.get("dtype") or source.hf_config.get("torch_dtype"), torch.float32)
-    from transformers.utils import logging as hf_logging
+    from hyperparallel.train.quiet import progress_bars_off
 
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar, around the generated text
+    restore = progress_bars_off()  # from_pretrained's "Loading weights" bar, around the generated text
     try:
         return build_model(source.family, path=source.path, dtype=dtype, grouped_experts=False).eval()
     finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+        restore()
 
 
 def generate(source: str | os.PathLike, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,

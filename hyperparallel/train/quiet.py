@@ -87,7 +87,7 @@ class LibraryOutput:
         root = logging.getLogger()
         root.addHandler(self.log)
         root.addHandler(self.errors)
-        self._restore_bars = _progress_bars_off()
+        self._restore_bars = progress_bars_off()
         self.sweep()
         self._warnings.__enter__()
         self._show = warnings.showwarning
@@ -142,7 +142,7 @@ def quiet_optional_imports() -> None:
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
-def _progress_bars_off():
+def progress_bars_off():
     """transformers' tqdm bars (and huggingface_hub's, which it switches with its own) off; returns
     what turns them back to how they were."""
     import huggingface_hub.utils as hub
