@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from hyperparallel.mx.format import SCALE_MODES
+from hyperparallel.schema import Section, choice
 
 # the LM head, embeddings and MoE routers stay in high precision unless a user says otherwise
 DEFAULT_EXCLUDE = ["lm_head", "*embed*", "*.mlp.gate", "*router*"]
 
 
-class LowPrecisionConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class LowPrecisionConfig(Section):
     enabled: bool = False
     format: Literal["mxfp8"] = "mxfp8"
-    scale_mode: Literal["rceil", "floor"] = "rceil"
+    scale_mode: choice(SCALE_MODES) = "rceil"
     include: list[str] = Field(default_factory=lambda: ["*"])  # globs on module names
     exclude: list[str] = Field(default_factory=lambda: list(DEFAULT_EXCLUDE))
     modules: list[Literal["linear", "experts"]] = Field(default_factory=lambda: ["linear", "experts"])

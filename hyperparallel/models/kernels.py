@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from hyperparallel.moe import TopKRouter
+from hyperparallel.schema import Section
+
+
+class KernelsConfig(Section):
+    """Which fused kernels a model runs with: `use_kernels`' switches, the trainer's `kernels:`
+    section."""
+
+    mega_gate: bool = True  # every MoE router as one fused operation
+    mega_mhc: bool = True  # DeepSeek-V4's hyper-connections as fused operations
 
 
 @dataclass(frozen=True)

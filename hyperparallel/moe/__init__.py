@@ -10,6 +10,7 @@ MOE_IMPLEMENTATIONS = ("sequential", "megamoe")
 __getattr__, __dir__, _exported = lazy_exports(__name__, {
     "balance": ("LoadBalancer", "routers"),
     "block": ("MoEBlock",),
+    "config": ("MoEConfig",),
     "experts": ("GroupedExperts", "HighPrecision", "unsupported_reason"),
     "grouped_matmul": ("grouped_mm", "native_grouped_mm_supported"),
     "megamoe": ("MegaMoE",),

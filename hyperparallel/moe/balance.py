@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.moe.config import MoEConfig
 from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter
 
 
@@ -48,6 +49,16 @@ class LoadBalancer:
             router.clear_record()
         self._step_counts: list[torch.Tensor] | None = None  # per layer [E]: this rank's, this step's
         self._aux_values: list[torch.Tensor] = []  # this step's, per micro-batch (read at its end)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: MoEConfig, *, family_rule: str) -> LoadBalancer:
+        """The balancing `config` (the trainer's `moe:` section) asks for: its rule, or the model
+        family's `family_rule`; a null aux_loss_coef is the model config's router_aux_loss_coef
+        (0 without one)."""
+        coef = config.aux_loss_coef
+        if coef is None:
+            coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None) or 0.0
+        return cls(model, config.rule(family_rule), aux_loss_coef=coef, bias_update_rate=config.bias_update_rate)
 
     def aux_loss(self) -> torch.Tensor | None:
         """coef * the mean over layers of the last forward's auxiliary losses (None when off)."""

@@ -1,7 +1,7 @@
 """The allowed range of every optimizer setting, in one place.
 
-Muon checks its param groups with these, `build_optimizer` its arguments, and the trainer's
-`optimizer:` section validates through `build_optimizer`'s check, so a bound is stated once.
+Muon checks its param groups with these, and OptimizerConfig (build_optimizer's settings, the
+trainer's `optimizer:` section) its values, so a bound is stated once.
 """
 
 from __future__ import annotations

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.optim import bounds
 from hyperparallel.optim.muon import Muon
+
+if TYPE_CHECKING:  # (config.py imports OPTIMIZER_NAMES from here)
+    from hyperparallel.optim.config import OptimizerConfig
 
 # Muon is meant for hidden-layer linear maps; embeddings, the output head, norms and MoE routers
 # are left to AdamW, as in Keller Jordan's Muon and Moonshot's Moonlight.
@@ -40,37 +43,30 @@ def split_for_muon(model: nn.Module, *, exclude: Sequence[str] = MUON_EXCLUDE) -
 
 def build_optimizer(
     model: nn.Module,
+    config: OptimizerConfig,
     *,
-    name: str,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    muon_lr: float | None = None,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
     adjust_lr_fn: str | None = None,
     no_decay: Sequence[str] = NO_DECAY,
     muon_exclude: Sequence[str] = MUON_EXCLUDE,
 ) -> torch.optim.Optimizer:
-    """torch.optim.AdamW ("adamw") or hyperparallel Muon ("muon") over the trainable parameters.
+    """torch.optim.AdamW ("adamw") or hyperparallel Muon ("muon") over the trainable parameters,
+    with `config`'s settings (the trainer's `optimizer:` section; its ranges are checked when it is
+    made). The keywords are a library user's, not YAML settings.
 
     Groups, each with a "name" key (empty ones are left out): "muon" (Muon only; lr=muon_lr or lr,
     with weight decay), "adamw_decay", and "adamw_no_decay" (biases, norms, every param with
-    ndim < 2; weight_decay=0). ``betas`` and ``eps`` are AdamW's.
+    ndim < 2; weight_decay=0).
     """
-    check_hyperparameters(name=name, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, muon_lr=muon_lr,
-                          momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+    c = config
     no_decay = _globs(no_decay, "no_decay")
 
-    if name == "adamw":
+    if c.name == "adamw":
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = _adamw_groups(trainable, weight_decay, no_decay)
+        groups = _adamw_groups(trainable, c.weight_decay, no_decay)
         _check_not_empty(groups)
         # the fused kernel (one pass per tensor) is what HF's Trainer uses too; same math
         fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for _, p in trainable)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, fused=fused)
 
     muon_params, adamw_params = split_for_muon(model, exclude=muon_exclude)
     groups = [
@@ -78,43 +74,24 @@ def build_optimizer(
             "name": "muon",
             "params": [p for _, p in muon_params],
             "use_muon": True,
-            "lr": lr if muon_lr is None else muon_lr,
-            "weight_decay": weight_decay,
+            "lr": c.lr if c.muon_lr is None else c.muon_lr,
+            "weight_decay": c.weight_decay,
         }
     ]
-    groups += [{**group, "use_muon": False} for group in _adamw_groups(adamw_params, weight_decay, no_decay)]
+    groups += [{**group, "use_muon": False} for group in _adamw_groups(adamw_params, c.weight_decay, no_decay)]
     groups = [group for group in groups if group["params"]]
     _check_not_empty(groups)
     return Muon(
         groups,
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        nesterov=nesterov,
-        ns_steps=ns_steps,
+        lr=c.lr,
+        weight_decay=c.weight_decay,
+        momentum=c.momentum,
+        nesterov=c.nesterov,
+        ns_steps=c.ns_steps,
         adjust_lr_fn=adjust_lr_fn,
-        adamw_betas=tuple(betas),
-        adamw_eps=eps,
+        adamw_betas=tuple(c.betas),
+        adamw_eps=c.eps,
     )
-
-
-def check_hyperparameters(*, name: str, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                          muon_lr: float | None = None, momentum: float = 0.95, nesterov: bool = True,
-                          ns_steps: int = 5) -> None:
-    """ConfigError naming the first of build_optimizer's settings that is out of range (the
-    trainer's `optimizer:` section is validated with this too)."""
-    if name not in OPTIMIZER_NAMES:
-        raise ConfigError(f"optimizer name must be one of {OPTIMIZER_NAMES}, got {name!r}")
-    bounds.check("lr", lr)
-    bounds.check("weight_decay", weight_decay)
-    if muon_lr is not None:
-        bounds.check("lr", muon_lr, name="muon_lr")
-    bounds.check("betas", betas)
-    bounds.check("adamw_eps", eps, name="eps")
-    if name == "muon":
-        bounds.check("momentum", momentum)
-        bounds.check("nesterov", nesterov)
-        bounds.check("ns_steps", ns_steps)
 
 
 def _adamw_groups(named_params: NamedParams, weight_decay: float, no_decay: tuple[str, ...]) -> list[dict]:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from hyperparallel.errors import ConfigError
+
+if TYPE_CHECKING:  # (config.py imports SCHEDULE_KINDS and validate_schedule from here)
+    from hyperparallel.optim.config import SchedulerConfig
 
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
 
@@ -56,23 +60,18 @@ def validate_schedule(kind: str, warmup_steps: int, total_steps: int | None, min
         raise ConfigError(f"min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    *,
-    kind: str,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float = 0.0,
-) -> LambdaLR:
-    """A LambdaLR that scales every group's initial lr by ``lr_factor(kind, step, ...)``.
+def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig, *, total_steps: int) -> LambdaLR:
+    """A LambdaLR that scales every group's initial lr by ``lr_factor(config.kind, step, ...)``
+    over a run of `total_steps` (which decides a null `config.warmup_steps`).
 
     Call ``scheduler.step()`` once after each ``optimizer.step()``.
     """
-    validate_schedule(kind, warmup_steps, total_steps, min_lr_ratio)
+    warmup_steps = config.warmup(total_steps)
+    validate_schedule(config.kind, warmup_steps, total_steps, config.min_lr_ratio)
     # A partial rather than a closure: it pickles, and LambdaLR's state_dict keeps nothing of it, so
     # a resumed run follows the schedule it is built with, not one stored in the checkpoint.
     factor = functools.partial(
-        lr_factor, kind, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        lr_factor, config.kind, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=config.min_lr_ratio
     )
     return LambdaLR(optimizer, factor)
 

@@ -5,20 +5,24 @@ every mistake of a config is reported together (one line each, with "did you mea
 keys). The `--set a.b=v` overrides of the command line are applied to the raw mapping before
 validation, with their values parsed as YAML scalars (``--set training.steps=20``).
 
-The defaults here are those of configs/default.yaml (a test holds them equal), so a config that
+A component's section is the component's own config, composed here (`optimizer`, `scheduler`:
+hyperparallel.optim's; `moe`: hyperparallel.moe's; `kernels`: models.kernels'; `low_precision`:
+lowp's), so its defaults and ranges are written once, where they are read; the sections of the
+trainer itself are here. The base, unknown keys and every problem at once, is hyperparallel.schema.
+
+The defaults are those of configs/default.yaml (a test holds them equal), so a config that
 leaves a section out behaves as the demo does.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
@@ -26,21 +30,13 @@ from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.models import family_for_model_type, family_names, get_family
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
-from hyperparallel.moe import LOAD_BALANCE, MOE_IMPLEMENTATIONS
-from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, check_hyperparameters, validate_schedule
+from hyperparallel.models.kernels import KernelsConfig
+from hyperparallel.moe.config import MoEConfig
+from hyperparallel.optim import OptimizerConfig, SchedulerConfig
 from hyperparallel.parallel import CP_MODES, RECOMPUTE_MODES
+from hyperparallel.schema import Section, choice, problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def choice(names) -> Any:
-    """A Literal of the names a registry implements (model families, compile backends, ...): the
-    choices are stated once, where they are implemented."""
-    return Literal[tuple(names)]
 
 
 class ModelSection(Section):
@@ -219,67 +215,6 @@ class ParallelSection(Section):
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
-class MoESection(Section):
-    """How MoE layers balance their experts' load (hyperparallel.moe.balance) and, under expert
-    parallelism, how their all-to-alls run (hyperparallel.moe.megamoe)."""
-
-    # aux_loss | bias | none; null: the family's rule (qwen3_moe: aux_loss, deepseek_v3: bias)
-    load_balance: choice(LOAD_BALANCE) | None = None
-    aux_loss_coef: float | None = Field(None, ge=0)  # null: the model config's router_aux_loss_coef
-    bias_update_rate: float = Field(0.001, ge=0)  # DeepSeek-V3's bias update speed
-    # sequential: all rows out, all experts, all rows back; megamoe: expert waves whose
-    # all-to-alls overlap the experts' products (needs parallel.ep > 1)
-    implementation: choice(MOE_IMPLEMENTATIONS) = "sequential"
-    waves: int | None = Field(None, ge=1)  # MegaMoE's expert waves; null: what the cost model predicts fastest
-
-    def rule(self, family: str) -> str:
-        return self.load_balance or get_family(family).default_load_balance
-
-
-class KernelsSection(Section):
-    """Fused kernels (hyperparallel.models.kernels); each computes what the modules it replaces
-    do, and does nothing in a model without them."""
-
-    mega_gate: bool = True  # every MoE router as one fused operation
-    mega_mhc: bool = True  # DeepSeek-V4's hyper-connections as fused operations
-
-
-class OptimizerSection(Section):
-    """Types here; the ranges are hyperparallel.optim's (`check_hyperparameters`), stated there once."""
-
-    name: choice(OPTIMIZER_NAMES) = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    muon_lr: float | None = None  # Muon's own lr (default: lr)
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-
-    @model_validator(mode="after")
-    def _in_range(self):
-        try:
-            check_hyperparameters(**self.model_dump())
-        except ConfigError as error:
-            raise ValueError(str(error)) from None
-        return self
-
-
-class SchedulerSection(Section):
-    kind: choice(SCHEDULE_KINDS) = "cosine"
-    warmup_steps: int | None = None  # null: 10% of training.steps
-    min_lr_ratio: float = 0.1
-
-    @model_validator(mode="after")
-    def _in_range(self):
-        try:
-            validate_schedule(self.kind, self.warmup_steps or 0, None, self.min_lr_ratio)
-        except ConfigError as error:
-            raise ValueError(str(error)) from None
-        return self
-
-
 class CheckpointSection(Section):
     dir: str | None = None  # default: RUN_DIR/checkpoints
     every: int = Field(0, ge=0)  # steps between saves; 0 saves only at the end
@@ -312,11 +247,12 @@ class TrainConfig(Section):
     data: DataSection = Field(default_factory=DataSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
-    moe: MoESection = Field(default_factory=MoESection)
-    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    # the components' own configs, their defaults and ranges written where they are read
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     low_precision: LowPrecisionConfig = Field(default_factory=LowPrecisionConfig)
-    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
-    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     # `hyperparallel plan --device`: figures of the device model to use instead of its own
@@ -331,8 +267,11 @@ class TrainConfig(Section):
         return self
 
     def warmup_steps(self) -> int:
-        given = self.scheduler.warmup_steps
-        return self.training.steps // 10 if given is None else given
+        return self.scheduler.warmup(self.training.steps)
+
+    def load_balance(self) -> str:
+        """moe.load_balance, or (null) the model family's rule."""
+        return self.moe.rule(get_family(self.model.family).default_load_balance)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; ConfigError if the batch does not split."""
@@ -422,46 +361,6 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _known_keys(loc: tuple) -> list[str]:
-    """The keys of the section at loc[:-1] (for "did you mean")."""
-    section: type[BaseModel] = TrainConfig
-    for part in loc[:-1]:
-        field = section.model_fields.get(part)
-        annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        section = annotation
-    return [field.alias or name for name, field in section.model_fields.items()]
-
-
-def _describe(problem: dict) -> str:
-    where = ".".join(str(p) for p in problem["loc"])
-    message = problem["msg"].removeprefix("Value error, ")
-    if problem["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(str(problem["loc"][-1]), _known_keys(problem["loc"]), n=1)
-        parent = ".".join(str(p) for p in problem["loc"][:-1])
-        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
-        return f"{where}: unknown key{hint}"
-    if problem["type"] == "missing":
-        return f"{where}: missing"
-    if message.startswith(f"{where}") or not where:  # our validators name their keys themselves
-        return message
-    if "input" in problem and problem["type"] not in ("value_error", "assertion_error"):
-        return f"{where}: {message} (got {problem['input']!r})"
-    return f"{where}: {message}"
-
-
-def _problems(error: ValidationError, skip: tuple | None = None) -> list[str]:
-    seen: list[str] = []
-    for problem in error.errors():
-        if skip is not None and tuple(problem["loc"][: len(skip)]) == skip:
-            continue
-        line = _describe(problem)
-        if line not in seen:  # (a union reports a wrong value once per member)
-            seen.append(line)
-    return seen
-
-
 def _read_model_file(raw: dict, base_dir: Path | None) -> list[str]:
     """model.config naming a YAML file of HF config keys: read it in place; the problems found."""
     model = raw.get("model")
@@ -486,14 +385,14 @@ def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None)
     """Validate a raw mapping; every problem found is in the ConfigError, one per line."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
-    problems = _read_model_file(raw, base_dir)
+    found = _read_model_file(raw, base_dir)
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as error:
-        unread = ("model", "config") if problems else None  # (the file's problem is named already)
-        problems += _problems(error, skip=unread)
-    if problems:
-        raise ConfigError("\n".join(problems))
+        unread = ("model", "config") if found else None  # (the file's problem is named already)
+        found += problems(error, TrainConfig, skip=unread)
+    if found:
+        raise ConfigError("\n".join(found))
     return config
 
 

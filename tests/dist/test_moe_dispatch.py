@@ -6,14 +6,12 @@ ExpertParallel on the same ranks, with and without shared experts."""
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from hyperparallel.errors import ConfigError, ShapeError
@@ -22,7 +20,6 @@ from hyperparallel.moe import GroupedExperts
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
 from hyperparallel.moe.megamoe import MegaMoE
 from hyperparallel.moe.megamoe_graphs import WavePipeline
-from tests.dist.ranks import leave
 from tests.dist.test_fsdp import one_thread
 
 HIDDEN, INTERMEDIATE = 64, 32

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.optim import Muon, build_optimizer, split_for_muon
+from hyperparallel.optim import Muon, OptimizerConfig, build_optimizer, split_for_muon
 
 TINY = dict(
     hidden_size=64,
@@ -98,7 +98,7 @@ def test_exclude_must_be_a_list_of_globs():
 @pytest.mark.parametrize("tie", [True, False])
 def test_build_adamw(tie):
     model = _dense(tie)
-    optimizer = build_optimizer(model, name="adamw", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1))
     assert type(optimizer) is torch.optim.AdamW
     assert [g["name"] for g in optimizer.param_groups] == ["adamw_decay", "adamw_no_decay"]
     decay, no_decay = optimizer.param_groups
@@ -113,7 +113,8 @@ def test_build_adamw(tie):
 def test_build_muon_for_moe():
     model = _moe()
     optimizer = build_optimizer(
-        model, name="muon", lr=1e-3, weight_decay=0.1, muon_lr=0.02, adjust_lr_fn="match_rms_adamw", ns_steps=4
+        model, OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.1, muon_lr=0.02, ns_steps=4),
+        adjust_lr_fn="match_rms_adamw",
     )
     assert type(optimizer) is Muon
     assert [g["name"] for g in optimizer.param_groups] == ["muon", "adamw_decay", "adamw_no_decay"]
@@ -138,7 +139,7 @@ def test_build_muon_for_moe():
 
 def test_muon_lr_defaults_to_lr_and_a_training_step_moves_every_param():
     model = _dense(tie=True)
-    optimizer = build_optimizer(model, name="muon", lr=1e-2, weight_decay=0.0)
+    optimizer = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-2, weight_decay=0.0))
     assert _group(optimizer, "muon")["lr"] == 1e-2
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     input_ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
@@ -164,17 +165,18 @@ def test_muon_lr_defaults_to_lr_and_a_training_step_moves_every_param():
 )
 def test_bad_settings_raise_config_error(kwargs, key):
     settings = {"name": "muon", "lr": 1e-3, "weight_decay": 0.1, **kwargs}
+    extras = {k: settings.pop(k) for k in ("no_decay", "adjust_lr_fn") if k in settings}  # (not config settings)
     with pytest.raises(ConfigError, match=key):
-        build_optimizer(_dense(tie=True), **settings)
+        build_optimizer(_dense(tie=True), OptimizerConfig(**settings), **extras)
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_a_model_without_trainable_params_is_an_error(name):
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ConfigError, match="trainable"):
-        build_optimizer(model, name=name, lr=1e-3, weight_decay=0.1)
+        build_optimizer(model, OptimizerConfig(name=name, lr=1e-3, weight_decay=0.1))
 
 
 def test_a_model_without_matrices_gets_only_adamw_groups():
-    optimizer = build_optimizer(nn.LayerNorm(8), name="muon", lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(nn.LayerNorm(8), OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.1))
     assert [g["name"] for g in optimizer.param_groups] == ["adamw_no_decay"]

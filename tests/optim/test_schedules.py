@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.optim import Muon, build_scheduler, lr_factor
+from hyperparallel.optim import Muon, SchedulerConfig, build_scheduler, lr_factor
 
 KINDS = ["constant", "linear", "cosine"]
 
@@ -66,8 +66,10 @@ def test_bad_settings_raise_config_error_naming_the_key(kwargs, key):
     settings = {"kind": "cosine", "warmup_steps": 2, "total_steps": 10, "min_lr_ratio": 0.0, **kwargs}
     with pytest.raises(ConfigError, match=key):
         lr_factor(step=0, **settings)
+    total_steps = settings.pop("total_steps")
     with pytest.raises(ConfigError, match=key):
-        build_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), **settings)
+        build_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), SchedulerConfig(**settings),
+                        total_steps=total_steps)
 
 
 def test_negative_step_is_rejected():
@@ -79,7 +81,7 @@ def test_negative_step_is_rejected():
 def test_scheduler_scales_each_group_by_lr_factor(kind):
     matrix, vector = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
     optimizer = Muon([{"params": [matrix], "lr": 0.02}, {"params": [vector], "use_muon": False, "lr": 0.001}])
-    scheduler = build_scheduler(optimizer, kind=kind, warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    scheduler = build_scheduler(optimizer, SchedulerConfig(kind=kind, warmup_steps=2, min_lr_ratio=0.1), total_steps=6)
     for step in range(9):
         factor = lr_factor(kind, step, 2, 6, 0.1)
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.02 * factor, 0.001 * factor])
@@ -90,12 +92,13 @@ def test_scheduler_scales_each_group_by_lr_factor(kind):
 
 def test_scheduler_state_round_trips():
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0)
-    scheduler = build_scheduler(optimizer, kind="cosine", warmup_steps=1, total_steps=4)
+    scheduler = build_scheduler(optimizer, SchedulerConfig(kind="cosine", warmup_steps=1, min_lr_ratio=0.0), total_steps=4)
     for _ in range(2):
         optimizer.step()
         scheduler.step()
     resumed_optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0)
-    resumed = build_scheduler(resumed_optimizer, kind="cosine", warmup_steps=1, total_steps=4)
+    resumed = build_scheduler(resumed_optimizer, SchedulerConfig(kind="cosine", warmup_steps=1, min_lr_ratio=0.0),
+                              total_steps=4)
     resumed.load_state_dict(scheduler.state_dict())
     resumed_optimizer.load_state_dict(optimizer.state_dict())
     optimizer.step()

@@ -130,6 +130,38 @@ def test_the_built_in_defaults_are_those_of_the_default_config():
     assert shipped.model_dump() == built_in.model_dump()
 
 
+def test_the_components_configs_are_the_sections_and_hold_the_defaults_docs_train_md_names():
+    """The optimizer, scheduler, MoE, kernels and low-precision sections are the components' own
+    configs (each default written once, where it is read), and every default the YAML reference
+    in docs/train.md writes out (`key` (value...)) is the schema's."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from hyperparallel.lowp.config import LowPrecisionConfig
+    from hyperparallel.models.kernels import KernelsConfig
+    from hyperparallel.moe.config import MoEConfig
+    from hyperparallel.optim import OptimizerConfig, SchedulerConfig
+    from hyperparallel.train.config import TrainConfig
+
+    fields = TrainConfig.model_fields
+    assert (fields["optimizer"].annotation, fields["scheduler"].annotation, fields["moe"].annotation,
+            fields["kernels"].annotation, fields["low_precision"].annotation) == (
+        OptimizerConfig, SchedulerConfig, MoEConfig, KernelsConfig, LowPrecisionConfig)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "train.md").read_text()
+    table = doc.split("| section | keys |", 1)[1].split("\n\n", 1)[0]
+    checked = []
+    for line in table.splitlines()[2:]:
+        name, keys = line.strip().strip("|").split(" | ", 1)
+        section = fields[name.strip().strip("`")].annotation
+        defaults = {field.alias or key: field.default for key, field in section.model_fields.items()}
+        for key, value in re.findall(r"`(\w+)` \((true|false|null|-?\d[\d.e+-]*)[);:]", keys):
+            assert defaults[key] == yaml.safe_load(value), f"docs/train.md: {name.strip()} {key} ({value})"
+            checked.append(key)
+    assert {"bias_update_rate", "mega_gate", "warmup_steps", "eval_every"} <= set(checked)
+
+
 def test_model_config_may_name_a_mapping_file_beside_the_config(tmp_path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny.yaml").write_text("hidden_size: 64\nnum_hidden_layers: 1\n")
@@ -207,9 +239,12 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
 
     from hyperparallel.checkpoint.model_card import DTYPES
     from hyperparallel.fsdp import GEOMETRIES
+    from hyperparallel.lowp.config import LowPrecisionConfig
     from hyperparallel.models import family_names
     from hyperparallel.models.compile import BACKENDS
-    from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS
+    from hyperparallel.moe.config import MoEConfig
+    from hyperparallel.mx.format import SCALE_MODES
+    from hyperparallel.optim import OPTIMIZER_NAMES, SCHEDULE_KINDS, OptimizerConfig, SchedulerConfig
     from hyperparallel.parallel import RECOMPUTE_MODES
     from hyperparallel.train import config
 
@@ -221,11 +256,12 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
     assert choices(config.TrainingSection, "compile") == set(BACKENDS)
     assert choices(config.ParallelSection, "shard_geometry") == set(GEOMETRIES)
     assert choices(config.ParallelSection, "recompute") == set(RECOMPUTE_MODES)
-    assert choices(config.OptimizerSection, "name") == set(OPTIMIZER_NAMES)
-    assert choices(config.SchedulerSection, "kind") == set(SCHEDULE_KINDS)
+    assert choices(OptimizerConfig, "name") == set(OPTIMIZER_NAMES)
+    assert choices(SchedulerConfig, "kind") == set(SCHEDULE_KINDS)
+    assert choices(LowPrecisionConfig, "scale_mode") == set(SCALE_MODES)
     from hyperparallel.moe import LOAD_BALANCE
 
-    rule = config.MoESection.model_fields["load_balance"].annotation  # Literal[...] | None (the family's)
+    rule = MoEConfig.model_fields["load_balance"].annotation  # Literal[...] | None (the family's)
     assert {v for arg in get_args(rule) for v in get_args(arg)} == set(LOAD_BALANCE)
 
 

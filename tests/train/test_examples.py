@@ -41,4 +41,4 @@ def test_each_example_trains_three_steps(tmp_path, monkeypatch, capfd, path):
     logged = [r for r in summary["records"] if "loss" in r]
     if cfg.model.family != "qwen3":  # MoE families: the loads measured, the family's balancing on
         assert all(1.0 <= r["moe_imbalance"] for r in logged)
-        assert all(("aux_loss" in r) == (cfg.moe.rule(cfg.model.family) == "aux_loss") for r in logged)
+        assert all(("aux_loss" in r) == (cfg.load_balance() == "aux_loss") for r in logged)
