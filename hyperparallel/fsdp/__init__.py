@@ -1,9 +1,10 @@
 """Fully sharded data parallelism with non-uniform sharding (docs/fsdp.md).
 
 geometry.py: which rows each rank holds; param.py: a sharded parameter (its shard and full
-copy); group.py: a module's parameters together, their all-gather and reduce-scatter, and the
-group's lifecycle; schedule.py: the forward/backward hooks and prefetching; api.py: fully_shard
-and the calls around it.
+copy) and the shard tag (`shard_info` / `set_shard_info`: a part's place in the whole, which
+`parallel` sets too); group.py: a module's parameters together, their all-gather and
+reduce-scatter, and the group's lifecycle; schedule.py: the forward/backward hooks and
+prefetching; api.py: fully_shard and the calls around it.
 """
 
 from hyperparallel.fsdp.api import (
@@ -12,11 +13,10 @@ from hyperparallel.fsdp.api import (
     fully_shard,
     set_column_shards,
     set_requires_gradient_sync,
-    shard_info,
     shard_placement,
 )
 from hyperparallel.fsdp.geometry import GEOMETRIES, ShardInfo, padded_rows, shard_of, shard_ranges
-from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement
+from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement, set_shard_info, shard_info
 
 __all__ = [
     "GEOMETRIES",
@@ -29,6 +29,7 @@ __all__ = [
     "padded_rows",
     "set_column_shards",
     "set_requires_gradient_sync",
+    "set_shard_info",
     "shard_of",
     "shard_info",
     "shard_placement",

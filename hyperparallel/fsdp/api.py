@@ -12,7 +12,6 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp.geometry import ShardInfo
 from hyperparallel.fsdp.group import _GROUP, FSDPGroup
 from hyperparallel.fsdp.param import MixedPrecision, ShardPlacement
 from hyperparallel.fsdp.schedule import PrefetchSchedule, register_hooks
@@ -116,13 +115,6 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     PrefetchSchedule(group, [getattr(sub, _GROUP) for sub in module.modules() if hasattr(sub, _GROUP)])
     register_hooks(module, group)
     return module
-
-
-def shard_info(param: nn.Parameter) -> ShardInfo:
-    info = getattr(param, "_hp_shard_info", None)
-    if info is None:
-        return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)
-    return info
 
 
 def shard_placement(param: nn.Parameter) -> ShardPlacement | None:

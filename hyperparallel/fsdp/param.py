@@ -13,9 +13,29 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
+
+# The shard tag: on a Parameter that holds a part of a larger tensor along dim 0, that part's place
+# in the whole (its ShardInfo). Set by fully_shard on its shards, and by `parallel` on the parts it
+# keeps (a TP rank's rows, an EP rank's experts) before FSDP shards within them; read by
+# checkpoints to place each rank's rows. Other packages go through shard_info / set_shard_info.
+SHARD_INFO_ATTRIBUTE = "_hp_shard_info"
+
+
+def shard_info(param: nn.Parameter) -> ShardInfo:
+    """Where `param`'s rows sit in the whole tensor; all of it for an untagged parameter."""
+    info = getattr(param, SHARD_INFO_ATTRIBUTE, None)
+    if info is None:
+        return ShardInfo(param.shape, 0, param.shape[0] if param.dim() else 1)
+    return info
+
+
+def set_shard_info(param: nn.Parameter, info: ShardInfo) -> None:
+    """Tag `param` as rows [info.offset, info.offset + info.length) of a tensor of info.global_shape."""
+    setattr(param, SHARD_INFO_ATTRIBUTE, info)
 
 
 # MixedPrecision lives here rather than in api.py: it decides the dtype of a sharded parameter's
@@ -36,12 +56,12 @@ class ShardPlacement:
     each group rank's (offset, length) along dim 0, rank 0 first. What an optimizer that needs
     whole matrices (Muon) uses to move shards between ranks."""
 
-    process_group: object  # a ProcessGroup, or None for the default (world) group
+    process_group: dist.ProcessGroup | None  # None: the default (world) group
     ranges: tuple[tuple[int, int], ...]
     rank: int  # this process's rank in process_group
     # HSDP: the ranks of the other replicas holding this same shard (None: no replicas), and how
     # many ranks hold it in all (a norm over every rank counts it once: fsdp.clip_grad_norm_)
-    replicate_group: object = None
+    replicate_group: dist.ProcessGroup | None = None
     replicas: int = 1
 
 
@@ -88,9 +108,9 @@ class ShardedParam:
                              requires_grad=param.requires_grad)
         # A parameter that is already a part of a larger one along dim 0 (an expert-parallel
         # rank's experts) records its shard's place in that larger one, for checkpoints.
-        outer = getattr(param, "_hp_shard_info", None)
-        shard._hp_shard_info = info if outer is None else ShardInfo(outer.global_shape, outer.offset + info.offset,
-                                                                    info.length)
+        outer = getattr(param, SHARD_INFO_ATTRIBUTE, None)
+        set_shard_info(shard, info if outer is None else ShardInfo(outer.global_shape, outer.offset + info.offset,
+                                                                   info.length))
         placement = ShardPlacement(group, tuple(shard_ranges(info.rows, world, geometry, align)), rank,
                                    replicate_group, replicas)
         shard._hp_shard_placement = placement

@@ -1,5 +1,6 @@
-"""Hugging Face model families: build (meta device, seeded init, or a local checkpoint), MoE
-blocks swapped for hyperparallel.moe's, and training FLOPs per token for MFU."""
+"""Hugging Face model families (each with its parallel plans as data): build (meta device, seeded
+init, or a local checkpoint), MoE blocks swapped for hyperparallel.moe's, and training FLOPs per
+token for MFU."""
 
 from hyperparallel.lazy_exports import lazy_exports
 
@@ -20,4 +21,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "init": ("init_by_name", "init_weights", "module_seed"),
     "loss": ("FusedLossHead", "fused_loss", "install_fused_loss", "linear_cross_entropy"),
     "moe_blocks": ("moe_block_from_hf", "swap_moe_blocks"),
+    "parallel_plan": ("TensorParallelPlan",),
 })

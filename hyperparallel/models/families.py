@@ -1,8 +1,10 @@
 """The Hugging Face model families hyperparallel builds, and what it needs to know about each.
 
 A family ties a name (what a user writes in YAML) to the transformers config and model classes, the
-`model_type` values a checkpoint's config.json may carry, and the module classes that hold the MoE
-experts and routers, so that other code can find them without matching on parameter names.
+`model_type` values a checkpoint's config.json may carry, the module classes that hold the MoE
+experts and routers, so that other code can find them without matching on parameter names, and
+the parallel plans it supports: its tensor-parallel plan as data (parallel_plan.py), which
+`hyperparallel.parallel` applies, and whether context parallelism runs its attention.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hyperparallel.kernels.router_groups import group_problem
 from hyperparallel.moe import TopKRouter
 
 from ..errors import ConfigError
+from .parallel_plan import HEADS, KV_HEADS, REPLICATED, TensorParallelPlan, column, row
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -55,11 +58,17 @@ class ModelFamily:
     # Keys the modeling code reads with getattr although the config class declares no such field.
     extra_config_keys: tuple[str, ...] = ()
     attn_implementations: tuple[str, ...] = ("sdpa", "eager")  # what transformers' modeling code supports
-    parallel_plans: tuple[str, ...] = ("tp", "cp")  # the layouts beyond FSDP and EP that support it
+    tensor_parallel: TensorParallelPlan | None = None  # how parallel.tp splits it; None: it has no TP plan
+    context_parallel: bool = False  # its attention runs as parallel.cp's ring / Ulysses attention
     # None: packed documents whose position_ids restart at each one get each the loss it has alone
     # (transformers' masking_utils reads the restarts as a block-diagonal causal mask); else why
     # not, which the trainer gives when it refuses data.document_mask (tests/train/test_document_mask.py)
     document_mask: str | None = None
+
+    @property
+    def parallel_plans(self) -> tuple[str, ...]:
+        """The layouts beyond FSDP and EP that it supports ("tp", "cp"), which a layout is checked against."""
+        return ("tp",) * (self.tensor_parallel is not None) + ("cp",) * self.context_parallel
 
     @property
     def config_class(self) -> type[PretrainedConfig]:
@@ -116,6 +125,37 @@ def _check_deepseek_v4(config: DeepseekV4Config) -> None:
         raise ConfigError(f"hc_mult ({config.hc_mult}) and hc_sinkhorn_iters ({config.hc_sinkhorn_iters}) must be >= 1")
 
 
+# Grouped-query attention (Qwen3, Qwen3-MoE): query heads split over tp, each rank holding the
+# key/value heads its query heads use (shared over ranks when there are fewer than tp); the
+# per-head q_norm / k_norm whole on every rank.
+_GROUPED_QUERY_PLAN = TensorParallelPlan(
+    attention=(
+        ("q_proj", column(HEADS, "head_dim")),
+        ("k_proj", column(KV_HEADS, "head_dim")),
+        ("v_proj", column(KV_HEADS, "head_dim")),
+        ("o_proj", row(HEADS, "head_dim")),
+        ("q_norm", REPLICATED),
+        ("k_norm", REPLICATED),
+    ),
+    kv_groups="num_key_value_groups",
+)
+
+# Multi-head latent attention (DeepSeek-V3, Kimi K2): the up-projections split by heads (the
+# query's, and each head's nope-key and value rows); the low-rank down-projections, their norms
+# and the shared rotary key whole on every rank. Dense MLPs and the shared experts split alike.
+_LATENT_ATTENTION_PLAN = TensorParallelPlan(
+    attention=(
+        ("q_b_proj|q_proj", column(HEADS, "qk_head_dim")),  # q_proj without a query LoRA (q_lora_rank None)
+        ("kv_b_proj", column(HEADS, "qk_nope_head_dim", "v_head_dim")),
+        ("o_proj", row(HEADS, "v_head_dim")),
+        ("q_a_proj", REPLICATED),
+        ("q_a_layernorm", REPLICATED),
+        ("kv_a_proj_with_mqa", REPLICATED),
+        ("kv_a_layernorm", REPLICATED),
+    ),
+    shared_experts="shared_experts",
+)
+
 FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily(
         name="qwen3",
@@ -124,6 +164,8 @@ FAMILIES: dict[str, ModelFamily] = {
         config="Qwen3Config",
         model="Qwen3ForCausalLM",
         check=_check_attention_heads,
+        tensor_parallel=_GROUPED_QUERY_PLAN,
+        context_parallel=True,
     ),
     "qwen3_moe": ModelFamily(
         name="qwen3_moe",
@@ -138,6 +180,8 @@ FAMILIES: dict[str, ModelFamily] = {
         check=_check_qwen3_moe,
         # Qwen3-MoE checkpoints set head_dim (128 in Qwen3-30B-A3B, not hidden / heads = 64).
         extra_config_keys=("head_dim",),
+        tensor_parallel=_GROUPED_QUERY_PLAN,
+        context_parallel=True,
     ),
     # Kimi K2 is the DeepSeek-V3 architecture with other sizes; its config.json says "kimi_k2".
     "deepseek_v3": ModelFamily(
@@ -151,6 +195,8 @@ FAMILIES: dict[str, ModelFamily] = {
         moe_blocks=("DeepseekV3MoE",),
         default_load_balance="bias",
         check=_check_deepseek_v3,
+        tensor_parallel=_LATENT_ATTENTION_PLAN,
+        context_parallel=True,
     ),
     # Manifold-constrained hyper-connections, sqrt-softplus routers (the first layers hash-routed),
     # clamped SwiGLU experts, compressed sparse attention with sinks (eager attention only).
@@ -165,8 +211,7 @@ FAMILIES: dict[str, ModelFamily] = {
         moe_blocks=("DeepseekV4SparseMoeBlock",),
         default_load_balance="bias",
         check=_check_deepseek_v4,
-        attn_implementations=("eager",),
-        parallel_plans=(),
+        attn_implementations=("eager",),  # (no TP or CP plan: its attention is transformers' eager code alone)
         document_mask=(
             "its compressed attention (the compressed_sparse_attention and heavily_compressed_attention "
             "layers) compresses a row in windows counted from the row's first token and lets a token see "

@@ -5,16 +5,17 @@ parallelism does, so that everything after it works on plain local tensors: MXFP
 the TP-local linears, FSDP shards the TP-local weights over the data-parallel ranks (uneven
 shards as ever), and checkpoints record each part's place in the global tensor.
 
-The plans (docs/parallel.md has them as tables):
+The plans are the families' data: each entry in models/families.py names its attention's and
+MLP's modules and their placements (models/parallel_plan.py's TensorParallelPlan; docs/parallel.md
+has them as tables), and this file applies them, knowing no family:
 
-- attention, grouped-query (Qwen3, Qwen3-MoE): q/k/v column-parallel over heads, o row-parallel;
+- column-parallel over heads (or kv heads, or an MLP's width): each rank keeps its heads' rows;
   with fewer key/value heads than tp, each rank holds the one key/value head its query heads
-  use (replicated over tp / kv ranks); q_norm / k_norm replicated.
-- attention, multi-head latent (DeepSeek-V3, Kimi K2): q_b (or q) and kv_b column-parallel over
-  heads, o row-parallel; the low-rank a-projections and their norms replicated.
-- dense MLPs and shared experts: gate / up column-parallel, down row-parallel.
+  use (replicated over tp / kv ranks).
+- row-parallel: each rank keeps its heads' (or width's) input columns; its output is partial.
+- replicated inside the block (q_norm, the MLA a-projections): whole, with a partial gradient.
 - routed experts: not split by TP (expert parallelism splits them); the router replicated.
-- the embedding and the output head vocab-parallel, the loss vocab-parallel
+- in every family the embedding and the output head vocab-parallel, the loss vocab-parallel
   (`vocab_loss.VocabShard`): logits are never whole on any rank.
 
 Communication sits at the attention / MLP boundaries (`tp_collectives`): without SP the residual
@@ -39,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp import set_column_shards
-from hyperparallel.fsdp.geometry import ShardInfo
+from hyperparallel.fsdp import ShardInfo, set_column_shards, set_shard_info
 from hyperparallel.models.loss import FusedLossHead
+from hyperparallel.models.parallel_plan import Heads, Modules, TensorParallelPlan
 from hyperparallel.parallel.partial_grads import PartialGradSum
 from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.parallel.tp_collectives import enter_tp, exit_tp, reduce_tp, split_sequence
@@ -54,7 +55,7 @@ TP_STATE = "_hp_tensor_parallel"
 class TensorParallelState:
     """What TP did to a model, by parameter name (the names survive FSDP and checkpoints)."""
 
-    group: object
+    group: dist.ProcessGroup
     tp: int
     rank: int
     sequence_parallel: bool
@@ -90,7 +91,7 @@ def _keep_rows(linear: nn.Module, start: int, count: int) -> None:
             continue
         global_shape = param.shape
         param.data = param.data[start:start + count].clone()
-        param._hp_shard_info = ShardInfo(global_shape, start, count)  # FSDP shards within it; checkpoints place it
+        set_shard_info(param, ShardInfo(global_shape, start, count))  # FSDP shards within it; checkpoints place it
     linear.out_features = count
 
 
@@ -170,65 +171,71 @@ def _hook_block(module: nn.Module, group, sp: bool) -> None:
     module.register_forward_hook(after, with_kwargs=True)
 
 
-def _plan_attention(planner: _Planner, attention: nn.Module, config, owner: str) -> None:
-    tp = planner.state.tp
-    heads = config.num_attention_heads
-    if heads % tp:
-        raise ConfigError(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = {heads})")
-    if hasattr(attention, "kv_b_proj"):  # multi-head latent attention
-        qk, v = attention.qk_head_dim, attention.v_head_dim
-        q = attention.q_proj if getattr(attention, "q_lora_rank", None) is None else attention.q_b_proj
-        planner.column(q, heads, qk, f"{owner}.{'q_proj' if q is getattr(attention, 'q_proj', None) else 'q_b_proj'}",
-                       "column-parallel over heads")
-        planner.column(attention.kv_b_proj, heads, attention.qk_nope_head_dim + v, f"{owner}.kv_b_proj",
-                       "column-parallel over heads")
-        planner.row(attention.o_proj, heads, v, f"{owner}.o_proj", "row-parallel over heads")
-        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-            planner.replicated_inside(getattr(attention, name, None), f"{owner}.{name}")
-        return
-    if not all(hasattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        raise ConfigError(f"parallel.tp: no tensor-parallel plan for {type(attention).__name__} (expected q/k/v/o "
-                          f"projections, or multi-head latent attention)")
-    kv = config.num_key_value_heads
-    head_dim = getattr(attention, "head_dim", None) or config.hidden_size // heads
-    planner.column(attention.q_proj, heads, head_dim, f"{owner}.q_proj", "column-parallel over heads")
-    if kv % tp == 0:
-        for name in ("k_proj", "v_proj"):
-            planner.column(getattr(attention, name), kv, head_dim, f"{owner}.{name}", "column-parallel over kv heads")
-    elif tp % kv == 0:
-        # each rank's query heads use one key/value head: the rank holds that one, replicated over
-        # the tp / kv ranks whose query heads share it (their gradients are summed among them)
-        slot = (planner.state.rank * kv // tp, kv)
-        for name in ("k_proj", "v_proj"):
-            planner.column(getattr(attention, name), kv, head_dim, f"{owner}.{name}",
-                           f"kv head replicated over {tp // kv} ranks", slot=slot)
-        attention.num_key_value_groups = 1
-    else:
-        raise ConfigError(f"parallel.tp ({tp}) and the key/value heads (num_key_value_heads = {kv}): one must divide "
+def _find(block: nn.Module, names: str) -> tuple[str, nn.Module | None]:
+    """The module a plan's name picks in `block` ("a|b": a if the block holds one, else b) and its
+    name; None if the block holds none of them."""
+    for name in names.split("|"):
+        child = getattr(block, name, None)
+        if child is not None:
+            return name, child
+    return names, None
+
+
+def _head_parts(heads: Heads, config, tp: int, rank: int) -> tuple[int, tuple[int, int] | None]:
+    """How many `heads` the model has, and this rank's slot among them ((slot, slots)) when tp
+    exceeds them, None when tp divides them."""
+    count = getattr(config, heads.config_key)
+    if count % tp == 0:
+        return count, None
+    if heads.shared and tp % count == 0:
+        # each rank's query heads use one of these heads: the rank holds that one, replicated over
+        # the tp / count ranks whose query heads share it (their gradients are summed among them)
+        return count, (rank * count // tp, count)
+    if heads.shared:
+        raise ConfigError(f"parallel.tp ({tp}) and {heads.noun} ({heads.config_key} = {count}): one must divide "
                           f"the other")
-    planner.row(attention.o_proj, heads, head_dim, f"{owner}.o_proj", "row-parallel over heads")
-    for name in ("q_norm", "k_norm"):
-        planner.replicated_inside(getattr(attention, name, None), f"{owner}.{name}")
+    raise ConfigError(f"parallel.tp ({tp}) must divide {heads.noun} ({heads.config_key} = {count})")
 
 
-def _plan_mlp(planner: _Planner, mlp: nn.Module, owner: str) -> None:
-    tp = planner.state.tp
-    intermediate = mlp.gate_proj.weight.shape[0]
-    _parts(intermediate, tp, f"{owner}'s intermediate size")
-    planner.column(mlp.gate_proj, intermediate, 1, f"{owner}.gate_proj", "column-parallel")
-    planner.column(mlp.up_proj, intermediate, 1, f"{owner}.up_proj", "column-parallel")
-    planner.row(mlp.down_proj, intermediate, 1, f"{owner}.down_proj", "row-parallel")
-
-
-def _is_dense_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+def _plan_block(planner: _Planner, block: nn.Module, modules: Modules, config, owner: str) -> bool:
+    """Split `block`'s modules as the family's plan places them; True if this rank holds a shared
+    head (one key/value head of fewer than tp)."""
+    state = planner.state
+    shared = False
+    for names, placement in modules:
+        name, child = _find(block, names)
+        where = f"{owner}.{name}"
+        if placement.style == "replicated":
+            planner.replicated_inside(child, where)
+            continue
+        if child is None:
+            raise ConfigError(f"parallel.tp: no tensor-parallel plan for {owner} ({type(block).__name__}): the "
+                              f"family's plan splits its {names.replace('|', ' or ')}, which it does not have")
+        heads = placement.heads
+        if heads is None:  # an MLP's width: one row (column-parallel) or input column (row-parallel) a part
+            parts = child.weight.shape[0 if placement.style == "column" else 1]
+            _parts(parts, state.tp, f"{owner}'s intermediate size")
+            part_size, slot, what = 1, None, f"{placement.style}-parallel"
+        else:
+            parts, slot = _head_parts(heads, config, state.tp, state.rank)
+            part_size = sum(getattr(block, size) for size in placement.head_size)
+            what = (f"{placement.style}-parallel over {heads.label}s" if slot is None
+                    else f"{heads.label} replicated over {state.tp // parts} ranks")
+        if placement.style == "column":
+            planner.column(child, parts, part_size, where, what, slot=slot)
+        elif slot is None:
+            planner.row(child, parts, part_size, where, what)
+        else:
+            raise AssertionError(f"{where}: a row-parallel projection over shared heads (the planner has no such split)")
+        shared |= slot is not None
+    return shared
 
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows [start, start + rows) are on this rank: ids elsewhere give zeros,
     and the ranks' results are summed (each id's row is on exactly one rank)."""
 
-    def __init__(self, embedding: nn.Embedding, group, start: int):
+    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, start: int):
         super().__init__()
         self.weight = embedding.weight  # the same Parameter (already this rank's rows)
         self.group, self.start = group, start
@@ -269,35 +276,51 @@ def _plan_vocab(planner: _Planner, model: nn.Module) -> None:
     state.plan.append(("lm_head", "vocab-parallel (rows), vocab-parallel cross-entropy"))
 
 
-def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool) -> TensorParallelState:
-    """Split `model`'s weights over the TP `group` and put the collectives in its forward and
-    backward. Call right after building the model, before MXFP8 conversion, expert parallelism,
-    the fused loss (`make_head_vocab_parallel` after it), recompute and FSDP."""
+def _family_plan(model: nn.Module) -> TensorParallelPlan:
+    """The tensor-parallel plan of `model`'s family (its entry in models/families.py, found by the
+    config's model_type)."""
+    from hyperparallel.models.families import family_for_model_type
+
+    model_type = getattr(model.config, "model_type", None)
+    family = family_for_model_type(model_type)
+    if family is None or family.tensor_parallel is None:
+        whose = f"family {family.name!r}" if family is not None else f"{type(model).__name__} (model_type {model_type!r})"
+        raise ConfigError(f"parallel.tp: {whose} has no tensor-parallel plan; use FSDP (dp_shard) and EP")
+    return family.tensor_parallel
+
+
+def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool,
+                          plan: TensorParallelPlan | None = None) -> TensorParallelState:
+    """Split `model`'s weights over the TP `group` as `plan` (default: its family's) places them
+    and put the collectives in its forward and backward. Call right after building the model,
+    before MXFP8 conversion, expert parallelism, the fused loss (`make_head_vocab_parallel` after
+    it), recompute and FSDP."""
+    from hyperparallel.moe import MoEBlock
+
+    plan = plan or _family_plan(model)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     state = TensorParallelState(group, tp, rank, sequence_parallel)
     planner = _Planner(model, state)
     config = model.config
     with torch.no_grad():
         _plan_vocab(planner, model)
-        from hyperparallel.moe import MoEBlock
-
         layers = decoder_layers(model)
         for i, layer in enumerate(layers):
             owner = f"model.layers.{i}"
-            _plan_attention(planner, layer.self_attn, config, f"{owner}.self_attn")
-            _hook_block(layer.self_attn, group, sequence_parallel)
-            mlp = layer.mlp
-            if isinstance(mlp, MoEBlock):
-                shared = mlp.shared_experts
-                if shared is not None and _is_dense_mlp(shared):
-                    _plan_mlp(planner, shared, f"{owner}.mlp.shared_experts")
+            attention, at = getattr(layer, plan.attention_at), f"{owner}.{plan.attention_at}"
+            if _plan_block(planner, attention, plan.attention, config, at) and plan.kv_groups:
+                setattr(attention, plan.kv_groups, 1)  # one local key/value head serves all local query heads
+            _hook_block(attention, group, sequence_parallel)
+            mlp, at = getattr(layer, plan.mlp_at), f"{owner}.{plan.mlp_at}"
+            if isinstance(mlp, MoEBlock):  # (the swap made every family's MoE layers MoEBlocks)
+                shared = getattr(mlp, plan.shared_experts) if plan.shared_experts else None
+                if shared is not None:
+                    _plan_block(planner, shared, plan.mlp, config, f"{at}.{plan.shared_experts}")
                     _hook_block(shared, group, sequence_parallel)
-                state.plan.append((f"{owner}.mlp.experts", "replicated over tp (expert parallelism splits them)"))
-            elif _is_dense_mlp(mlp):
-                _plan_mlp(planner, mlp, f"{owner}.mlp")
-                _hook_block(mlp, group, sequence_parallel)
+                state.plan.append((f"{at}.experts", "replicated over tp (expert parallelism splits them)"))
             else:
-                raise ConfigError(f"parallel.tp: no tensor-parallel plan for {owner}.mlp ({type(mlp).__name__})")
+                _plan_block(planner, mlp, plan.mlp, config, at)
+                _hook_block(mlp, group, sequence_parallel)
     if sequence_parallel:
         # the residual stream from the first layer on is this rank's part of the sequence: every
         # replicated weight then sees only those tokens
