@@ -72,9 +72,9 @@ def rank_main(rank: int, world: int, port: int, how: str, directory: str, parall
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from hyperparallel.train.distributed import Runtime, init_distributed
+    from hyperparallel.train.distributed import init_distributed
 
-    rt = init_distributed(timeout_s=600, device=torch.device("cpu")) if world > 1 else Runtime(0, 1, torch.device("cpu"))
+    rt = init_distributed(timeout_s=600, device=torch.device("cpu"))  # (one rank: a process group of its own)
     import transformers  # (imported before the baseline: both contenders use it)
 
     transformers.utils.logging.disable_progress_bar()

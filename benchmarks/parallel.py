@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hyperparallel.train import data
-from hyperparallel.train.build import build_optimization, build_trained_model, data_rank
+from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.distributed import Runtime
 from hyperparallel.train.step import TrainStep
@@ -137,10 +137,10 @@ def rank_worker(rank: int, world: int, out_dir: str, args) -> None:
             torch.manual_seed(0)
             built = build_trained_model(cfg, rt, VOCAB)
             optimizer, scheduler = build_optimization(cfg, built.model)
-            replica, replicas = data_rank(built, rt)
+            replica, replicas = built.mesh.dp_rank, built.mesh.dp_size
             sequences = torch.randint(0, VOCAB, (2 * (args.steps + 2), seq), generator=torch.Generator().manual_seed(1))
             batches = data.Batches(data.TensorRows(sequences), data.InOrder(len(sequences)), 2, 1, replica, replicas)
-            step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(world), world=world,
+            step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(world),
                              device=rt.device, autocast_bf16=False, max_grad_norm=1.0)
             runs[label] = {"built": built, "optimizer": optimizer, "step": step, "batches": batches, "times": []}
         for i in range(args.steps + 2):  # the first step is a warm-up; the last is recorded for memory

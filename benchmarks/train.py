@@ -87,7 +87,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:
         model.set_experts_implementation(experts)
-    if cfg.moe.rule(cfg.model.family) == "aux_loss":
+    if cfg.load_balance() == "aux_loss":
         # ours adds the MoE auxiliary loss (moe.load_balance); the Trainer then does its own too
         model.config.output_router_logits = True
         if cfg.moe.aux_loss_coef is not None:
@@ -192,9 +192,9 @@ def _one_process(cfg, contenders: dict, results: dict, steps: int) -> None:
             dataset = build_data(run, rt)
         built = build_trained_model(run, rt, dataset.tokenizer.vocab_size)
         optimizer, scheduler = build_optimization(run, built.model)
-        step = TrainStep(built, optimizer, scheduler, accumulation=run.grad_accumulation(1), world=1, device=rt.device,
+        step = TrainStep(built, optimizer, scheduler, accumulation=run.grad_accumulation(1), device=rt.device,
                          autocast_bf16=run.training.mixed_precision == "bf16", max_grad_norm=run.training.max_grad_norm)
-        trainers[name] = (step, build_batches(run, dataset, rt, built))
+        trainers[name] = (step, build_batches(run, dataset, built))
     for i in range(steps):
         for name, (step, batches) in trainers.items():
             t0 = time.perf_counter()

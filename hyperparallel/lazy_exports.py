@@ -19,7 +19,7 @@ def lazy_exports(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Cal
     """`__getattr__`, `__dir__` and `__all__` for the package named `package`.
 
     `modules` maps each of its modules to the names the package exports from it, as an import
-    statement would list them (`"MODES as RECOMPUTE_MODES"` re-exports under another
+    statement would list them (`"NAME as ALIAS"` re-exports under another
     name). A name that is none of these but a module of the package is imported as the
     module, as an eager `__init__` would have left it on the package."""
     where: dict[str, tuple[str, str]] = {}

@@ -81,7 +81,7 @@ class WavePipeline:
 
     layout: Layout
     num_waves: int
-    group: object
+    group: dist.ProcessGroup
     experts: object
     shared: nn.Module | None
     grad_enabled: bool = True  # whether the call builds an autograd graph (else nothing is kept for backward)

@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "expert_parallel": ("ExpertLayout", "apply_expert_parallel", "expert_layout", "expert_layout_of"),
     "fsdp_plan": ("shard_model",),
     "mesh": ("CP_MODES", "MeshShape", "ParallelMesh", "build_mesh"),
-    "recompute": ("MODES as RECOMPUTE_MODES", "apply_recompute"),
+    "recompute": ("RECOMPUTE_MODES", "apply_recompute"),
     "tensor_parallel": (
         "TensorParallelState",
         "VocabParallelEmbedding",

@@ -45,7 +45,6 @@ from hyperparallel.parallel.context_attention import (
 )
 from hyperparallel.parallel.mesh import CP_MODES
 
-MODES = CP_MODES  # (parallel.cp_mode)
 # The name under which transformers dispatches to us; it must not contain "sdpa", "flash" or
 # "flex", whose names transformers checks for their own kernels' requirements.
 ATTENTION = "hyperparallel_context_parallel"
@@ -94,7 +93,7 @@ def context_parallel_batch(ids: torch.Tensor, labels: torch.Tensor, cp: int, ran
 class ContextParallel:
     """How a model's attention runs: the group of cp ranks splitting each sequence, and the mode."""
 
-    group: object
+    group: dist.ProcessGroup
     mode: str
     size: int
     rank: int
@@ -175,8 +174,8 @@ def apply_context_parallel(model: nn.Module, group, mode: str) -> ContextParalle
     """Make every attention layer of `model` run context-parallel attention over `group` (the cp
     ranks; every rank calls it, with the same mode); returns the ContextParallel, also kept as
     `model._hp_context_parallel`. Call once after building the model (before or after FSDP)."""
-    if mode not in MODES:
-        raise ConfigError(f"context-parallel mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode not in CP_MODES:
+        raise ConfigError(f"context-parallel mode {mode!r} is not one of {', '.join(CP_MODES)}")
     name = type(model).__name__
     if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
         raise ConfigError(f"{name} does not dispatch its attention through transformers' AttentionInterface; "

@@ -9,7 +9,7 @@ HSDP the mesh is that within each replica (parallel/mesh.py), and each expert's 
 replicated over the replicas, as every other shard is.
 
 Each rank keeps the same Parameter objects with only its experts' rows (`.data` replaced), and
-records where they sit in the whole (`_hp_shard_info`: the global shape and the first expert),
+records where they sit in the whole (`fsdp.set_shard_info`: the global shape and the first expert),
 so a checkpoint holds every expert once with its global shape and loads into any other ep.
 """
 
@@ -20,22 +20,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp.geometry import ShardInfo
+from hyperparallel.fsdp import ShardInfo, set_shard_info
 from hyperparallel.moe import MegaMoE, MoEBlock
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
+from hyperparallel.parallel.mesh import MeshShape, ParallelMesh, build_mesh
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     ep: int
-    ep_group: object  # the ranks that split the experts among them (this rank's)
-    shard_group: object  # the ranks that hold the same experts as this rank
+    ep_group: dist.ProcessGroup  # the ranks that split the experts among them (this rank's)
+    shard_group: dist.ProcessGroup  # the ranks that hold the same experts as this rank
     # the ranks whose tokens each expert's gradient sums (dp_replicate x dp_shard x cp): its mean's divisor
     world: int
-    replicate_group: object = None  # HSDP: the ranks of the other replicas holding the same experts' shards
+    # HSDP: the ranks of the other replicas holding the same experts' shards (a group of one without)
+    replicate_group: dist.ProcessGroup
 
     @property
     def ep_rank(self) -> int:
@@ -43,21 +44,21 @@ class ExpertLayout:
 
 
 def expert_layout(ep: int, device_type: str) -> ExpertLayout:
-    """The groups of an `ep`-way expert parallelism over every rank (a collective: every rank calls it)."""
+    """The groups of an `ep`-way expert parallelism over every rank, which FSDP alone shares
+    (dp_shard = the world; a collective: every rank calls it)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if ep < 1 or world % ep:
         raise ConfigError(f"parallel.ep ({ep}) must divide the number of ranks ({world})")
-    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
-    return ExpertLayout(ep, mesh.get_group("ep"), mesh.get_group("expert_shard"), world)
+    return expert_layout_of(build_mesh(MeshShape(dp_shard=world, ep=ep), device_type))
 
 
-def expert_layout_of(mesh) -> ExpertLayout:
+def expert_layout_of(mesh: ParallelMesh) -> ExpertLayout:
     """The expert parallelism of a ParallelMesh (its ep groups sit within one replica and one tp
     coordinate; an expert's shards are replicated over the mesh's replicate group, the ranks at the
     same place in every replica)."""
     shape = mesh.shape
     return ExpertLayout(shape.ep, mesh.ep_group, mesh.expert_shard_group, shape.dp_replicate * shape.shard_size,
-                        mesh.replicate_group if shape.dp_replicate > 1 else None)
+                        mesh.replicate_group)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -89,7 +90,7 @@ def keep_local_experts(block: MoEBlock, ep: int, ep_rank: int) -> int:
     for param in (experts.gate_up_proj, experts.down_proj):
         global_shape = param.shape
         param.data = param.data[offset:offset + count].clone()
-        param._hp_shard_info = ShardInfo(global_shape, offset, count)
+        set_shard_info(param, ShardInfo(global_shape, offset, count))
     experts.num_experts = count
     return total
 

@@ -2,10 +2,17 @@
 tensor parallelism innermost (consecutive ranks, the fastest links), expert parallelism
 borrowed from dp_shard x cp within each replica.
 
-Each dimension is a `torch.distributed.device_mesh` dimension; the groups a plan needs are read
-from three meshes over the same world (every rank builds all of them, in the same order), all
-described by `MeshShape.meshes` and listed, rank by rank, by `MeshShape.groups` (a pure
-function: what `build_mesh` makes, and what the run summary prints):
+`MeshShape` is the layout as numbers, every axis present (size 1 when unused): a pure value that
+`hyperparallel plan` reasons about without ranks, and the one place that validates a layout
+(`layout_problems`). `ParallelMesh` is that shape over this run's ranks: a typed process group
+per axis, built once (`build_mesh`) and taken by every part of the trainer, whatever the layout:
+a size-1 axis has a group of one rank, so callers ask `mesh.tp_enabled`, never whether a mesh
+exists. As torchtitan's ParallelDims, it exists on one rank too (a process group of one).
+
+Each group comes from a `torch.distributed.device_mesh` dimension of one of three meshes over
+the same world (every rank builds all of them, in the same order), all described by
+`MeshShape.meshes` and listed, rank by rank, by `MeshShape.groups` (a pure function: what
+`build_mesh` makes, and what the run summary prints):
 
 - (dp_replicate, dp_shard, cp, tp): `tp` (the ranks splitting each weight), `cp` (the ranks
   splitting each sequence) and `dp_replicate` (HSDP: the ranks holding the same shards);
@@ -22,7 +29,8 @@ consecutive ranks) sit on one machine whenever they fit in it, and only the repl
 of the gradients crosses machines (docs/parallel.md, "HSDP").
 
 A data-parallel rank is one (dp_replicate, dp_shard) coordinate: its tp x cp ranks read the same
-batch, and there are dp_replicate x dp_shard of them.
+batch, and there are dp_replicate x dp_shard of them. A config that names no dimension on N > 1
+ranks is plain data parallelism: the shape dp_replicate = N, replicated by DDP (`ddp`).
 """
 
 from __future__ import annotations
@@ -37,15 +45,25 @@ from hyperparallel.errors import ConfigError
 
 CP_MODES = ("ring", "ulysses")  # how context parallelism's attention exchanges the sequence (parallel.cp_mode)
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")  # the device mesh's dimensions, outermost first
+GROUPS = ("tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    dp_shard: int
-    cp: int
-    tp: int
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
     ep: int = 1
-    dp_replicate: int = 1  # HSDP: copies of the dp_shard x cp sharding (1: plain FSDP)
+    dp_replicate: int = 1  # HSDP: copies of the dp_shard x cp sharding (1: plain FSDP); with ddp, the ranks
+    ddp: bool = False  # the config names no dimension: its dp_replicate ranks each hold the whole model (DDP)
+
+    @classmethod
+    def of(cls, parallel, world: int) -> MeshShape:
+        """The layout `parallel` (the trainer's parallel: section, or anything with its fields) names
+        over `world` ranks; naming none on several ranks is data parallelism (DDP) over them."""
+        if parallel.dp_replicate * parallel.dp_shard * parallel.cp * parallel.tp == 1 and world > 1:
+            return cls(dp_replicate=world, ep=parallel.ep, ddp=True)
+        return cls(parallel.dp_shard, parallel.cp, parallel.tp, parallel.ep, parallel.dp_replicate)
 
     @property
     def world(self) -> int:
@@ -53,22 +71,56 @@ class MeshShape:
 
     @property
     def shard_size(self) -> int:
-        """The ranks of one FSDP group: dp_shard x cp."""
+        """The ranks of one FSDP group: dp_shard x cp (1 where nothing is sharded)."""
         return self.dp_shard * self.cp
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks of one replica holding the same experts (FSDP shards them over these)."""
+        return self.shard_size // self.ep
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: each reads its own share of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """The model is sharded by FSDP (over `shard_size` ranks, perhaps 1 under tp or HSDP): any
+        layout the config names over more than one rank."""
+        return self.world > 1 and not self.ddp
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.fsdp_enabled and self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def dims(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
+                "ep": self.ep}
 
     def meshes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """The device meshes the groups are read from: name -> (sizes, dimension names), each laid
         over the ranks 0 .. world - 1 in row-major order (as init_device_mesh lays them)."""
         r, s, c, t = self.dp_replicate, self.dp_shard, self.cp, self.tp
-        meshes = {"ranks": ((r, s, c, t), MESH_DIMS),
-                  "fsdp": ((r, s * c, t), ("dp_replicate", "fsdp", "tp"))}
-        if self.ep > 1:
-            meshes["experts"] = ((r, s * c // self.ep, self.ep, t), ("dp_replicate", "expert_shard", "ep", "tp"))
-        return meshes
+        return {"ranks": ((r, s, c, t), MESH_DIMS),
+                "fsdp": ((r, s * c, t), ("dp_replicate", "fsdp", "tp")),
+                "experts": ((r, s * c // self.ep, self.ep, t), ("dp_replicate", "expert_shard", "ep", "tp"))}
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """Every group of each kind (tp, cp, dp_replicate, dp_shard, fsdp; with EP expert_shard and
-        ep) as its global ranks, in group-rank order. A pure function of the shape."""
+        """Every group of each kind (tp, cp, dp_replicate, dp_shard, fsdp, expert_shard, ep) as its
+        global ranks, in group-rank order. A pure function of the shape."""
         groups: dict[str, list[list[int]]] = {}
         for sizes, names in self.meshes().values():
             ranks = torch.arange(self.world).view(sizes)
@@ -83,74 +135,178 @@ class MeshShape:
             rank, place[name] = divmod(rank, sizes[name])
         return place
 
+    def dp_rank(self, rank: int) -> int:
+        """`rank`'s data-parallel rank: which share of the global batch it reads."""
+        place = self.coordinates(rank)
+        return place["dp_replicate"] * self.dp_shard + place["dp_shard"]
+
+
+def layout_problems(parallel, world: int) -> list[str]:
+    """Every problem of the layout `parallel` names (the trainer's parallel: section) on `world`
+    ranks, one line each: the one place a layout is validated (the model's own limits, such as
+    heads that tp must divide, are preflight's)."""
+    problems = []
+    p = parallel
+    ep, dp_replicate, dp_shard, tp, cp = p.ep, p.dp_replicate, p.dp_shard, p.tp, p.cp
+    named = dp_replicate * dp_shard * cp * tp
+    if dp_replicate == 1 and tp * cp == 1:
+        if dp_shard > 1 and dp_shard != world:
+            replicate = (f", or parallel.dp_replicate: {world // dp_shard} to replicate that sharding over the "
+                         f"{world} ranks (HSDP)" if world > dp_shard and world % dp_shard == 0 else "")
+            problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
+                            f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}{replicate}")
+    elif named != world:
+        problems.append(f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) "
+                        f"x parallel.tp ({tp}) = {named} ranks, but this run has {world}; make their product {world}, "
+                        f"or launch hyperparallel train --nproc {named}")
+    borrowed = dp_shard * cp
+    if ep > 1 and (borrowed == 1 or borrowed % ep):
+        if dp_replicate == 1:
+            choices = [n for n in range(2, world + 1) if world % n == 0]
+            fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
+        else:  # (within each replica)
+            choices = [n for n in range(2, borrowed + 1) if borrowed % n == 0]
+            fix = (f"ep one of {choices}" if choices else
+                   "shard within each replica (dp_shard > 1), the dimension ep borrows from")
+        within = f" within each of parallel.dp_replicate = {dp_replicate} replicas" if dp_replicate > 1 else ""
+        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard} x parallel.cp = {cp}"
+                        f"{within}: that product must be a multiple of ep (the ranks sharing each expert's shards x "
+                        f"ep); with {world} rank(s): {fix}")
+    if tp > 1 and cp > 1:
+        problems.append(f"parallel.tp = {tp} with parallel.cp = {cp}: tensor and context parallelism together are not "
+                        f"supported yet; use one of them (with dp_shard)")
+    if p.sync_every_micro_batch and named == 1:
+        problems.append("parallel.sync_every_micro_batch reduce-scatters each micro-batch's gradients into FSDP's "
+                        "shards, and this layout is not sharded (DDP reduces once a step); set parallel.dp_shard > 1, "
+                        "or sync_every_micro_batch: false")
+    if p.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel splits the sequence between tensor-parallel blocks, and "
+                        "parallel.tp is 1; set parallel.tp > 1 or sequence_parallel: false")
+    return problems
+
 
 def check_mesh_shape(shape: MeshShape, world: int) -> None:
-    """ConfigError naming each dimension when the layout does not fit `world` ranks."""
+    """ConfigError naming each dimension when the shape does not fit `world` ranks."""
     if shape.world != world:
         raise ConfigError(f"parallel.dp_replicate ({shape.dp_replicate}) x parallel.dp_shard ({shape.dp_shard}) x "
                           f"parallel.cp ({shape.cp}) x parallel.tp ({shape.tp}) = {shape.world} ranks, but this run has "
                           f"{world}; make their product {world}, or launch {shape.world} ranks (--nproc {shape.world})")
-    if shape.ep > 1 and shape.shard_size % shape.ep:
+    if shape.shard_size % shape.ep:
         raise ConfigError(f"parallel.ep ({shape.ep}) borrows its ranks from parallel.dp_shard ({shape.dp_shard}) x "
                           f"parallel.cp ({shape.cp}) = {shape.shard_size}: that product must be a multiple of ep")
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
+    """A MeshShape over this run's ranks: one process group per axis (GROUPS), every axis present
+    (a size-1 axis: a group of this rank alone); its sizes are `mesh.shape`'s."""
+
     shape: MeshShape
-    rank: int  # this process's global rank
-    tp_group: dist.ProcessGroup
-    cp_group: dist.ProcessGroup
-    fsdp_group: dist.ProcessGroup  # dp_shard x cp within one replica: what FSDP shards over
-    replicate_group: dist.ProcessGroup  # dp_replicate: the ranks holding the same shards (HSDP)
-    ep_group: dist.ProcessGroup | None  # None without expert parallelism
-    expert_shard_group: dist.ProcessGroup | None
+    rank: int  # this process's rank in the mesh
+    groups: dict[str, dist.ProcessGroup]  # GROUPS' names -> this rank's group of that kind
+
+    # the shape's answers, asked of the mesh
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.shape.fsdp_enabled
 
     @property
-    def tp(self) -> int:
-        return self.shape.tp
+    def hsdp_enabled(self) -> bool:
+        return self.shape.hsdp_enabled
 
     @property
-    def cp(self) -> int:
-        return self.shape.cp
+    def ddp_enabled(self) -> bool:
+        return self.shape.ddp
 
     @property
-    def dp_replicate(self) -> int:
-        return self.shape.dp_replicate
+    def tp_enabled(self) -> bool:
+        return self.shape.tp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.shape.cp_enabled
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.shape.ep_enabled
+
+    @property
+    def dp_size(self) -> int:
+        return self.shape.dp_size
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self.groups[name]
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.groups["cp"]
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup:
+        """dp_shard x cp within one replica: what FSDP shards over."""
+        return self.groups["fsdp"]
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """dp_replicate: the ranks holding the same shards (HSDP), or the same model (DDP)."""
+        return self.groups["dp_replicate"]
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.groups["ep"]
+
+    @property
+    def expert_shard_group(self) -> dist.ProcessGroup:
+        return self.groups["expert_shard"]
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        """Every rank of the mesh (the default group's, but for a one-rank mesh inside a larger one)."""
+        return self.groups["world"]
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place on each of MESH_DIMS."""
+        return self.shape.coordinates(self.rank)
 
     @property
     def tp_rank(self) -> int:
-        return dist.get_rank(self.tp_group) if self.tp > 1 else 0
+        return self.coordinates["tp"]
 
     @property
     def cp_rank(self) -> int:
-        return dist.get_rank(self.cp_group) if self.cp > 1 else 0
+        return self.coordinates["cp"]
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel rank: which share of the global batch it reads."""
-        place = self.shape.coordinates(self.rank)
-        return place["dp_replicate"] * self.shape.dp_shard + place["dp_shard"]
-
-    @property
-    def dp_size(self) -> int:
-        return self.shape.dp_replicate * self.shape.dp_shard
+        return self.shape.dp_rank(self.rank)
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
-    """The groups of `shape` over every rank (collective: every rank calls it)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    """The groups of `shape` over the ranks of the default process group (collective: every rank
+    calls it). A one-rank shape inside a larger group (a reference computed on one rank of a test's
+    spawn) gets a group of this rank alone for every axis."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs a process group; join one first (train.distributed.init_distributed, "
+                           "or process_group_of_one() for a single process)")
+    world = dist.get_world_size()
+    if shape.world == 1 and world > 1:
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, alone))
     check_mesh_shape(shape, world)
     meshes = {name: init_device_mesh(device_type, sizes, mesh_dim_names=names)
               for name, (sizes, names) in shape.meshes().items()}
-    ranks, experts = meshes["ranks"], meshes.get("experts")
-    return ParallelMesh(
-        shape, dist.get_rank() if dist.is_initialized() else 0,
-        tp_group=ranks.get_group("tp"), cp_group=ranks.get_group("cp"), fsdp_group=meshes["fsdp"].get_group("fsdp"),
-        replicate_group=ranks.get_group("dp_replicate"),
-        ep_group=experts.get_group("ep") if experts is not None else None,
-        expert_shard_group=experts.get_group("expert_shard") if experts is not None else None,
-    )
+    ranks, fsdp, experts = meshes["ranks"], meshes["fsdp"], meshes["experts"]
+    groups = {"tp": ranks.get_group("tp"), "cp": ranks.get_group("cp"),
+              "dp_replicate": ranks.get_group("dp_replicate"), "fsdp": fsdp.get_group("fsdp"),
+              "ep": experts.get_group("ep"), "expert_shard": experts.get_group("expert_shard"),
+              "world": dist.group.WORLD}
+    return ParallelMesh(shape, dist.get_rank(), groups)
 
 
 def _listed(groups: list[list[int]], shown: int = 4) -> str:
@@ -162,6 +318,8 @@ def describe_groups(shape: MeshShape, local_world: int | None) -> list[str]:
     """The run summary's lines on data parallelism's groups: with HSDP, which ranks form the shard
     groups and which the replica groups; and, given the ranks per machine (LOCAL_WORLD_SIZE), a
     warning when a shard group spans machines (FSDP's all-gathers then cross the slow links)."""
+    if not shape.fsdp_enabled:
+        return []
     groups = shape.groups()
     lines = []
     if shape.dp_replicate > 1:

@@ -37,7 +37,7 @@ if hasattr(_aten, "_grouped_mm"):
     SAVED_OPS.add(_aten._grouped_mm.default)
 
 
-MODES = ("off", "full", "selective")
+RECOMPUTE_MODES = ("off", "full", "selective")  # (parallel.recompute)
 
 # custom ops of other layers, by name (hyperparallel.models registers them)
 SAVED_OP_NAMES = {"hyperparallel::grouped_mm"}
@@ -90,8 +90,8 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     """Recompute every decoder layer in `mode` (off | full | selective); returns how many."""
     if mode == "off":
         return 0
-    if mode not in MODES:
-        raise ConfigError(f"parallel.recompute must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"parallel.recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     layers = decoder_layers(model)
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):

@@ -24,7 +24,7 @@ class VocabShard:
     """A vocab-parallel head: this rank holds rows [start, start + rows) of the output head, and
     the ranks of `group` together hold the whole vocabulary."""
 
-    group: object
+    group: dist.ProcessGroup
     start: int
 
     def loss_and_grad(self, logits: torch.Tensor, targets: torch.Tensor, inverse_denominator: torch.Tensor,

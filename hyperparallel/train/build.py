@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
-from hyperparallel.models import build_model, compile_layers, install_fused_loss
+from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss
 from hyperparallel.models.kernels import use_kernels
 from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
@@ -37,6 +38,9 @@ from hyperparallel.train.distributed import Runtime, decided_by_rank0
 from hyperparallel.train.metrics import peak_memory_bytes
 from hyperparallel.train.preflight import document_mask
 from hyperparallel.train.weights import fill_from_hf, fill_from_init, local_targets, materialize_meta
+
+if TYPE_CHECKING:
+    from hyperparallel.parallel.context_parallel import ContextParallel
 
 # Preparing a corpus can take hours (its first run; `hyperparallel prepare` does it ahead): the
 # other ranks wait for rank 0 that long, on a group of their own, before the collective timeout.
@@ -63,18 +67,13 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
     return made["dataset"] if rt.is_main else data.open_prepared(cfg.data, **options)
 
 
-def data_rank(built: BuiltModel, rt: Runtime) -> tuple[int, int]:
-    """(this rank's data-parallel rank, how many: dp_replicate x dp_shard): the ranks of one tp x cp
-    group read one batch."""
-    if built.mesh is None:
-        return rt.rank, rt.world
-    return built.mesh.dp_rank, built.mesh.dp_size
-
-
-def build_batches(cfg: TrainConfig, dataset: data.Dataset, rt: Runtime, built: BuiltModel) -> data.Batches:
+def build_batches(cfg: TrainConfig, dataset: data.Dataset, built: BuiltModel) -> data.Batches:
+    """This rank's micro-batches: its data-parallel rank's share (the ranks of one tp x cp group
+    read one batch)."""
     order = data.SequenceOrder(len(dataset.train), cfg.training.seed)
-    rank, replicas = data_rank(built, rt)
-    return data.Batches(dataset.train, order, cfg.training.global_batch, cfg.training.micro_batch, rank, replicas)
+    mesh = built.mesh
+    return data.Batches(dataset.train, order, cfg.training.global_batch, cfg.training.micro_batch, mesh.dp_rank,
+                        mesh.dp_size)
 
 
 def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
@@ -96,14 +95,17 @@ class BuiltModel:
     card: ModelCard
     n_params: int
     conversion_summary: str | None  # what low_precision converted, when on
-    sharded: bool
+    mesh: ParallelMesh  # the ranks' layout and groups (every axis; size 1 where unused)
     balancer: LoadBalancer | None = None  # the MoE layers' load balancing (None: no MoE layers)
-    ep: int = 1
     waves: int | None = None  # MegaMoE's expert waves (None: the sequential EP layer, or no EP)
-    mesh: ParallelMesh | None = None  # the device mesh of a sharded run (None: one rank, or DDP)
-    context_parallel: object | None = None  # what apply_context_parallel returned (cp > 1)
+    context_parallel: ContextParallel | None = None  # what apply_context_parallel returned (cp enabled)
     kernels: str = ""  # the run summary's line on the fused kernels
     memory: BuildMemory | None = None  # what the build cost (peak memory, time)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP holds the parameters (else each rank has them whole: one rank, or DDP)."""
+        return self.mesh.fsdp_enabled
 
 
 def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill: bool = True) -> BuiltModel:
@@ -115,9 +117,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     `fill=False` leaves the values uninitialized (a run about to load a checkpoint into every
     tensor: reading `model.path` or drawing the init would be work thrown away)."""
     p = cfg.parallel
-    sharded = p.dp_shard > 1 or p.dp_replicate > 1 or p.model_parallel() > 1
-    mesh = (build_mesh(MeshShape(p.dp_shard, p.cp, p.tp, p.ep, dp_replicate=p.dp_replicate), rt.device.type)
-            if sharded and rt.world > 1 else None)
+    mesh = build_mesh(MeshShape.of(p, rt.world), rt.device.type)
     start_s, start_mem = time.perf_counter(), peak_memory_bytes(rt.device)
     model = _meta_model(cfg, vocab_size)
     shadow = _meta_model(cfg, vocab_size)  # whole shapes, no plans: what the init and the file reader see
@@ -133,35 +133,34 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     k = cfg.kernels
     kernels = use_kernels(model, mega_gate=k.mega_gate, mega_mhc=k.mega_mhc).summary(mega_gate=k.mega_gate,
                                                                                    mega_mhc=k.mega_mhc)
-    if p.tp > 1:
+    if mesh.tp_enabled:
         apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel)
     conversion = convert(model, cfg.low_precision)
     balancer = build_balancer(cfg, model)
-    layout = None
-    if cfg.parallel.ep > 1:
+    layout, waves = None, None
+    if mesh.ep_enabled:
         layout = expert_layout_of(mesh)
-        waves = moe_waves(cfg, model, rt.device) if cfg.moe.implementation == "megamoe" else 1
-        apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves)
+        waves = moe_waves(cfg, model, rt.device) if cfg.moe.implementation == "megamoe" else None
+        apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves or 1)
     if cfg.training.fused_loss:
         install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
-    if p.tp > 1:
+    if mesh.tp_enabled:
         make_head_vocab_parallel(model)
     context = None
-    if p.cp > 1:
+    if mesh.cp_enabled:
         from hyperparallel.parallel.context_parallel import apply_context_parallel
 
         context = apply_context_parallel(model, mesh.cp_group, p.cp_mode)
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
-    if sharded:
+    if mesh.fsdp_enabled:
         # FSDP over dp_shard x cp within a replica (the ranks holding the same TP-local weights; the
-        # world without TP or HSDP), replicated over dp_replicate (HSDP).
+        # world without TP or HSDP), replicated over dp_replicate (HSDP; a group of one without).
         # The shards get their memory here, uninitialized; nothing whole is ever allocated.
-        group = mesh.fsdp_group if mesh is not None and (p.tp > 1 or p.dp_replicate > 1) else None
-        replicate = mesh.replicate_group if mesh is not None and p.dp_replicate > 1 else None
-        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align, process_group=group,
-                    replicate_group=replicate, experts=layout, device=rt.device)
+        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align,
+                    process_group=mesh.fsdp_group, replicate_group=mesh.replicate_group, experts=layout,
+                    device=rt.device)
     materialize_meta(model, rt.device)  # what FSDP did not shard: buffers, or everything of an unsharded run
     if hf_plan is not None:
         fill_from_hf(model, shadow, hf_plan, cfg.training.seed, rt.device)
@@ -171,15 +170,13 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         fill_from_init(model, shadow, cfg.training.seed, rt.device,
                        only=set(local_targets(model)) - set(model.state_dict(keep_vars=True)))
     trained = model
-    if not sharded and rt.world > 1:  # ranks beyond the parallel plans replicate the model
-        trained = torch.nn.parallel.DistributedDataParallel(model)
+    if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
+        trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)
     summary = conversion.summary() if cfg.low_precision.enabled else None
-    memory = BuildMemory.measure(rt, start_mem, time.perf_counter() - start_s,
+    memory = BuildMemory.measure(rt, mesh.world_group, start_mem, time.perf_counter() - start_s,
                                  "init" if hf_plan is None and fill else f"model.path {cfg.model.path}" if fill
                                  else "checkpoint")
-    return BuiltModel(model, trained, card, n_params, summary, sharded, balancer, cfg.parallel.ep,
-                      waves if layout is not None and cfg.moe.implementation == "megamoe" else None, mesh, context,
-                      kernels, memory)
+    return BuiltModel(model, trained, card, n_params, summary, mesh, balancer, waves, context, kernels, memory)
 
 
 def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
@@ -200,12 +197,13 @@ class BuildMemory:
     host_peak_bytes: int = 0  # the largest rank's host peak resident set (the same as peak_bytes on the CPU)
 
     @classmethod
-    def measure(cls, rt: Runtime, start_peak: int, seconds: float, weights_from: str) -> BuildMemory:
+    def measure(cls, rt: Runtime, group: dist.ProcessGroup, start_peak: int, seconds: float,
+                weights_from: str) -> BuildMemory:
+        """The largest rank's figures over `group` (the mesh's ranks)."""
         peak = peak_memory_bytes(rt.device)
         host = peak_memory_bytes(torch.device("cpu"))
         numbers = torch.tensor([peak, peak - start_peak, host], dtype=torch.int64)
-        if rt.world > 1:  # (a one-rank build inside a process group, as tests make, asks no one)
-            dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
         return cls(int(numbers[0]), int(numbers[1]), seconds, weights_from, int(numbers[2]))
 
     def describe(self, device: torch.device) -> str:
@@ -236,21 +234,11 @@ def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:
     """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank."""
     if not routers(model):
         return None
-    coef = cfg.moe.aux_loss_coef
-    if coef is None:
-        coef = getattr(model.config, "router_aux_loss_coef", None) or 0.0
-    return LoadBalancer(model, cfg.moe.rule(cfg.model.family), aux_loss_coef=coef,
-                        bias_update_rate=cfg.moe.bias_update_rate)
+    return LoadBalancer.from_config(model, cfg.moe, family_rule=get_family(cfg.model.family).default_load_balance)
 
 
 def build_optimization(cfg: TrainConfig, model: nn.Module):
     """The optimizer over this rank's (sharded) parameters, and its learning-rate schedule."""
-    o = cfg.optimizer
-    optimizer = build_optimizer(
-        model, name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, muon_lr=o.muon_lr,
-        momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
-    )
-    s = cfg.scheduler
-    scheduler = build_scheduler(optimizer, kind=s.kind, warmup_steps=cfg.warmup_steps(), total_steps=cfg.training.steps,
-                                min_lr_ratio=s.min_lr_ratio)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, total_steps=cfg.training.steps)
     return optimizer, scheduler

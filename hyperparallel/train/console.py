@@ -12,30 +12,31 @@ from __future__ import annotations
 import os
 import sys
 
-from hyperparallel.parallel.mesh import describe_groups
+from hyperparallel.parallel.mesh import MeshShape, describe_groups
 from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 from hyperparallel.train import data, preflight
 from hyperparallel.train.config import ParallelSection, TrainConfig
 from hyperparallel.train.peak_flops import Peak
 
 
-def describe_layout(p: ParallelSection, world: int, *, sharded: bool, waves: int | None = None) -> str:
+def describe_layout(p: ParallelSection, shape: MeshShape, waves: int | None = None) -> str:
     """The ranks as they run: `1 rank`; `N ranks, replicated (DDP)`; or the mesh's dimensions above
     1 (dp_replicate x dp_shard x cp x tp, ep borrowed from dp_shard x cp), with FSDP's geometry only
     where it shards over more than one rank (its group is dp_shard x cp: tp alone shards nothing)."""
+    world = shape.world
     if world == 1:
         return "1 rank"
-    if not sharded:
+    if shape.ddp:
         return f"{world} ranks, replicated (DDP)"
-    dims = [f"dp_replicate {p.dp_replicate} (HSDP)" if p.dp_replicate > 1 else "",
-            f"dp_shard {p.dp_shard}" if p.dp_shard > 1 else "",
-            f"cp {p.cp} ({p.cp_mode} attention)" if p.cp > 1 else "",
-            f"tp {p.tp}" + (" (sequence parallel)" if p.sequence_parallel else "") if p.tp > 1 else ""]
+    dims = [f"dp_replicate {shape.dp_replicate} (HSDP)" if shape.hsdp_enabled else "",
+            f"dp_shard {shape.dp_shard}" if shape.dp_shard > 1 else "",
+            f"cp {shape.cp} ({p.cp_mode} attention)" if shape.cp_enabled else "",
+            f"tp {shape.tp}" + (" (sequence parallel)" if p.sequence_parallel else "") if shape.tp_enabled else ""]
     text = f"{world} ranks: " + " x ".join(d for d in dims if d)
-    if p.ep > 1:
-        text += f", ep {p.ep}" + (f" (MegaMoE, {waves} waves)" if waves else "")
-    if p.dp_shard * p.cp > 1:
-        text += f"; FSDP over {p.dp_shard * p.cp} ranks ({p.shard_geometry}, align {p.align})"
+    if shape.ep_enabled:
+        text += f", ep {shape.ep}" + (f" (MegaMoE, {waves} waves)" if waves else "")
+    if shape.shard_size > 1:
+        text += f"; FSDP over {shape.shard_size} ranks ({p.shard_geometry}, align {p.align})"
     return text
 
 
@@ -47,19 +48,19 @@ def _validation(cfg: TrainConfig, dataset) -> str:
     return f"validation: {len(dataset.validation):,} sequences held out, evaluated {every}at the end"
 
 
-def announce(console: Console, cfg: TrainConfig, world: int, built, dataset, accumulation: int, peak: Peak) -> None:
+def announce(console: Console, cfg: TrainConfig, built, dataset, accumulation: int, peak: Peak) -> None:
     """The run summary: what trains, on what, how (`built`: train.build's BuiltModel)."""
     p = cfg.parallel
     console.print(f"{cfg.model.family}: {built.n_params / 1e6:.1f}M parameters, {dataset.num_tokens:,} corpus tokens, "
                   f"{len(dataset.train):,} sequences of {cfg.data.seq_len}")
     console.print(_validation(cfg, dataset))
-    console.print("layout: " + describe_layout(p, world, sharded=built.sharded, waves=built.waves))
+    console.print("layout: " + describe_layout(p, built.mesh.shape, waves=built.waves))
     console.print(f"grad accumulation {accumulation}, recompute {p.recompute}, mixed precision "
                   f"{cfg.training.mixed_precision}, compile {cfg.training.compile}")
     console.print(f"MFU against {peak.tflops:.3g} TFLOP/s: {peak.source}")
-    if built.mesh is not None:  # HSDP's groups; shard groups that span machines (torchrun's ranks per machine)
-        for line in describe_groups(built.mesh.shape, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None):
-            console.print(line)
+    # HSDP's groups; shard groups that span machines (torchrun's ranks per machine)
+    for line in describe_groups(built.mesh.shape, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None):
+        console.print(line)
     console.print(data.describe(dataset, cfg.data, preflight.document_mask(cfg)[1]))
     tp_state = tensor_parallel_state(built.model)
     if tp_state is not None:  # the plan, by placement: "q_proj, ...: column-parallel over heads; ..."

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,16 +50,31 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(timeout_s: int, device: torch.device | None = None) -> Runtime:
-    """Join the ranks torchrun started (WORLD_SIZE > 1), with collectives that fail after
-    `timeout_s` seconds of waiting for another rank instead of hanging."""
+    """Join the ranks torchrun started (WORLD_SIZE > 1), or with none a process group of this
+    process alone, as torchrun's one-rank runs have: the mesh then has its groups on one rank as on
+    many (parallel/mesh.py). Collectives fail after `timeout_s` seconds of waiting for another rank
+    instead of hanging. An existing process group is joined as it is."""
     device = device or device_for_this_rank()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Runtime(rank, world, device)
+    if not dist.is_initialized():
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 else {}
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), **alone)
+    return Runtime(dist.get_rank(), world, device)
+
+
+@contextmanager
+def joined(timeout_s: int, device: torch.device | None = None) -> Iterator[Runtime]:
+    """`init_distributed` for the block; a process group it started is left at the end (one it
+    found is not), so a run in a process that goes on (a test, a notebook) leaves nothing behind."""
+    started = not dist.is_initialized()
+    rt = init_distributed(timeout_s, device)
+    try:
+        yield rt
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def background_group(timeout_s: int):

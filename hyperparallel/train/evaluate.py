@@ -19,7 +19,7 @@ import torch
 
 from hyperparallel.models import fused_loss
 from hyperparallel.train import data
-from hyperparallel.train.build import BuiltModel, data_rank
+from hyperparallel.train.build import BuiltModel
 from hyperparallel.train.distributed import Runtime, sum_over_ranks
 from hyperparallel.train.step import language_model_loss
 
@@ -32,9 +32,9 @@ class Evaluator:
         # the loss is the cross-entropy alone: not with an MoE auxiliary loss a config turned on
         self.cross_entropy_only = ({"output_router_logits": False}
                                    if getattr(built.model.config, "output_router_logits", False) else {})
-        rank, replicas = data_rank(built, rt)
-        self.readers = rt.world // replicas  # (the ranks that read and count one batch: tp x cp)
-        self.batches = data.Batches(rows, data.InOrder(len(rows)), global_batch, micro_batch, rank, replicas)
+        mesh = built.mesh
+        self.readers = mesh.shape.world // mesh.dp_size  # (the ranks that read and count one batch: tp x cp)
+        self.batches = data.Batches(rows, data.InOrder(len(rows)), global_batch, micro_batch, mesh.dp_rank, mesh.dp_size)
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:

@@ -30,7 +30,7 @@ from hyperparallel.train.distributed import (
     check_restartable,
     decided_by_rank0,
     device_for_this_rank,
-    init_distributed,
+    joined,
     max_restarts,
     restart_count,
 )
@@ -108,7 +108,12 @@ def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
            on_step: Callable[[int, dict | None], None] | None) -> dict:
     check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     timeout_s = cfg.training.collective_timeout_s(device_for_this_rank().type)
-    rt = init_distributed(timeout_s)
+    with joined(timeout_s) as rt:
+        return _train_on(cfg, rt, timeout_s, libraries, stop_after, on_step)
+
+
+def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, stop_after: int | None,
+              on_step: Callable[[int, dict | None], None] | None) -> dict:
     restarted = restart_count() > 0
     decided = decided_by_rank0(lambda: _decide_start(cfg, rt.world, restarted))
     run_dir_path = Path(decided["run_dir"])
@@ -134,7 +139,7 @@ def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
         scheduler.load_state_dict(state["scheduler"])
         start, rng_restored, saved_world = state["step"], state["rng_restored"], state["world_size"]
         schedule_change = _follow_new_schedule(cfg, state, optimizer, scheduler)
-    batches = build_batches(cfg, dataset, rt, built)
+    batches = build_batches(cfg, dataset, built)
     autocast_bf16 = cfg.training.mixed_precision == "bf16"
     evaluate = None
     if dataset.validation is not None:
@@ -148,7 +153,7 @@ def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
     log = MetricsLog(run_dir_path, console, tensorboard=cfg.logging.tensorboard, first_step=start)
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     peak = mfu_peak(rt.device, compute_dtype, cfg.logging.peak_tflops)
-    announce(console, cfg, rt.world, built, dataset, accumulation, peak)
+    announce(console, cfg, built, dataset, accumulation, peak)
     log.build(start, built.memory, rt.device)
     if restarted:
         where = f"resumed from {resume_from} at step {start}" if resume_from else "no checkpoint yet: from step 0"
@@ -161,7 +166,7 @@ def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
         log.print(f"the checkpoint was saved by {saved_world} rank(s), this run has {rt.world}: parameters and "
                   f"optimizer state are resharded; RNG states start from training.seed")
 
-    step_fn = TrainStep(built, optimizer, scheduler, accumulation=accumulation, world=rt.world, device=rt.device,
+    step_fn = TrainStep(built, optimizer, scheduler, accumulation=accumulation, device=rt.device,
                         autocast_bf16=autocast_bf16, max_grad_norm=cfg.training.max_grad_norm,
                         sync_every_micro_batch=cfg.parallel.sync_every_micro_batch)
     checkpointer = Checkpointer(ckpt_root, every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,

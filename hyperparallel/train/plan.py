@@ -28,7 +28,7 @@ recording gives the same bytes, tested). From that timeline:
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
   buffers (clipping, fsdp's or torch's, makes foreach norms only).
 
-The model run is one rank's part of the layout (`Layout`): with tp a model of one TP rank's
+The model run is one rank's part of the layout (`parallel.mesh.MeshShape`): with tp a model of one TP rank's
 shapes (`tp_rank_config`), with cp each sequence's seq_len / cp tokens, with ep the first
 expert-parallel rank's experts (`keep_local_experts`), every routed row computed as a rank
 receiving its share under uniform routing does; FSDP shards over dp_shard x cp (a layer's
@@ -66,6 +66,7 @@ from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.expert_parallel import keep_local_experts, moe_blocks
+from hyperparallel.parallel.mesh import MeshShape
 from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.train.build import build_balancer, inline_model_config
 from hyperparallel.train.config import TrainConfig
@@ -400,44 +401,11 @@ class _Group:
     trainable: bool = True
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How a run's ranks are laid out (parallel.*): dp_replicate x dp_shard x cp x tp ranks, FSDP
-    over dp_shard x cp, expert parallelism borrowed from it. Not sharded: one rank, or DDP."""
-
-    world: int
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, world: int) -> Layout:
-        p = cfg.parallel
-        return cls(world, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep)
-
-    @property
-    def sharded(self) -> bool:  # (train/build.py's rule)
-        return self.dp_replicate > 1 or self.dp_shard > 1 or self.tp * self.cp > 1
-
-    @property
-    def fsdp(self) -> int:  # the ranks FSDP shards over
-        return self.dp_shard * self.cp if self.sharded else 1
-
-    @property
-    def expert_shard(self) -> int:  # the ranks holding the same experts, which FSDP shards them over
-        return self.fsdp // self.ep
-
-    def dims(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
-                "ep": self.ep}
-
-    def describe(self) -> str:
-        if not self.sharded:
-            return "replicated (DDP)" if self.world > 1 else "replicated"
-        parts = [f"{name} {size}" for name, size in self.dims().items() if size > 1]
-        return " x ".join(parts) if parts else "one rank"
+def describe_shape(shape: MeshShape) -> str:
+    """The plan's name for a layout: `replicated`, `replicated (DDP)`, or its dimensions above 1."""
+    if not shape.fsdp_enabled:
+        return "replicated (DDP)" if shape.ddp else "replicated"
+    return " x ".join(f"{name} {size}" for name, size in shape.dims().items() if size > 1)
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -684,7 +652,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     problems = layout_problems(cfg, world)
     if problems:
         raise ConfigError("\n".join(problems))
-    layout = Layout.of(cfg, world)
+    layout = MeshShape.of(cfg.parallel, world)
     accumulation = cfg.grad_accumulation(world)
     device = torch.device(device) if device is not None else device_for_this_rank()
     if device.type == "cuda" and device.index is None:
@@ -694,7 +662,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         runtime = 0
     elif runtime is None:
         runtime = runtime_bytes(cfg.training.compile)
-    sharded = layout.sharded
+    sharded = layout.fsdp_enabled
     seq_len = cfg.data.seq_len // layout.cp
 
     if simulations is None:
@@ -708,27 +676,27 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
             simulations[key] = (simulate(model, mode, cfg, device, seq_len),
-                                _whole_config(cfg, model, Layout(layout.world, tp=layout.tp), layers))
+                                _whole_config(cfg, model, MeshShape(tp=layout.tp), layers))
         timeline, whole_config = simulations[key]
         shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
         if shapes not in simulations:
             simulations[shapes] = fake_model(cfg, FakeTensorMode(allow_non_fake_inputs=True), device, tp=layout.tp,
                                              ep=layout.ep, layers=layers)
         model = simulations[shapes]
-        if layout.ep > 1:
+        if layout.ep_enabled:
             timeline = timeline.with_gradients_of(list(model.parameters()))
     params = list(model.parameters())
     whole = {id(p): _nbytes(p) for p in params}
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
-    experts = {id(p) for block in moe_blocks(model) for p in block.experts.parameters()} if layout.ep > 1 else set()
+    experts = {id(p) for block in moe_blocks(model) for p in block.experts.parameters()} if layout.ep_enabled else set()
 
     if sharded:
-        world_of = {id(p): layout.expert_shard if id(p) in experts else layout.fsdp for p in params}
+        world_of = {id(p): layout.expert_shard if id(p) in experts else layout.shard_size for p in params}
         groups = _groups(model, params, world_of, cfg)
         per_rank = {id(p): _shard_bytes(p, world_of[id(p)], cfg) for p in params}
-        matrices = _muon_matrices(cfg, model, layout.fsdp)
+        matrices = _muon_matrices(cfg, model, layout.shard_size)
         candidates = []
-        for r in range(layout.fsdp):  # (an expert's shards: rank r is expert-shard rank r // ep)
+        for r in range(layout.shard_size):  # (an expert's shards: rank r is expert-shard rank r // ep)
             shard = {key: sizes[r // layout.ep if key in experts else r] for key, sizes in per_rank.items()}
             candidates.append((sum(shard.values()) + _optimizer_state(cfg, model, shard), r, shard))
         _, rank, shard = max(candidates, key=lambda c: (c[0], -c[1]))
@@ -739,11 +707,11 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         # (measured: an aten::clone of [ranks x slot] inside c10d::_reduce_scatter_base_), which
         # the work holds until fsdp settles it (the next group's reduce-scatter): two copies on the CPU
         copies = 1 if on_gpu else 2
-        activations, buffers, peak = _peak(timeline, groups, layout.fsdp, accumulation, grads_whole, copies,
-                                           cfg.parallel.sync_every_micro_batch, layout.dp_replicate > 1)
+        activations, buffers, peak = _peak(timeline, groups, layout.shard_size, accumulation, grads_whole, copies,
+                                           cfg.parallel.sync_every_micro_batch, layout.hsdp_enabled)
         muon_sent, muon_buffers = _muon_exchange(matrices, rank)
         geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
-        description = f"sharded ({layout.describe()}; {geometry})"
+        description = f"sharded ({describe_shape(layout)}; {geometry})"
     else:
         rank, shard, groups, matrices, muon_sent = 0, whole, [], [], 0
         params_bytes, grads = sum(whole.values()), grads_whole
@@ -751,7 +719,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         activations, _, peak = _peak(timeline, None, world, accumulation, grads_whole)
         buffers = grads_whole if world > 1 else 0  # DDP's buckets
         muon_buffers = 0
-        description = layout.describe()
+        description = describe_shape(layout)
     if not sharded:
         peak += buffers
     target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
@@ -789,17 +757,17 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if cfg.low_precision.enabled:
         unaccounted.append("low_precision (MXFP8): planned as the unconverted model; MXFP8 keeps fp8 copies of "
                            "inputs and weights instead (docs/lowp.md); its products timed at the device's MX rate")
-    if layout.tp > 1 and cfg.parallel.sequence_parallel:
+    if layout.tp_enabled and cfg.parallel.sequence_parallel:
         unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
                            "every tp rank: an overestimate)")
     if on_gpu and device.type == "cpu":
         unaccounted.append("attention as the CPU runs it (simulated here): where SDPA has no fused CPU kernel "
                            "(unequal query and value head dims: DeepSeek's MLA) its math path keeps the score "
                            "matrices a GPU's memory-efficient kernel does not (an overestimate)")
-    if layout.ep > 1:
+    if layout.ep_enabled:
         unaccounted.append("expert parallelism: routing planned uniform (each rank receives its own tokens' share); "
                            "an imbalanced layer receives more")
-    if layout.cp > 1:
+    if layout.cp_enabled:
         unaccounted.append(f"context parallelism ({cfg.parallel.cp_mode}): the attention's exchange buffers")
     return Plan(
         family=cfg.model.family, n_params=whole_config["n_params"], world=world, layout=description, rank=rank,
@@ -813,9 +781,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     )
 
 
-def _whole_config(cfg: TrainConfig, model: nn.Module, layout: Layout, layers: int | None) -> dict:
+def _whole_config(cfg: TrainConfig, model: nn.Module, layout: MeshShape, layers: int | None) -> dict:
     """The whole model's parameter count and HF config (the fake model is one rank's part)."""
-    if layout.tp == 1 and layout.ep == 1 and layers is None:
+    if not layout.tp_enabled and not layout.ep_enabled and layers is None:
         return {"n_params": sum(p.numel() for p in model.parameters()), "config": model.config}
     whole = meta_model(cfg)
     return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config}
@@ -855,7 +823,7 @@ def _attention_widths(config) -> tuple[int, int]:
     return heads * head_dim, 2 * kv_heads * head_dim
 
 
-def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_config, groups: list[_Group],
+def _collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_config, groups: list[_Group],
                  grads_whole: int, accumulation: int, muon_sent: int, experts: set[int],
                  ranks_per_node: int) -> list[Collective]:
     """Every collective of one optimizer step of this rank (plan_time.Collective: group, bytes, calls)."""
@@ -865,13 +833,13 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
     # the mesh's strides (dp_replicate, dp_shard, cp, tp; tp innermost), for which groups leave a machine
     fsdp_spans = spans_nodes(T, S * C, ranks_per_node)
     expert_shard_spans = spans_nodes(E * T, S * C // max(E, 1), ranks_per_node)
-    if layout.sharded:
+    if layout.fsdp_enabled:
         n_layers = len(groups) - 1
         for g, group in enumerate(groups):
             gathers = accumulation * (2 if g < n_layers else 1)  # a layer again in backward; the root once
             reduces = accumulation if p.sync_every_micro_batch else 1
             for world, slot in group.parts.items():
-                spans = fsdp_spans if world == layout.fsdp else expert_shard_spans
+                spans = fsdp_spans if world == layout.shard_size else expert_shard_spans
                 out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, slot, gathers, spans, "beside"))
                 if group.trainable:
                     out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, slot, reduces,
@@ -879,10 +847,10 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
                     out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, slot, reduces,
                                           spans_nodes(S * C * T, R, ranks_per_node), "beside"))
         if muon_sent:
-            out.append(Collective("muon_all_to_all", "dp_shard", "all_to_all", layout.fsdp,
-                                  muon_sent * layout.fsdp // max(layout.fsdp - 1, 1), 1, fsdp_spans))
-    elif layout.world > 1:
-        out.append(Collective("ddp_all_reduce", "dp_shard", "all_reduce", layout.world, grads_whole, 1,
+            out.append(Collective("muon_all_to_all", "dp_shard", "all_to_all", layout.shard_size,
+                                  muon_sent * layout.shard_size // max(layout.shard_size - 1, 1), 1, fsdp_spans))
+    elif layout.ddp:
+        out.append(Collective("ddp_all_reduce", "dp_replicate", "all_reduce", layout.world, grads_whole, 1,
                               spans_nodes(1, layout.world, ranks_per_node), "beside"))
     config = model.config
     element = _activation_bytes(cfg)
@@ -930,7 +898,7 @@ def _collectives(cfg: TrainConfig, layout: Layout, model: nn.Module, whole_confi
     return [c for c in out if c.ranks > 1 and c.calls]
 
 
-def _step_time(cfg: TrainConfig, layout: Layout, model: nn.Module, whole: dict, costs: OpCosts, accumulation: int,
+def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dict, costs: OpCosts, accumulation: int,
                collectives: list[Collective], shard: dict[int, int], matrices, rank: int, sharded: bool,
                device: DeviceModel) -> StepTime:
     from hyperparallel.models.flops import training_flops_per_token
@@ -963,7 +931,7 @@ def _step_time(cfg: TrainConfig, layout: Layout, model: nn.Module, whole: dict, 
                    world=layout.world)
 
 
-def _megamoe_exposed_s(cfg: TrainConfig, layout: Layout, model: nn.Module, device: DeviceModel) -> float:
+def _megamoe_exposed_s(cfg: TrainConfig, layout: MeshShape, model: nn.Module, device: DeviceModel) -> float:
     """MegaMoE's exposed communication per micro-batch: every MoE layer's wave graphs (forward and
     backward) simulated with this device's costs (multicore.simulate)."""
     from hyperparallel.moe import MoEShape, default_waves
@@ -972,7 +940,7 @@ def _megamoe_exposed_s(cfg: TrainConfig, layout: Layout, model: nn.Module, devic
     from hyperparallel.multicore import simulate as simulate_graph
 
     blocks = moe_blocks(model)
-    if not blocks or layout.ep == 1:
+    if not blocks or not layout.ep_enabled:
         return 0.0
     block = blocks[0]
     shared = block.shared_experts

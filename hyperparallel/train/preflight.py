@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hyperparallel.errors import ConfigError, HyperparallelError
 from hyperparallel.models import get_family
+from hyperparallel.parallel import mesh as parallel_mesh
 from hyperparallel.train import data
 from hyperparallel.train.checkpointing import not_a_model_directory
 from hyperparallel.train.config import TrainConfig
@@ -72,43 +73,9 @@ def data_problems(cfg: TrainConfig) -> list[str]:
 
 
 def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
-    problems = []
     p = cfg.parallel
-    ep, dp_replicate, dp_shard, tp, cp = p.ep, p.dp_replicate, p.dp_shard, p.tp, p.cp
-    named = p.named_ranks()
-    if dp_replicate == 1 and tp * cp == 1:
-        if dp_shard > 1 and dp_shard != world:
-            replicate = (f", or parallel.dp_replicate: {world // dp_shard} to replicate that sharding over the "
-                         f"{world} ranks (HSDP)" if world > dp_shard and world % dp_shard == 0 else "")
-            problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
-                            f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}{replicate}")
-    elif named != world:
-        problems.append(f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) "
-                        f"x parallel.tp ({tp}) = {named} ranks, but this run has {world}; make their product {world}, "
-                        f"or launch hyperparallel train --nproc {named}")
-    borrowed = dp_shard * cp
-    if ep > 1 and (borrowed == 1 or borrowed % ep):
-        if dp_replicate == 1:
-            choices = [n for n in range(2, world + 1) if world % n == 0]
-            fix = f"dp_shard: {world} and ep one of {choices}" if choices else "at least 2 ranks (--nproc)"
-        else:  # (within each replica)
-            choices = [n for n in range(2, borrowed + 1) if borrowed % n == 0]
-            fix = (f"ep one of {choices}" if choices else
-                   "shard within each replica (dp_shard > 1), the dimension ep borrows from")
-        within = f" within each of parallel.dp_replicate = {dp_replicate} replicas" if dp_replicate > 1 else ""
-        problems.append(f"parallel.ep = {ep} borrows its ranks from parallel.dp_shard = {dp_shard} x parallel.cp = {cp}"
-                        f"{within}: that product must be a multiple of ep (the ranks sharing each expert's shards x "
-                        f"ep); with {world} rank(s): {fix}")
-    if tp > 1 and cp > 1:
-        problems.append(f"parallel.tp = {tp} with parallel.cp = {cp}: tensor and context parallelism together are not "
-                        f"supported yet; use one of them (with dp_shard)")
-    if p.sync_every_micro_batch and not (p.dp_replicate > 1 or dp_shard > 1 or tp * cp > 1):
-        problems.append("parallel.sync_every_micro_batch reduce-scatters each micro-batch's gradients into FSDP's "
-                        "shards, and this layout is not sharded (DDP reduces once a step); set parallel.dp_shard > 1, "
-                        "or sync_every_micro_batch: false")
-    if p.sequence_parallel and tp == 1:
-        problems.append("parallel.sequence_parallel splits the sequence between tensor-parallel blocks, and "
-                        "parallel.tp is 1; set parallel.tp > 1 or sequence_parallel: false")
+    ep, tp, cp = p.ep, p.tp, p.cp
+    problems = parallel_mesh.layout_problems(p, world)  # (the layout alone; below, what it asks of the model and the data)
     seq = cfg.data.seq_len
     if p.sequence_parallel and seq % tp:
         problems.append(f"parallel.sequence_parallel: data.seq_len ({seq}) must divide by parallel.tp ({tp})")
@@ -138,7 +105,7 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
                         "is 1 (no all-to-alls); set parallel.ep > 1 or use moe.implementation: sequential")
     if ep > 1 and not family.moe_block_classes:
         problems.append(f"parallel.ep = {ep} splits the experts of MoE layers, and family {cfg.model.family!r} has none")
-    if cfg.moe.rule(cfg.model.family) == "bias" and family.default_load_balance != "bias":
+    if cfg.load_balance() == "bias" and family.default_load_balance != "bias":
         problems.append(f"moe.load_balance: bias moves a router's correction bias, and family {cfg.model.family!r} has "
                         f"none; use aux_loss or none")
     try:

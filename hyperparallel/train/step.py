@@ -46,11 +46,11 @@ class StepResult:
 
 
 class TrainStep:
-    def __init__(self, built: BuiltModel, optimizer, scheduler, *, accumulation: int, world: int,
+    def __init__(self, built: BuiltModel, optimizer, scheduler, *, accumulation: int,
                  device: torch.device, autocast_bf16: bool, max_grad_norm: float | None,
                  sync_every_micro_batch: bool = False):
         self.built, self.optimizer, self.scheduler = built, optimizer, scheduler
-        self.accumulation, self.world, self.device = accumulation, world, device
+        self.accumulation, self.device = accumulation, device
         self.autocast_bf16 = autocast_bf16
         self.max_norm = max_grad_norm or math.inf
         self.sync_every_micro_batch = sync_every_micro_batch  # (parallel.sync_every_micro_batch; sharded runs)
@@ -65,7 +65,7 @@ class TrainStep:
         if self.built.sharded:
             fsdp.set_requires_gradient_sync(model, last_micro or self.sync_every_micro_batch)
             return nullcontext()
-        if self.world > 1 and not last_micro:
+        if self.built.mesh.ddp_enabled and not last_micro:
             return trained.no_sync()
         return nullcontext()
 

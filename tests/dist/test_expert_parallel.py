@@ -28,7 +28,7 @@ from hyperparallel.fsdp import shard_info
 from hyperparallel.lowp import LowPrecisionConfig, convert
 from hyperparallel.models import build_model
 from hyperparallel.moe import LoadBalancer
-from hyperparallel.optim import build_optimizer
+from hyperparallel.optim import OptimizerConfig, build_optimizer
 from hyperparallel.parallel import apply_expert_parallel, apply_recompute, expert_layout, shard_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -94,7 +94,7 @@ def build(case: str, *, ours: bool) -> torch.nn.Module:
 
 def make_optimizer(model, case: str):
     if CASES[case][2].get("muon"):
-        return build_optimizer(model, name="muon", lr=1e-3, weight_decay=0.0)
+        return build_optimizer(model, OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.0))
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 

@@ -42,9 +42,9 @@ from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.checkpoint.sharded import shard_chunks
 from hyperparallel.fsdp import shard_info
 from hyperparallel.train import data
-from hyperparallel.train.build import build_optimization, build_trained_model, data_rank
+from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.distributed import Runtime, agree
+from hyperparallel.train.distributed import Runtime, agree, joined
 from hyperparallel.train.step import TrainStep
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -196,12 +196,12 @@ def whole(model, grads: bool = True) -> dict[str, torch.Tensor]:
 def train(cfg: TrainConfig, rt: Runtime, vocab: int, layout: str | None, save: Path | None = None):
     built = build_trained_model(cfg, rt, vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
-    rank, replicas = data_rank(built, rt)
+    rank, replicas = built.mesh.dp_rank, built.mesh.dp_size
     batches = data.Batches(rows_of(layout, vocab), data.InOrder(ROWS * STEPS), ROWS, cfg.training.micro_batch, rank,
                            replicas)
     grads: list[dict] = []
     optimizer.register_step_pre_hook(lambda *_: grads.append(whole(built.model)))
-    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world, device=rt.device,
+    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), device=rt.device,
                      autocast_bf16=False, max_grad_norm=cfg.training.max_grad_norm,
                      sync_every_micro_batch=cfg.parallel.sync_every_micro_batch)
     losses = []
@@ -228,7 +228,8 @@ _references: dict[str, tuple] = {}
 def reference(layout: str) -> tuple[list[float], list[dict], dict]:
     if layout not in _references:
         torch.manual_seed(0)
-        _references[layout] = train(one_process(layout), Runtime(0, 1, torch.device("cpu")), 512, layout)
+        with joined(60, torch.device("cpu")) as rt:
+            _references[layout] = train(one_process(layout), rt, 512, layout)
     return _references[layout]
 
 
@@ -345,9 +346,10 @@ def test_the_uneven_hsdp_layout_has_uneven_and_empty_shards_in_both_replicas(spa
 def assert_loads_in_one_process(layout: str, directory: Path, saved: dict[str, torch.Tensor]) -> None:
     """The checkpoint `layout`'s run saved in `directory`, loaded by one process: the saved values."""
     cfg = one_process(layout)
-    built = build_trained_model(cfg, Runtime(0, 1, torch.device("cpu")), 512)
-    optimizer, _ = build_optimization(cfg, built.model)
-    checkpoint.load(directory, built.model, optimizer)
+    with joined(60, torch.device("cpu")) as rt:
+        built = build_trained_model(cfg, rt, 512)
+        optimizer, _ = build_optimization(cfg, built.model)
+        checkpoint.load(directory, built.model, optimizer)
     for name, p in built.model.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
 

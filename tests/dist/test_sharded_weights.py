@@ -24,9 +24,9 @@ from hyperparallel.checkpoint.export import export_hf
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.models import build_model
 from hyperparallel.train import data
-from hyperparallel.train.build import build_optimization, build_trained_model, data_rank
+from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.distributed import Runtime, agree
+from hyperparallel.train.distributed import Runtime, agree, joined
 from hyperparallel.train.step import TrainStep
 from tests.dist.test_parallel_layouts import MODELS, PAD, ROWS, SEQ, whole
 
@@ -66,11 +66,11 @@ def one_step(cfg: TrainConfig, rt: Runtime, save: Path | None = None) -> float:
     """The step-1 loss at lr 0 (and its checkpoint in `save`)."""
     built = build_trained_model(cfg, rt, 512)
     optimizer, scheduler = build_optimization(cfg, built.model)
-    rank, replicas = data_rank(built, rt)
+    rank, replicas = built.mesh.dp_rank, built.mesh.dp_size
     g = torch.Generator().manual_seed(7)
     rows = torch.randint(1, 512, (ROWS, SEQ), generator=g)
     batches = data.Batches(data.TensorRows(rows, PAD), data.InOrder(ROWS), ROWS, cfg.training.micro_batch, rank, replicas)
-    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world), world=rt.world,
+    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(rt.world),
                      device=rt.device, autocast_bf16=False, max_grad_norm=cfg.training.max_grad_norm)
     loss = agree(step(batches.micro_batches(0)).loss, 0.0, False).loss
     if save is not None:
@@ -97,7 +97,8 @@ def spawned(spawn_4, spawn_dir) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sharded_init_equals_one_process_tensor_by_tensor(spawned, layout):
     model, parallel = LAYOUTS[layout]
-    one = whole(build_trained_model(config(model, {}), Runtime(0, 1, torch.device("cpu")), 512).model, grads=False)
+    with joined(60, torch.device("cpu")) as rt:
+        one = whole(build_trained_model(config(model, {}), rt, 512).model, grads=False)
     sharded = spawned["initial"][layout]
     assert sharded.keys() == one.keys()
     for name in one:
@@ -109,7 +110,8 @@ def test_the_trainers_init_equals_build_model_with_the_seed(model):
     """Every parameter and buffer the trainer's build fills from the init (one module at a time
     on the meta-built model) equals the model build_model initializes whole with the same seed."""
     family, hf = MODELS[model]
-    built = build_trained_model(config(model, {}), Runtime(0, 1, torch.device("cpu")), 512).model
+    with joined(60, torch.device("cpu")) as rt:
+        built = build_trained_model(config(model, {}), rt, 512).model
     reference = build_model(family, config=hf, seed=0)  # (training.seed's default)
     for mine, theirs in ((built.named_parameters(), reference.named_parameters()),
                          (built.named_buffers(), reference.named_buffers())):
@@ -133,7 +135,8 @@ def test_loading_a_multi_file_hf_directory_sharded_equals_one_process_and_export
     model, parallel = LAYOUTS[layout]
     source = hf_dir(spawned["dir"], model)
     assert len(list(source.glob("*.safetensors"))) > 1  # several files, each rank reading its parts of them
-    one = one_step(config(model, {}, source), Runtime(0, 1, torch.device("cpu")))
+    with joined(60, torch.device("cpu")) as rt:
+        one = one_step(config(model, {}, source), rt)
     assert spawned["losses"][layout] == pytest.approx(one, rel=1e-5)
     exported = _files(export_hf(spawned["dir"] / f"{layout}_checkpoint", tmp_path / "hf"))
     original = _files(source)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hyperparallel.models.kernels import KernelsReport
+from hyperparallel.parallel.mesh import MeshShape
 from hyperparallel.train.config import ParallelSection
 from hyperparallel.train.console import describe_layout, step_line, validation_line
 
@@ -24,8 +25,7 @@ from hyperparallel.train.console import describe_layout, step_line, validation_l
 ])
 def test_the_layout_described_is_the_one_that_runs(parallel, world, waves, described):
     p = ParallelSection(**parallel)
-    sharded = p.dp_shard > 1 or p.dp_replicate > 1 or p.model_parallel() > 1  # (train/build.py's rule)
-    assert describe_layout(p, world, sharded=sharded, waves=waves) == described
+    assert describe_layout(p, MeshShape.of(p, world), waves=waves) == described
 
 
 def test_the_kernels_line_names_only_what_the_model_has():

@@ -18,13 +18,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from hyperparallel.models import build_model, install_fused_loss
 from hyperparallel.models.kernels import use_kernels
-from hyperparallel.optim import build_optimizer
+from hyperparallel.optim import OptimizerConfig, build_optimizer
 from hyperparallel.parallel import apply_recompute, shard_model
 from hyperparallel.train import plan as planning
 from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import from_mapping, load_config
 from hyperparallel.train.data import MicroBatch, tokenizer_vocab_size
-from hyperparallel.train.distributed import Runtime
+from hyperparallel.train.distributed import joined
 from hyperparallel.train.step import TrainStep
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -53,7 +53,7 @@ def state_bytes(optimizer) -> int:
 def stepped_optimizer(cfg, model):
     """The run's optimizer over `model`, stepped once on zero gradients (its state then exists)."""
     o = cfg.optimizer
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = build_optimizer(model, OptimizerConfig(name=o.name, lr=o.lr, weight_decay=o.weight_decay))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -101,9 +101,10 @@ def real_step_peak(cfg) -> int:
     tokens): the CPU allocator's own events, recorded by the profiler."""
     torch.manual_seed(0)
     vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
-    built = build_trained_model(cfg, Runtime(0, 1, CPU), vocab)
+    with joined(60, CPU) as rt:
+        built = build_trained_model(cfg, rt, vocab)
     optimizer, scheduler = build_optimization(cfg, built.model)
-    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(1), world=1, device=CPU,
+    step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(1), device=CPU,
                      autocast_bf16=cfg.training.mixed_precision == "bf16", max_grad_norm=cfg.training.max_grad_norm)
     t = cfg.training
     ids = torch.randint(0, vocab, (t.global_batch // t.micro_batch, t.micro_batch, cfg.data.seq_len),
