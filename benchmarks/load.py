@@ -97,11 +97,10 @@ def rank_main(rank: int, world: int, port: int, how: str, directory: str, parall
 
         checkpoint.save(Path(out) / "checkpoint", built.model, extra={"step": 1, KEY: built.card.to_json()})
     torch.save({"seconds": seconds, "grown": grown}, Path(out) / f"rank{rank}.pt")
-    if world > 1:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()  # (one rank too: init_distributed gave it a group of its own)
 
 
 def measure(how: str, directory: Path, world: int, parallel: dict, out: Path) -> dict:

@@ -5,7 +5,8 @@ the component that reads it.
 
 A section refuses keys it does not know ("did you mean"), validates assignments too, and reports
 every problem at once, one line each: as a ConfigError when built in code, as the trainer's list
-of problems when it is part of a YAML file.
+of problems when it is part of a YAML file. (A bad value assigned to a built section raises
+pydantic's ValidationError, a ValueError, as pydantic's validate_assignment does.)
 """
 
 from __future__ import annotations

@@ -45,16 +45,18 @@ from hyperparallel.checkpoint.io import (
 from hyperparallel.checkpoint.sharded import ShardedSavePlanner
 from hyperparallel.errors import CheckpointError
 
-_GROUPS: dict[int, object] = {}  # the background-save gloo group, per default process group
+# (the default process group, its background-save gloo group): made again for a new default group
+# (a process may train, leave its group and join another: the trainer's one-rank runs, tests)
+_BACKGROUND: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
 
 
-def _background_group():
+def _background_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
-    key = id(dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    return _GROUPS[key]
+    world = dist.group.WORLD
+    if not _BACKGROUND or _BACKGROUND[0][0] is not world:
+        _BACKGROUND[:] = [(world, dist.new_group(backend="gloo"))]
+    return _BACKGROUND[0][1]
 
 
 class PendingSave:

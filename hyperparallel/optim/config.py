@@ -8,6 +8,7 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from hyperparallel.optim import bounds
+from hyperparallel.optim.muon import NS_STEPS
 from hyperparallel.optim.param_groups import OPTIMIZER_NAMES
 from hyperparallel.optim.schedules import SCHEDULE_KINDS, validate_schedule
 from hyperparallel.schema import Section, choice
@@ -25,7 +26,7 @@ class OptimizerConfig(Section):
     muon_lr: float | None = None  # Muon's own lr (default: lr)
     momentum: float = 0.95
     nesterov: bool = True
-    ns_steps: int = 5
+    ns_steps: int = NS_STEPS
 
     @model_validator(mode="after")
     def _in_range(self):

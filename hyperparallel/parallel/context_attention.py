@@ -106,7 +106,7 @@ class _AllToAll(torch.autograd.Function):
     gradients back to where their inputs came from) is the same exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _exchange(x, group)
 
@@ -115,7 +115,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.group), None
 
 
-def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()  # all_to_all_single splits the flat storage; a gradient may arrive strided
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
@@ -133,7 +133,7 @@ def _gathered_order(seq_len: int, cp: int, device: torch.device) -> tuple[torch.
     return gathered, torch.argsort(gathered)
 
 
-def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """[B, H, S/cp, D] (all heads, local tokens) -> [B, H/cp, S, D] (local heads, every rank's tokens)."""
     batch, heads, local, dim = x.shape
     blocks = x.reshape(batch, cp, heads // cp, local, dim).transpose(0, 1)
@@ -141,7 +141,7 @@ def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // cp, cp * local, dim)
 
 
-def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """The inverse of `_sequence_to_heads`."""
     batch, heads, seq, dim = x.shape
     blocks = x.reshape(batch, heads, cp, seq // cp, dim).permute(2, 0, 1, 3, 4)
@@ -149,7 +149,7 @@ def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return received.transpose(0, 1).reshape(batch, cp * heads, seq // cp, dim)
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group,
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
                       scaling: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, [B, H, S/cp, Dv], by
     all-to-all over `group` (the cp ranks; every rank calls it). Differentiable."""
@@ -181,7 +181,7 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 class _Ring:
     """This rank's neighbours in the group: blocks go to the next rank and come from the previous."""
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -304,7 +304,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 class _RingAttention(torch.autograd.Function):
     # float32 inside means float32 under autocast too: forward and backward turn it off
     @staticmethod
-    def forward(ctx, query, key, value, scaling: float, group):
+    def forward(ctx, query, key, value, scaling: float, group: dist.ProcessGroup):
         # (it writes into its own products in place, the fused kernel's outputs among them, which
         # selective recompute would otherwise keep: it must keep none of them)
         with torch.autocast(query.device.type, enabled=False), nothing_kept():
@@ -321,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
             return _RingAttention._backward_tiles(ctx, grad_out)
 
     @staticmethod
-    def _forward_fused(ctx, query, key, value, scaling: float, group):
+    def _forward_fused(ctx, query, key, value, scaling: float, group: dist.ProcessGroup):
         ring = _Ring(group)
         chunk, dim = query.shape[2] // 2, max(query.shape[-1], value.shape[-1])
         repeats = 1 if _NATIVE_GQA else query.shape[1] // key.shape[1]
@@ -393,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
         return (d_q[..., :query.shape[-1]].to(query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None)
 
     @staticmethod
-    def _forward_tiles(ctx, query, key, value, scaling: float, group):
+    def _forward_tiles(ctx, query, key, value, scaling: float, group: dist.ProcessGroup):
         ring = _Ring(group)
         batch, heads, local, _ = query.shape
         kv_heads, groups, chunk = key.shape[1], heads // key.shape[1], local // 2
@@ -471,7 +471,7 @@ class _RingAttention(torch.autograd.Function):
         return (_from_rows(d_q, heads, query.dtype), d_k.to(key.dtype), d_v.to(value.dtype), None, None)
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group,
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: dist.ProcessGroup,
                    scaling: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, [B, H, S/cp, Dv], with the
     keys / values passed around `group` (the cp ranks; every rank calls it). Computed in float32,

@@ -170,7 +170,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             and hasattr(m, "config")]
 
 
-def apply_context_parallel(model: nn.Module, group, mode: str) -> ContextParallel:
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: str) -> ContextParallel:
     """Make every attention layer of `model` run context-parallel attention over `group` (the cp
     ranks; every rank calls it, with the same mode); returns the ContextParallel, also kept as
     `model._hp_context_parallel`. Call once after building the model (before or after FSDP)."""

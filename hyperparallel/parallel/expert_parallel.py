@@ -46,7 +46,7 @@ class ExpertLayout:
 def expert_layout(ep: int, device_type: str) -> ExpertLayout:
     """The groups of an `ep`-way expert parallelism over every rank, which FSDP alone shares
     (dp_shard = the world; a collective: every rank calls it)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size()
     if ep < 1 or world % ep:
         raise ConfigError(f"parallel.ep ({ep}) must divide the number of ranks ({world})")
     return expert_layout_of(build_mesh(MeshShape(dp_shard=world, ep=ep), device_type))

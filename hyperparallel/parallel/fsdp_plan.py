@@ -5,6 +5,7 @@ With HSDP, every group's shards are replicated over `replicate_group` (parallel/
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.fsdp import fully_shard
@@ -12,8 +13,8 @@ from hyperparallel.parallel.expert_parallel import ExpertLayout, expert_modules
 from hyperparallel.parallel.recompute import decoder_layers
 
 
-def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group=None,
-                replicate_group=None, experts: ExpertLayout | None = None, device=None) -> nn.Module:
+def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group: dist.ProcessGroup | None = None,
+                replicate_group: dist.ProcessGroup | None = None, experts: ExpertLayout | None = None, device=None) -> nn.Module:
     """Shard each decoder layer, then the root, over `process_group` (default: every rank), and
     replicate the shards over `replicate_group` (HSDP; None: no replicas).
 

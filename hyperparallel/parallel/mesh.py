@@ -5,7 +5,7 @@ borrowed from dp_shard x cp within each replica.
 `MeshShape` is the layout as numbers, every axis present (size 1 when unused): a pure value that
 `hyperparallel plan` reasons about without ranks, and the one place that validates a layout
 (`layout_problems`). `ParallelMesh` is that shape over this run's ranks: a typed process group
-per axis, built once (`build_mesh`) and taken by every part of the trainer, whatever the layout:
+per axis, built once (`build_mesh`) and taken by every stage of the build and the step, whatever the layout:
 a size-1 axis has a group of one rank, so callers ask `mesh.tp_enabled`, never whether a mesh
 exists. As torchtitan's ParallelDims, it exists on one rank too (a process group of one).
 
@@ -63,7 +63,8 @@ class MeshShape:
         over `world` ranks; naming none on several ranks is data parallelism (DDP) over them."""
         if parallel.dp_replicate * parallel.dp_shard * parallel.cp * parallel.tp == 1 and world > 1:
             return cls(dp_replicate=world, ep=parallel.ep, ddp=True)
-        return cls(parallel.dp_shard, parallel.cp, parallel.tp, parallel.ep, parallel.dp_replicate)
+        return cls(dp_shard=parallel.dp_shard, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep,
+                   dp_replicate=parallel.dp_replicate)
 
     @property
     def world(self) -> int:
@@ -112,11 +113,15 @@ class MeshShape:
 
     def meshes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """The device meshes the groups are read from: name -> (sizes, dimension names), each laid
-        over the ranks 0 .. world - 1 in row-major order (as init_device_mesh lays them)."""
+        over the ranks 0 .. world - 1 in row-major order (as init_device_mesh lays them). The
+        experts mesh only with expert parallelism: without, its groups are the fsdp group and one
+        rank alone, and building it would only open connections again (one new_group per group)."""
         r, s, c, t = self.dp_replicate, self.dp_shard, self.cp, self.tp
-        return {"ranks": ((r, s, c, t), MESH_DIMS),
-                "fsdp": ((r, s * c, t), ("dp_replicate", "fsdp", "tp")),
-                "experts": ((r, s * c // self.ep, self.ep, t), ("dp_replicate", "expert_shard", "ep", "tp"))}
+        meshes = {"ranks": ((r, s, c, t), MESH_DIMS),
+                  "fsdp": ((r, s * c, t), ("dp_replicate", "fsdp", "tp"))}
+        if self.ep_enabled:
+            meshes["experts"] = ((r, s * c // self.ep, self.ep, t), ("dp_replicate", "expert_shard", "ep", "tp"))
+        return meshes
 
     def groups(self) -> dict[str, list[list[int]]]:
         """Every group of each kind (tp, cp, dp_replicate, dp_shard, fsdp, expert_shard, ep) as its
@@ -126,6 +131,8 @@ class MeshShape:
             ranks = torch.arange(self.world).view(sizes)
             for dim, name in enumerate(names):  # (dp_replicate and tp are the same groups in every mesh)
                 groups.setdefault(name, ranks.movedim(dim, -1).reshape(-1, sizes[dim]).tolist())
+        if not self.ep_enabled:  # (every rank holds every expert: its fsdp group shards them)
+            groups.update(expert_shard=groups["fsdp"], ep=[[rank] for rank in range(self.world)])
         return groups
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -185,8 +192,9 @@ def layout_problems(parallel, world: int) -> list[str]:
     return problems
 
 
-def check_mesh_shape(shape: MeshShape, world: int) -> None:
-    """ConfigError naming each dimension when the shape does not fit `world` ranks."""
+def _check_fits(shape: MeshShape, world: int) -> None:
+    """What build_mesh refuses of a shape a caller made (a config's layout was checked, with the
+    fixes to name, by layout_problems before any work)."""
     if shape.world != world:
         raise ConfigError(f"parallel.dp_replicate ({shape.dp_replicate}) x parallel.dp_shard ({shape.dp_shard}) x "
                           f"parallel.cp ({shape.cp}) x parallel.tp ({shape.tp}) = {shape.world} ranks, but this run has "
@@ -234,9 +242,6 @@ class ParallelMesh:
     def dp_size(self) -> int:
         return self.shape.dp_size
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        return self.groups[name]
-
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.groups["tp"]
@@ -274,14 +279,6 @@ class ParallelMesh:
         return self.shape.coordinates(self.rank)
 
     @property
-    def tp_rank(self) -> int:
-        return self.coordinates["tp"]
-
-    @property
-    def cp_rank(self) -> int:
-        return self.coordinates["cp"]
-
-    @property
     def dp_rank(self) -> int:
         """This rank's data-parallel rank: which share of the global batch it reads."""
         return self.shape.dp_rank(self.rank)
@@ -292,21 +289,29 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
     calls it). A one-rank shape inside a larger group (a reference computed on one rank of a test's
     spawn) gets a group of this rank alone for every axis."""
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs a process group; join one first (train.distributed.init_distributed, "
-                           "or process_group_of_one() for a single process)")
+        raise RuntimeError("build_mesh needs a process group: join one first (hyperparallel.train.distributed's "
+                           "joined or init_distributed; on one process they make a group of its own)")
     world = dist.get_world_size()
     if shape.world == 1 and world > 1:
-        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        alone = _alone()
         return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, alone))
-    check_mesh_shape(shape, world)
+    _check_fits(shape, world)
     meshes = {name: init_device_mesh(device_type, sizes, mesh_dim_names=names)
               for name, (sizes, names) in shape.meshes().items()}
-    ranks, fsdp, experts = meshes["ranks"], meshes["fsdp"], meshes["experts"]
+    ranks, fsdp = meshes["ranks"], meshes["fsdp"]
     groups = {"tp": ranks.get_group("tp"), "cp": ranks.get_group("cp"),
               "dp_replicate": ranks.get_group("dp_replicate"), "fsdp": fsdp.get_group("fsdp"),
-              "ep": experts.get_group("ep"), "expert_shard": experts.get_group("expert_shard"),
               "world": dist.group.WORLD}
+    if shape.ep_enabled:
+        groups.update(ep=meshes["experts"].get_group("ep"), expert_shard=meshes["experts"].get_group("expert_shard"))
+    else:  # every rank holds every expert: one rank splits them, the fsdp group shards them
+        groups.update(ep=_alone(), expert_shard=groups["fsdp"])
     return ParallelMesh(shape, dist.get_rank(), groups)
+
+
+def _alone() -> dist.ProcessGroup:
+    """A group of this rank alone (made by this rank only: no other rank takes part)."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def _listed(groups: list[list[int]], shown: int = 4) -> str:

@@ -44,7 +44,7 @@ class _Bucket:
             self.zeros += [rows for rows in (block[:index], block[index + 1:]) if rows.numel()]
         self.buffer.untyped_storage().resize_(0)
 
-    def sum(self, grads: list[torch.Tensor | None], group) -> None:
+    def sum(self, grads: list[torch.Tensor | None], group: dist.ProcessGroup) -> None:
         self.buffer.untyped_storage().resize_(self.nbytes)
         present = [i for i, g in enumerate(grads) if g is not None]
         if len(present) == len(grads):
@@ -76,7 +76,7 @@ class PartialGradSum:
                         for (dtype, device), indices in kinds.items()]
 
     @classmethod
-    def of(cls, model: nn.Module, partial: dict[str, tuple[int, int] | None], group) -> PartialGradSum:
+    def of(cls, model: nn.Module, partial: dict[str, tuple[int, int] | None], group: dist.ProcessGroup) -> PartialGradSum:
         """`partial`: per parameter name, None (summed over the group) or (slot, slots)."""
         places, slots, seen = [], [], set()
         for prefix, module in model.named_modules():

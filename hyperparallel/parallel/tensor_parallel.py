@@ -152,7 +152,7 @@ class _Planner:
         self.state.plan.append((owner, "replicated (gradient summed over tp)"))
 
 
-def _hook_block(module: nn.Module, group, sp: bool) -> None:
+def _hook_block(module: nn.Module, group: dist.ProcessGroup, sp: bool) -> None:
     """The block's input enters the TP region (whole on every rank), its output leaves it."""
 
     def before(mod, args, kwargs):
@@ -333,7 +333,7 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     return state
 
 
-def _split_first_input(group):
+def _split_first_input(group: dist.ProcessGroup):
     def before(mod, args, kwargs):
         if "hidden_states" in kwargs:
             kwargs["hidden_states"] = split_sequence(kwargs["hidden_states"], group)

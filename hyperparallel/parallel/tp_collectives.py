@@ -31,25 +31,25 @@ from torch.autograd import Function
 SEQUENCE_DIM = 1
 
 
-def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
     # torch 2.13 renamed the tensor collectives (the old names warn); torch.compile's functional
     # collectives trace the old names, which is what a compiled layer calls
     single = getattr(dist, "all_gather_single", None)
     (dist.all_gather_into_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
 
 
-def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
     single = getattr(dist, "reduce_scatter_single", None)
     (dist.reduce_scatter_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
 
 
-def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+def _gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[world, *x.shape]: every rank's x. (The output is allocated [world * x.shape[0], ...], the
     shape torch.compile's functional collectives expect of all_gather_into_tensor.)"""
     world = dist.get_world_size(group)
@@ -59,12 +59,12 @@ def _gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(world, *x.shape)
 
 
-def _all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # [world, batch, part, ...] -> [batch, world * part, ...]
     return _gather_dim0(x, group).movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     length = x.shape[SEQUENCE_DIM]
     parts = x.unflatten(SEQUENCE_DIM, (world, length // world)).movedim(SEQUENCE_DIM, 0).contiguous()
@@ -73,14 +73,14 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _my_part(x: torch.Tensor, group) -> torch.Tensor:
+def _my_part(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     return x.chunk(world, dim=SEQUENCE_DIM)[rank].contiguous()
 
 
 class _Enter(Function):
     @staticmethod
-    def forward(ctx, x, group, sp):
+    def forward(ctx, x, group: dist.ProcessGroup, sp):
         ctx.group, ctx.sp = group, sp
         return _all_gather_sequence(x, group) if sp else x.view_as(x)
 
@@ -93,7 +93,7 @@ class _Enter(Function):
 
 class _Exit(Function):
     @staticmethod
-    def forward(ctx, x, group, sp):
+    def forward(ctx, x, group: dist.ProcessGroup, sp):
         ctx.group, ctx.sp = group, sp
         return _reduce_scatter_sequence(x, group) if sp else _all_reduce(x, group)
 
@@ -104,7 +104,7 @@ class _Exit(Function):
 
 class _Split(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup):
         ctx.group = group
         return _my_part(x, group)
 
@@ -115,7 +115,7 @@ class _Split(Function):
 
 class _Reduce(Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup):
         return _all_reduce(x, group)
 
     @staticmethod
@@ -123,22 +123,22 @@ class _Reduce(Function):
         return grad, None
 
 
-def enter_tp(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+def enter_tp(x: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
     return _Enter.apply(x, group, sp)
 
 
-def exit_tp(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+def exit_tp(x: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
     return _Exit.apply(x, group, sp)
 
 
-def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def split_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _Split.apply(x, group)
 
 
-def reduce_tp(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _Reduce.apply(x, group)
 
 
-def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's x side by side along the last dim (no autograd: logits for generation)."""
     return _gather_dim0(x, group).movedim(0, -2).flatten(-2)

@@ -52,7 +52,7 @@ def build_data(cfg: TrainConfig, rt: Runtime) -> data.Dataset:
     while the others wait; then each opens the shards, memory-mapped, and reads its own rows."""
     options = {"model_path": cfg.model.path, "cache": data.cache_root(cfg.data, cfg.logging.run_dir),
                "document_mask": document_mask(cfg)[0]}
-    if not dist.is_initialized():
+    if rt.world == 1:  # (no one to wait)
         return data.prepare(cfg.data, progress=True, **options)
     made = {}
 
@@ -176,7 +176,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     memory = BuildMemory.measure(rt, mesh.world_group, start_mem, time.perf_counter() - start_s,
                                  "init" if hf_plan is None and fill else f"model.path {cfg.model.path}" if fill
                                  else "checkpoint")
-    return BuiltModel(model, trained, card, n_params, summary, mesh, balancer, waves, context, kernels, memory)
+    return BuiltModel(model=model, trained=trained, card=card, n_params=n_params, conversion_summary=summary, mesh=mesh,
+                      balancer=balancer, waves=waves, context_parallel=context, kernels=kernels, memory=memory)
 
 
 def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:

@@ -209,11 +209,6 @@ class ParallelSection(Section):
         data-parallel ranks (dp_replicate x dp_shard)."""
         return self.tp * self.cp
 
-    def named_ranks(self) -> int:
-        """The ranks the layout names (dp_replicate x dp_shard x cp x tp); 1 when every setting is
-        1, which is plain data parallelism (DDP) over however many ranks are launched."""
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
-
 
 class CheckpointSection(Section):
     dir: str | None = None  # default: RUN_DIR/checkpoints

@@ -66,18 +66,20 @@ def init_distributed(timeout_s: int, device: torch.device | None = None) -> Runt
 
 @contextmanager
 def joined(timeout_s: int, device: torch.device | None = None) -> Iterator[Runtime]:
-    """`init_distributed` for the block; a process group it started is left at the end (one it
-    found is not), so a run in a process that goes on (a test, a notebook) leaves nothing behind."""
+    """`init_distributed` for the block; a one-rank process group it started is left at the end,
+    so a run in a process that goes on (a test, a notebook) leaves nothing behind. torchrun's ranks
+    keep theirs until the process ends, as before: leaving a group while a collective may be in
+    flight (an error mid-step) can block until the watchdog's timeout."""
     started = not dist.is_initialized()
     rt = init_distributed(timeout_s, device)
     try:
         yield rt
     finally:
-        if started and dist.is_initialized():
+        if started and rt.world == 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def background_group(timeout_s: int):
+def background_group(timeout_s: int) -> dist.ProcessGroup | None:
     """A gloo group of every rank for work in a thread of its own (background checkpoints), with
     the run's collective timeout; None without a process group. Every rank calls it."""
     if not dist.is_initialized():
@@ -111,7 +113,7 @@ def check_restartable(run_dir_template: str, resolved_by_launcher: bool) -> None
                           f"logging.run_dir=runs/my-job) or launch with hyperparallel train --nproc N --max-restarts K")
 
 
-def decided_by_rank0(decide: Callable[[], Any], group=None) -> Any:
+def decided_by_rank0(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
     """`decide()` on rank 0 only (a look at the file system: on shared storage, ranks looking for
     themselves could see different files), its answer (anything JSON holds) on every rank; a
     mistake it finds (a HyperparallelError) is raised on every rank alike. `group`: the one to

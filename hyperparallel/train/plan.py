@@ -717,7 +717,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         params_bytes, grads = sum(whole.values()), grads_whole
         optimizer_bytes = _optimizer_state(cfg, model, shard)
         activations, _, peak = _peak(timeline, None, world, accumulation, grads_whole)
-        buffers = grads_whole if world > 1 else 0  # DDP's buckets
+        buffers = grads_whole if layout.ddp else 0  # DDP's buckets
         muon_buffers = 0
         description = describe_shape(layout)
     if not sharded:

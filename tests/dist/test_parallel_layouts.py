@@ -278,10 +278,12 @@ def mesh_groups_here(rank: int) -> dict:
     """This rank's groups of a dp_replicate=2 x dp_shard=2 (x ep=2) mesh as torch made them, and its data-parallel rank."""
     from hyperparallel.parallel.mesh import MeshShape, build_mesh
 
-    mesh = build_mesh(MeshShape(2, 1, 1, ep=2, dp_replicate=2), "cpu")
-    groups = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group"))
-              for name in ("tp", "cp", "fsdp", "replicate", "ep", "expert_shard")}
-    return {"groups": groups, "dp_rank": mesh.dp_rank, "dp_size": mesh.dp_size}
+    names = ("tp", "cp", "fsdp", "replicate", "ep", "expert_shard", "world")
+    mesh = build_mesh(MeshShape(dp_shard=2, ep=2, dp_replicate=2), "cpu")
+    groups = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group")) for name in names}
+    alone = build_mesh(MeshShape(), "cpu")  # one rank's mesh inside the 4-rank group (a reference built on a rank)
+    return {"groups": groups, "dp_rank": mesh.dp_rank, "dp_size": mesh.dp_size,
+            "alone": {name: dist.get_process_group_ranks(getattr(alone, f"{name}_group")) for name in names}}
 
 
 def trainer_runs(rank: int, world: int, out: str) -> dict:
@@ -414,12 +416,17 @@ def test_the_mesh_groups_are_those_its_pure_function_lists(spawned):
     group holding that rank: shard groups [0, 1] [2, 3], replica groups [0, 2] [1, 3]."""
     from hyperparallel.parallel.mesh import MeshShape
 
-    pure = MeshShape(2, 1, 1, ep=2, dp_replicate=2).groups()
+    pure = MeshShape(dp_shard=2, ep=2, dp_replicate=2).groups()
     names = {"replicate": "dp_replicate"}
     for rank, result in enumerate(spawned["per_rank"]):
         for name, ranks in result["mesh"]["groups"].items():
+            if name == "world":
+                assert ranks == [0, 1, 2, 3]
+                continue
             assert ranks == next(g for g in pure[names.get(name, name)] if rank in g), (rank, name)
         assert result["mesh"]["dp_rank"] == rank and result["mesh"]["dp_size"] == 4
+        # a one-rank mesh inside the larger group: every axis a group of this rank alone
+        assert all(ranks == [rank] for ranks in result["mesh"]["alone"].values()), rank
 
 
 def test_the_trainer_runs_tp_then_resumes_at_cp(spawned):

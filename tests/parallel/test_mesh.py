@@ -45,3 +45,20 @@ def test_the_summary_names_hsdps_groups_and_shard_groups_that_span_machines():
     [line] = describe_groups(MeshShape(16, 1, 1), local_world=8)
     assert line.startswith("FSDP shard groups span 2 machines (8 ranks on each)") and "dp_replicate" in line
     assert describe_groups(MeshShape(4, 1, 1), local_world=None) == []
+
+
+def test_without_expert_parallelism_the_fsdp_group_shards_the_experts_and_each_rank_splits_them_alone():
+    groups = MeshShape(dp_shard=2, tp=2).groups()
+    assert groups["expert_shard"] == groups["fsdp"] == [[0, 2], [1, 3]]
+    assert groups["ep"] == [[0], [1], [2], [3]]
+
+
+def test_a_layout_naming_no_dimension_is_ddp_over_the_ranks():
+    class Parallel:  # (the trainer's parallel: section, every setting 1)
+        dp_replicate = dp_shard = cp = tp = ep = 1
+
+    ddp = MeshShape.of(Parallel, 4)
+    assert (ddp.ddp, ddp.dp_replicate, ddp.world, ddp.fsdp_enabled, ddp.dp_size) == (True, 4, 4, False, 4)
+    one = MeshShape.of(Parallel, 1)
+    assert (one.ddp, one.world, one.fsdp_enabled) == (False, 1, False)
+    assert [ddp.dp_rank(r) for r in range(4)] == [0, 1, 2, 3]

@@ -102,7 +102,10 @@ def real_step_peak(cfg) -> int:
     torch.manual_seed(0)
     vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
     with joined(60, CPU) as rt:
-        built = build_trained_model(cfg, rt, vocab)
+        return _step_peak(cfg, build_trained_model(cfg, rt, vocab), vocab)
+
+
+def _step_peak(cfg, built, vocab: int) -> int:
     optimizer, scheduler = build_optimization(cfg, built.model)
     step = TrainStep(built, optimizer, scheduler, accumulation=cfg.grad_accumulation(1), device=CPU,
                      autocast_bf16=cfg.training.mixed_precision == "bf16", max_grad_norm=cfg.training.max_grad_norm)
