@@ -23,6 +23,7 @@ from hyperparallel.moe import TopKRouter
 
 from ..errors import ConfigError
 from .parallel_plan import HEADS, KV_HEADS, REPLICATED, TensorParallelPlan, column, row
+from .standins import stand_in
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -284,4 +285,4 @@ def router_from_hf(router: nn.Module) -> TopKRouter:
         ours.e_score_correction_bias = router.e_score_correction_bias
     if "hash_vocab_size" in options:
         ours.tid2eid = router.tid2eid
-    return ours
+    return stand_in(ours, router)

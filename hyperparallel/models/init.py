@@ -11,8 +11,9 @@ init with the same seeds, so they give the same numbers (on one device type: CPU
 generators draw differently).
 
 The per-module init is transformers' `_init_weights` in the order of its `initialize_weights`
-(children first, each sub-model with its own), plus the draws transformers would make for the
-modules hyperparallel puts in place of its own (GroupedExperts, TopKRouter, MXLinear).
+(children first, each sub-model with its own): swapped-in routers and experts stand in for the
+modules they replaced (models/standins.py), so the family's own code draws them; MXLinear gets
+the draws transformers makes for the nn.Linear it replaced.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from transformers import initialization as hf_init
 from hyperparallel.lowp import MXLinear
 from hyperparallel.moe import GroupedExperts, TopKRouter
 from hyperparallel.moe.router import hash_table
+
+from .standins import stands_in
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -51,7 +54,8 @@ def modules_in_init_order(model: PreTrainedModel) -> Iterator[tuple[str, nn.Modu
 def init_module(module: nn.Module, owner: PreTrainedModel) -> None:
     """Initialize `module`'s own parameters and buffers as its family does (under no_grad and
     transformers' init guard, from the current default generator)."""
-    if isinstance(module, (GroupedExperts, TopKRouter)):  # transformers' draws for the modules they replace
+    if isinstance(module, (GroupedExperts, TopKRouter)) and not stands_in(module):
+        # built directly, not swapped in: the draws transformers makes for the modules they replace
         module.reset_parameters(std=owner.config.initializer_range)
     elif isinstance(module, MXLinear):  # transformers' init for nn.Linear, which MXLinear replaced
         module.weight.normal_(mean=0.0, std=owner.config.initializer_range)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hyperparallel.errors import ShapeError
+from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.lowp.dtypes import compute_dtype
 from hyperparallel.lowp.grouped import gated
 from hyperparallel.moe.grouped_matmul import grouped_mm
@@ -125,6 +125,15 @@ class GroupedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None, *, offsets: torch.Tensor | None = None,
                 pipeline=None) -> torch.Tensor:
+        asked = self.transformers_implementation()
+        if asked is not None:
+            if pipeline is not None or offsets is not None:
+                raise ConfigError(f"experts implementation {asked!r} (set_experts_implementation): transformers' "
+                                  f"{asked} runs all of a layer's experts on one rank, and expert parallelism splits "
+                                  f"them; ours runs them as grouped products: set_experts_implementation"
+                                  f"('grouped_mm')")
+            # transformers' own implementation, on these same Parameters (the class this stands in for)
+            return super().forward(hidden_states, top_k_index, top_k_weights)
         if pipeline is not None:  # MegaMoE's graphs, run as this module's forward so that its hooks run
             return pipeline(self)
         if offsets is not None:
@@ -155,6 +164,23 @@ class GroupedExperts(nn.Module):
             rows = gather_rows(rows, row_slot)
         rows = (rows * gather_rows(top_k_weights.reshape(-1), order).unsqueeze(-1)).to(hidden_states.dtype)
         return add_rows_to_tokens(rows, token_of_row, num_tokens)
+
+    def transformers_implementation(self) -> str | None:
+        """The experts implementation transformers' config asks for (`set_experts_implementation`,
+        or `experts_implementation=` at load) when this module stands in for transformers' experts
+        (models/standins.py), which it then runs on these Parameters; None where ours runs: not
+        standing in, or grouped_mm, which ours is (its grouped products, high precision or MXFP8).
+        Raises a ConfigError for another under an MXFP8 recipe, naming what ours does instead."""
+        # (only a stand-in has transformers' class after ours, whose forward super() reaches)
+        stands_in = getattr(type(self), "stands_in_for", None) is not None
+        asked = getattr(getattr(self, "config", None), "_experts_implementation", None) if stands_in else None
+        if asked in (None, "grouped_mm"):
+            return None
+        if not isinstance(self.recipe, HighPrecision):
+            raise ConfigError(f"experts implementation {asked!r} (set_experts_implementation): transformers' {asked} "
+                              f"computes in high precision, and these experts run {self.recipe.describe()}; "
+                              f"set_experts_implementation('grouped_mm') keeps them")
+        return asked
 
     def run_sorted(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """down(act(gate(x)) * up(x)) of rows ordered by expert (`offsets`: int32 cumulative group
