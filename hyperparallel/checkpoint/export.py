@@ -5,7 +5,8 @@ family, the training dtype and the full HF config), so a checkpoint alone is eno
 own transformers class is rebuilt from the config on the meta device (shapes, no memory), and the
 checkpoint's tensors are read a few at a time (whatever sharding layout saved them), turned into
 the on-disk names and layout exactly as `save_pretrained` turns them (transformers'
-`revert_weight_conversion`, one model tensor at a time; tied aliases written once), and written
+`revert_weight_conversion`, one model tensor at a time, or a few together where several are saved
+as one: a fused query_key_value; tied aliases written once), and written
 into safetensors shards whose headers were laid out beforehand from the shapes alone
 (`safetensors_stream`). So the export holds about one batch of tensors (`batch_bytes`), never the
 model. transformers 5 keeps MoE experts fused in memory (`experts.gate_up_proj` [E, 2I, H],
@@ -125,16 +126,15 @@ def build_from_card(card: ModelCard, directory: str | os.PathLike):
     """The card's transformers model, in the card's dtype on the CPU, its parameters and persistent
     buffers not yet filled: `load(directory, model)` fills them (and refuses a checkpoint that
     lacks any). `directory` (the checkpoint's) only names it in errors."""
+    from hyperparallel.models.init import init_non_persistent_buffers
+
     model = meta_model_from_card(card, directory)
     model.to_empty(device="cpu")
     # Non-persistent buffers (the rotary frequencies) are in no checkpoint, and to_empty left
     # them as uninitialized memory: the model's own init computes them, as from_pretrained does.
     # (save_pretrained never writes them either, so an export was right without this; a model
     # used in memory, by `hyperparallel generate`, was not.)
-    with torch.no_grad():
-        for module in model.modules():
-            if module._non_persistent_buffers_set:
-                model._init_weights(module)
+    init_non_persistent_buffers(model, meta_model_from_card(card, directory))
     model.tie_weights()
     return model
 
@@ -227,7 +227,7 @@ class _Weights:
     save_pretrained's order."""
 
     def __init__(self, outputs: dict[str, list[TensorSpec]], shards: list[list[TensorSpec]], total_parameters: int):
-        self.outputs = outputs  # model key -> its tensors on disk; in the order they are written
+        self.outputs = outputs  # model keys (a group converted together) -> their tensors on disk; in writing order
         self.shards = shards
         self.total_parameters = total_parameters
 
@@ -262,17 +262,16 @@ def _plan_weights(model, shard_limit: int) -> _Weights:
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)  # a tied alias is written once
     order = {name: i for i, name in enumerate(revert_weight_conversion(model, dict(state)))}
-    outputs, made_by = {}, {}
-    for key, value in state.items():
-        converted = revert_weight_conversion(model, {key: value})
-        outputs[key] = [TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in converted.items()]
-        for name in converted:
-            made_by.setdefault(name, []).append(key)
-    if made_by.keys() != order.keys() or any(len(keys) > 1 for keys in made_by.values()):
+    outputs = {}
+    for unit in _units(model, state):  # (several model tensors saved as one: converted together)
+        converted = revert_weight_conversion(model, {key: state[key] for key in unit})
+        outputs[unit] = [TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in converted.items()]
+    written = [spec.name for specs in outputs.values() for spec in specs]
+    if sorted(written) != sorted(order):
         config = getattr(model, "config", None)
         raise CheckpointError(f"a streamed export does not support model type {getattr(config, 'model_type', None)!r} "
-                              f"({type(model).__name__}): transformers saves some of its tensors from several model "
-                              f"tensors at once")
+                              f"({type(model).__name__}): converting its tensors group by group does not give what "
+                              f"save_pretrained writes")
     outputs = dict(sorted(outputs.items(), key=lambda item: min((order[s.name] for s in item[1]), default=-1)))
     for specs in outputs.values():
         specs.sort(key=lambda spec: order[spec.name])
@@ -294,6 +293,34 @@ def _plan_weights(model, shard_limit: int) -> _Weights:
     return _Weights(outputs, shards, model.num_parameters())
 
 
+def _units(model, state: dict) -> list[tuple[str, ...]]:
+    """The model's tensors in groups that save_pretrained converts into the same on-disk tensors
+    (q_proj, k_proj and v_proj saved as one query_key_value, say), each group in state-dict order;
+    most groups are one tensor. (Converted alone, a tensor of a group already gives its on-disk
+    name: tensors sharing a name are one group.)"""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    keys = list(state)
+    root = {key: key for key in keys}
+
+    def find(key: str) -> str:
+        while root[key] != key:
+            key = root[key] = root[root[key]]
+        return key
+
+    first_of: dict[str, str] = {}  # an on-disk name -> the first model tensor writing it
+    for key in keys:
+        for name in revert_weight_conversion(model, {key: state[key]}):
+            if name in first_of:
+                root[find(key)] = find(first_of[name])
+            else:
+                first_of[name] = key
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(find(key), []).append(key)
+    return [tuple(group) for group in groups.values()]
+
+
 def _save_configs(model, out: Path) -> None:
     """config.json and generation_config.json as save_pretrained writes them for the model in the
     export dtype."""
@@ -304,8 +331,8 @@ def _save_configs(model, out: Path) -> None:
         model.generation_config.save_pretrained(out)
 
 
-def _batches(model_keys: list[str], nbytes: dict[str, int], budget: int) -> Iterator[list[str]]:
-    """Consecutive keys, up to `budget` bytes together (a key larger than that alone)."""
+def _batches(model_keys: list, nbytes: dict, budget: int) -> Iterator[list]:
+    """Consecutive keys (or groups of them), up to `budget` bytes together (one larger than that alone)."""
     batch, size = [], 0
     for key in model_keys:
         if batch and size + nbytes[key] > budget:
@@ -329,11 +356,13 @@ def _stream_weights(directory: Path, reader, metadata, model, weights: _Weights,
     open_files: dict[str, SafetensorsWriter] = {}
     saved = metadata.state_dict_metadata
     state = model.state_dict()
-    keys = list(weights.outputs)
-    nbytes = {key: state[key].numel() * saved[f"model.{key}"].properties.dtype.itemsize for key in keys}
+    units = list(weights.outputs)
+    nbytes = {unit: sum(state[key].numel() * saved[f"model.{key}"].properties.dtype.itemsize for key in unit)
+              for unit in units}
     hush_single_process_notice()
     try:
-        for batch in _batches(keys, nbytes, batch_bytes):
+        for batch_units in _batches(units, nbytes, batch_bytes):
+            batch = [key for unit in batch_units for key in unit]
             tensors = {f"model.{key}": torch.empty(state[key].shape, dtype=saved[f"model.{key}"].properties.dtype)
                        for key in batch}
             with no_gc_pauses():
@@ -341,9 +370,9 @@ def _stream_weights(directory: Path, reader, metadata, model, weights: _Weights,
                     dcp.load(tensors, storage_reader=reader, planner=ShardedLoadPlanner({}), no_dist=True)
                 except (Exception, CheckpointException) as error:  # a truncated or missing data file
                     raise CheckpointError(f"checkpoint {directory} cannot be read: {_first_failure(error)}") from None
-            for key in batch:
-                value = tensors.pop(f"model.{key}").to(state[key].dtype)
-                for name, tensor in revert_weight_conversion(model, {key: value}).items():
+            for unit in batch_units:
+                values = {key: tensors.pop(f"model.{key}").to(state[key].dtype) for key in unit}
+                for name, tensor in revert_weight_conversion(model, values).items():
                     file = file_of[name]
                     if file not in open_files:
                         open_files[file] = SafetensorsWriter(out / file, specs_of[file], {"format": "pt"})
@@ -351,7 +380,7 @@ def _stream_weights(directory: Path, reader, metadata, model, weights: _Weights,
                     remaining[file] -= 1
                     if not remaining[file]:
                         open_files.pop(file).close()
-                del value
+                del values
         for file, specs in specs_of.items():
             if not specs:  # (a model without weights: one empty file, as save_pretrained writes)
                 SafetensorsWriter(out / file, specs, {"format": "pt"}).close()

@@ -25,8 +25,10 @@ class ModelCard:
 
     @classmethod
     def of(cls, family: str, dtype: str, hf_config) -> ModelCard:
-        """The card of a live model: `hf_config` is its transformers config object."""
-        return cls(family, dtype, json.loads(hf_config.to_json_string(use_diff=False)))
+        """The card of a live model: `hf_config` is its transformers config object. (Its dict as the
+        config makes it, through JSON: an infinite float stays a float, which `from_dict` takes back;
+        `to_json_string` would tag it as an object.)"""
+        return cls(family, dtype, json.loads(json.dumps(hf_config.to_dict())))
 
     def to_json(self) -> dict:
         return asdict(self)

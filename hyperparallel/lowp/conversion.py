@@ -55,6 +55,9 @@ def _experts_problem(experts: nn.Module) -> str | None:
     if not hasattr(experts, "recipe"):
         return (f"{type(experts).__name__} has no recipe for its products; swap it for "
                 f"hyperparallel.moe.GroupedExperts first (hyperparallel.models.swap_moe_blocks)")
+    if not getattr(experts, "default_layout", True):
+        return (f"the MXFP8 recipe runs gate_up_proj [E, 2I, H] and down_proj [E, H, I] without biases or a "
+                f"post-expert norm, and {type(experts).__name__} is laid out otherwise")
     if experts.gate_up_proj.dtype not in MX_INPUT_DTYPES:
         return f"weight dtype {experts.gate_up_proj.dtype} is not one the MX kernels take"
     return None

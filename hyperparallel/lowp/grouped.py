@@ -143,44 +143,40 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def swiglu_limit(experts: nn.Module) -> float | None:
-    """The clamp of an experts module's SwiGLU inputs (DeepSeek-V4), or None."""
-    return getattr(experts, "swiglu_limit", None)
-
-
 def gated(gate_up: torch.Tensor, act_fn: nn.Module, limit: float | None = None) -> torch.Tensor:
     """The experts' SwiGLU: act_fn(gate) * up of gate_up [M, 2I] (gate columns, then up). With a
-    `limit` (DeepSeek-V4's swiglu_limit), gate is clamped above at it and up to [-limit, limit]
-    first, as transformers' DeepseekV4Experts does."""
+    `limit` (a clamped SwiGLU), gate is clamped above at it and up to [-limit, limit] first, as
+    transformers' DeepseekV4Experts does."""
     gate, up = gate_up.chunk(2, dim=-1)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return act_fn(gate) * up
 
 
-def activation_grad(gate_up: torch.Tensor, act_fn: nn.Module, d_act: torch.Tensor,
-                    limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate_up, act) from gate_up: the activation rebuilt and differentiated by autograd, with
-    the element-wise operations autograd runs on the experts' forward."""
+def activation_grad(gate_up: torch.Tensor, activate, d_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate_up, act) from gate_up: the experts' activation (`activate`: [M, 2I] -> [M, I], the
+    experts module's own) rebuilt and differentiated by autograd, with the element-wise operations
+    autograd runs on the experts' forward."""
     with torch.enable_grad():
         gate_up = gate_up.detach().requires_grad_()
-        act = gated(gate_up, act_fn, limit)
+        act = activate(gate_up)
     return torch.autograd.grad(act, gate_up, d_act)[0], act.detach()
 
 
 class _MXGatedDown(torch.autograd.Function):
-    """act_fn(gate) * up, then the down projection, keeping only gate_up for backward.
+    """The experts' activation (SwiGLU, or whatever the module's own is), then the down projection,
+    keeping only gate_up for backward.
 
     Left to autograd, the activation would keep gate, act_fn(gate) and up (three [M, I] tensors
     in high precision) and the down projection its input's MX copy; all of it is rebuilt from
     gate_up ([M, 2I]) in backward by element-wise work, in the same order, to the same bits."""
 
     @staticmethod
-    def forward(ctx, gate_up, weight, copies, offsets, act_fn, limit, r: _Recipe, grad_enabled: bool):
-        act = gated(gate_up, act_fn, limit)
+    def forward(ctx, gate_up, weight, copies, offsets, activate, r: _Recipe, grad_enabled: bool):
+        act = activate(gate_up)
         saved = [offsets]
         y = _project(ctx, act, weight, copies, offsets, r, grad_enabled, saved, keep_input=False)
-        ctx.act_fn, ctx.limit = act_fn, limit
+        ctx.activate = activate
         ctx.save_for_backward(*saved, gate_up)
         return y
 
@@ -189,10 +185,10 @@ class _MXGatedDown(torch.autograd.Function):
         offsets, *saved, gate_up = ctx.saved_tensors  # unpacked once: checkpointing allows no more
         with torch.enable_grad():
             gu = gate_up.detach().requires_grad_(ctx.needs_input_grad[0])
-            act = gated(gu, ctx.act_fn, ctx.limit)
+            act = ctx.activate(gu)
         d_act, dw = _project_backward(ctx, dy, offsets, saved, x=act.detach())
         d_gate_up = torch.autograd.grad(act, gu, d_act)[0] if ctx.needs_input_grad[0] else None
-        return d_gate_up, dw, None, None, None, None, None, None
+        return d_gate_up, dw, None, None, None, None, None
 
 
 class MXExpertsRecipe:
@@ -240,11 +236,11 @@ class MXExpertsRecipe:
     def products(self, experts: nn.Module, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         r = self._recipe()
         grad_enabled = torch.is_grad_enabled()
-        gate_up_w, down_w = experts.gate_up_proj, experts.down_proj
+        gate_up_w, down_w = experts.gate_up_proj, experts.down_proj  # (convert admits the gated layout only)
         gate_up = _MXGroupedLinear.apply(rows, gate_up_w, self.weight_copies("gate_up_proj", gate_up_w, grad_enabled),
                                          offsets, r, grad_enabled)
         return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
-                                  experts.act_fn, swiglu_limit(experts), r, grad_enabled)
+                                  experts.activate, r, grad_enabled)
 
     def stages(self, experts: nn.Module, *, needs_grad: bool = True) -> MXExpertStages:
         return MXExpertStages(self, experts, needs_grad=needs_grad)
@@ -279,7 +275,7 @@ class MXExpertStages:
 
     def forward(self, x, offsets, lo, hi):
         gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, offsets, lo, hi)
-        act = gated(gate_up, self.experts.act_fn, swiglu_limit(self.experts))
+        act = self.experts.activate(gate_up)
         y, down_ctx, down_saved = self._project("down_proj", act, offsets, lo, hi,
                                                 keep_input=False)
         return y, (up_saved + down_saved + [gate_up], (up_ctx, down_ctx, len(up_saved)))
@@ -289,7 +285,7 @@ class MXExpertStages:
         up_saved, down_saved, gate_up = tensors[:n_up], tensors[n_up:-1], tensors[-1]
         dy = dy.contiguous()
         d_act, down_rest = _project_dgrad(down_ctx, dy, offsets, down_saved)
-        d_gate_up, act = activation_grad(gate_up, self.experts.act_fn, d_act, swiglu_limit(self.experts))
+        d_gate_up, act = activation_grad(gate_up, self.experts.activate, d_act)
         dx, up_rest = _project_dgrad(up_ctx, d_gate_up, offsets, up_saved)
         return dx, (up_ctx, up_rest, d_gate_up, down_ctx, down_rest, dy, act)
 

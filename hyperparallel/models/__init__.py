@@ -1,6 +1,7 @@
-"""Hugging Face model families (each with its parallel plans as data): build (meta device, seeded
-init, or a local checkpoint), MoE blocks swapped for hyperparallel.moe's, and training FLOPs per
-token for MFU."""
+"""Hugging Face causal LMs: every text decoder-only type of transformers as a family (the four
+tuned ones as overlays with their parallel plans as data), build (meta device, seeded init, or a
+local checkpoint), MoE layers swapped for hyperparallel.moe's, decoder layers found from the model,
+and training FLOPs per token for MFU."""
 
 from hyperparallel.lazy_exports import lazy_exports
 
@@ -10,16 +11,14 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "families": (
         "FAMILIES",
         "ModelFamily",
-        "all_experts_classes",
         "all_moe_block_classes",
-        "all_router_classes",
         "family_for_model_type",
         "family_names",
         "get_family",
     ),
     "flops": ("training_flops_per_token",),
     "init": ("init_by_name", "init_weights", "module_seed"),
-    "loss": ("FusedLossHead", "fused_loss", "install_fused_loss", "linear_cross_entropy"),
-    "moe_blocks": ("moe_block_from_hf", "swap_moe_blocks"),
-    "parallel_plan": ("TensorParallelPlan",),
+    "loss": ("FusedLossHead", "fused_loss", "fused_loss_problem", "install_fused_loss", "linear_cross_entropy"),
+    "layers": ("decoder_layers", "document_mask_problem"),
+    "moe_blocks": ("moe_block_from_hf", "router_from_hf", "swap_moe_blocks"),
 })

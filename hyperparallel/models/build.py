@@ -20,7 +20,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, HyperparallelError
 from .families import ModelFamily, family_for_model_type, get_family
 from .init import init_weights
 from .moe_blocks import swap_moe_blocks
@@ -48,14 +48,15 @@ def build_model(
     grouped_experts: bool = True,
     materialize: bool = True,
 ) -> PreTrainedModel:
-    """A family's causal LM in train mode with `config.use_cache = False`.
+    """A family's causal LM (any text decoder-only model_type of transformers, or a tuned family's
+    name) in train mode with `config.use_cache = False`.
 
     Exactly one of `path` (a local Hugging Face checkpoint directory; `seed` is then unused) or
     `config` (a mapping of the family's HF config keys; weights initialized from `seed`).
-    With `grouped_experts`, MoE blocks are hyperparallel.moe.MoEBlocks: our router and
-    GroupedExperts (same parameter names); without, transformers' own modules.
-    `attn_implementation` None: the family's first (sdpa; eager for DeepSeek-V4, which supports
-    nothing else). `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
+    With `grouped_experts`, MoE layers run on hyperparallel.moe's modules (moe_blocks.py: GroupedExperts
+    for every experts module, the tuned families' blocks as MoEBlocks; same parameter names);
+    without, on transformers' own. `attn_implementation` None: sdpa where the model class
+    supports it, else eager. `materialize=False` leaves it on the meta device: shapes and dtypes, no weights read or
     initialized (what `hyperparallel plan` measures).
     """
     spec = get_family(family)
@@ -65,19 +66,20 @@ def build_model(
         )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16; got {dtype!r}")
+    supported = spec.attention_implementations
     if attn_implementation is None:
-        attn_implementation = spec.attn_implementations[0]
+        attn_implementation = supported[0]
     valid_attention = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if attn_implementation not in valid_attention:
         raise ConfigError(f"attn_implementation {attn_implementation!r} is not one of {', '.join(valid_attention)}")
-    if attn_implementation in ("sdpa", "eager") and attn_implementation not in spec.attn_implementations:
+    if attn_implementation in ("sdpa", "eager") and attn_implementation not in supported:
         raise ConfigError(f"attn_implementation {attn_implementation!r}: transformers' {spec.name} supports "
-                          f"{', '.join(spec.attn_implementations)} only")
+                          f"{', '.join(supported)} only")
 
     if config is not None or not materialize:
         hf_config = make_config(spec, config) if config is not None else pretrained_config(spec, path)
         with torch.device("meta"):
-            model = spec.model_class._from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+            model = _construct(spec, hf_config, dtype, attn_implementation)
         if grouped_experts:
             swap_moe_blocks(model)
         if materialize:
@@ -89,6 +91,22 @@ def build_model(
             swap_moe_blocks(model)
     model.config.use_cache = False  # training never reads a KV cache; building one costs memory
     return model.train()
+
+
+def _construct(spec: ModelFamily, hf_config: PretrainedConfig, dtype: torch.dtype,
+               attn_implementation: str) -> PreTrainedModel:
+    """transformers' model class built from the config; what its constructor refuses (shapes that
+    do not fit together, say), one line naming the model type."""
+    try:
+        return spec.model_class._from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    except HyperparallelError:
+        raise
+    except Exception as error:  # (whatever the constructor raises for a config it cannot build: one line)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not isinstance(error, (TypeError, ValueError, AssertionError, StrictDataclassError)) or not first:
+            first = f"{type(error).__name__}: {first}".rstrip(": ")
+        raise ConfigError(f"transformers' {spec.model_class.__name__} cannot be built from this config "
+                          f"(model_type {hf_config.model_type!r}): {first}") from error
 
 
 def make_config(spec: ModelFamily | str, values: Mapping) -> PretrainedConfig:
@@ -129,12 +147,20 @@ def make_config(spec: ModelFamily | str, values: Mapping) -> PretrainedConfig:
     return hf_config
 
 
+def declared_config_keys(config_class: type[PretrainedConfig]) -> set[str]:
+    """The keys `config_class(**kwargs)` takes by name: its fields and attribute_map's aliases."""
+    keys = set(inspect.signature(config_class.__init__).parameters) - {"self", "args", "kwargs"}
+    keys |= {name for name in getattr(config_class, "__dataclass_fields__", {}) if not name.startswith("_")}
+    return keys | set(getattr(config_class, "attribute_map", {}) or {})
+
+
 @functools.cache
 def _known_config_keys(config_class: type[PretrainedConfig]) -> list[str]:
-    fields = set(config_class().to_dict())
-    fields |= set(inspect.signature(config_class.__init__).parameters) - {"self", "args", "kwargs"}
-    fields |= set(getattr(config_class, "attribute_map", {}))
-    fields |= _LEGACY_CONFIG_KEYS
+    fields = declared_config_keys(config_class) | _LEGACY_CONFIG_KEYS
+    try:
+        fields |= set(config_class().to_dict())  # (what the defaults set beyond the declared fields)
+    except (TypeError, ValueError, StrictDataclassError):
+        pass  # (a config class whose defaults alone do not validate: its declared fields suffice)
     return sorted(k for k in fields if not k.startswith("_"))
 
 
@@ -161,7 +187,7 @@ def pretrained_config(spec: ModelFamily | str, path: str | Path) -> PretrainedCo
         raise ConfigError(f"family {spec.name!r} does not match model_type {model_type!r} in {config_file}{hint}")
     try:
         return spec.config_class.from_pretrained(path, local_files_only=True)
-    except (OSError, TypeError, ValueError) as error:
+    except (OSError, TypeError, ValueError, StrictDataclassError) as error:
         first = str(error).splitlines()[0] if str(error) else repr(error)
         raise ConfigError(f"{config_file} is not a valid {spec.config_class.__name__}: {first}") from error
 
@@ -180,3 +206,7 @@ def _load_pretrained(spec: ModelFamily, path: Path, dtype: torch.dtype, attn_imp
         raise CheckpointError(
             f"cannot load the checkpoint in {str(path)!r} (safetensors weights expected): {error}"
         ) from error
+    except (TypeError, ValueError, AssertionError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"transformers' {spec.model_class.__name__} cannot be built from {path}/config.json: "
+                          f"{first}") from error

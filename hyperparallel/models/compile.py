@@ -11,21 +11,20 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .layers import decoder_layers
 
 BACKENDS = ("none", "inductor", "dvm")
 
 
 def compile_layers(model: nn.Module, backend: str) -> int:
-    """Compile every decoder layer (model.model.layers) with `backend`; returns how many."""
+    """Compile every decoder layer (layers.py finds them) with `backend`; returns how many."""
     if backend not in BACKENDS:
         raise ConfigError(f"training.compile must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "none":
         return 0
     if backend == "dvm":
         import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ConfigError(f"training.compile: {type(model).__name__} has no decoder layers at model.layers")
+    layers = decoder_layers(model)
     from hyperparallel.lowp import MXLinear, is_mx_experts  # (here: training.compile's choices load without lowp)
 
     for layer in layers:

@@ -236,22 +236,90 @@ class _FusedCausalLMLoss:
 def install_fused_loss(model: nn.Module, compile: str | None = None) -> bool:
     """Swap the model's lm_head for a FusedLossHead; False (nothing changed) where it cannot be.
 
-    Needs a bias-free nn.Linear `lm_head` (an MXFP8 or otherwise replaced head keeps its own path)
-    and HF's default causal-LM loss. `compile`: a torch.compile backend for the loss's
-    element-wise work (none: run as it is).
+    Needs a bias-free nn.Linear `lm_head` (an MXFP8 or otherwise replaced head keeps its own path),
+    HF's default causal-LM loss, and a forward that hands the head's output to that loss as it is
+    (`_head_problem`: not Gemma-2's soft-capped logits, say). `compile`: a torch.compile backend
+    for the loss's element-wise work (none: run as it is).
     """
+    return fused_loss_problem(model, compile) is None
+
+
+def fused_loss_problem(model: nn.Module, compile: str | None = None) -> str | None:
+    """`install_fused_loss`, saying why it could not (None: installed)."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, FusedLossHead):
         head.compile = compile
-        return True
-    if type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "loss_function"):
-        return False
-    if getattr(model, "loss_type", None) not in (None, "ForCausalLM") or hasattr(model, "_loss_function"):
-        return False
+        return None
+    if type(head) is not nn.Linear or head.bias is not None:
+        return f"its lm_head is not a bias-free nn.Linear ({type(head).__name__})"
+    if not hasattr(model, "loss_function") or getattr(model, "loss_type", None) not in (None, "ForCausalLM") \
+            or hasattr(model, "_loss_function"):
+        return "its loss is not transformers' causal-LM loss"
     fused = FusedLossHead(head, compile)
     model.loss_function = _FusedCausalLMLoss(fused, model.loss_function)
     model.lm_head = fused
-    return True
+    problem = _head_problem(model)
+    if problem is not None:
+        model.lm_head = head
+        del model._loss_function  # (transformers' loss_function property then gives the model's own again)
+    return problem
+
+
+class _Probed(Exception):
+    """Ends `_head_problem`'s forward at the loss (whether the loss got the head's output)."""
+
+    def __init__(self, got_the_head: bool):
+        super().__init__()
+        self.got_the_head = got_the_head
+
+
+class _HiddenStates(nn.Module):
+    """Stands in for a causal LM's base model in `_head_problem`: its output is hidden states
+    on the meta device."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=torch.empty(1, 2, self.hidden_size, device="meta"))
+
+
+def _head_problem(model: nn.Module) -> str | None:
+    """Why `model` (with a FusedLossHead installed) does not hand its lm_head's output to its loss as
+    it is, or None where it does (then the fused loss computes what its own computes): its
+    causal-LM forward is run once, on the meta device, over a stand-in base model, and the loss
+    checks what it is given. A forward that scales, soft-caps or otherwise rewrites the logits
+    first (as its config makes it: Gemma-2 with final_logit_softcapping, Cohere's logit_scale), or
+    computes its loss otherwise, does not."""
+    head, loss = model.lm_head, model.loss_function
+    prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, None)
+    if not isinstance(base, nn.Module):
+        return f"its base model is not at {prefix!r}"
+
+    def probe(logits, *args, **kwargs):
+        raise _Probed(head.take(logits) is not None)
+
+    setattr(model, prefix, _HiddenStates(head.in_features))
+    model.loss_function = probe
+    head.deferred = True
+    try:
+        ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+        model(input_ids=ids, labels=ids)
+    except _Probed as probed:
+        return None if probed.got_the_head else "its forward rewrites the head's logits (scales or soft-caps them) first"
+    except Exception as error:  # noqa: BLE001 (a forward that cannot run this way is not one to trust the fused loss with)
+        text = str(error).strip()
+        return (f"its forward does not run over hidden states alone ({type(error).__name__}"
+                + (f": {text.splitlines()[0]}" if text else "") + ")")
+    finally:
+        head.deferred, head._handed_out = False, None
+        setattr(model, prefix, base)
+        model.loss_function = loss
+    return "its forward never calls its loss_function"
 
 
 @contextlib.contextmanager

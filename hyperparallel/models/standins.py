@@ -65,15 +65,24 @@ def stands_in(module: nn.Module) -> bool:
 
 
 def __getattr__(name: str) -> type[nn.Module]:
-    """A stand-in class by name (what unpickling a swapped model asks this module for)."""
-    if name.startswith("__"):  # (the import system asks modules for __path__ and the like)
+    """A stand-in class by name (what unpickling a swapped model asks this module for): the class
+    it replaced is looked up among transformers' modeling modules already imported, and the tuned
+    families' (a fresh process unpickling a generic model imports its modeling module first)."""
+    if name.startswith("__") or "As" not in name:  # (the import system asks modules for __path__ and the like)
         raise AttributeError(name)
+    import sys
+
     from hyperparallel.moe import GroupedExperts, TopKRouter
 
-    from .families import all_experts_classes, all_router_classes
+    from .families import all_moe_block_classes
 
-    for ours, theirs in [*((TopKRouter, c) for c in all_router_classes()),
-                         *((GroupedExperts, c) for c in all_experts_classes())]:
-        if f"{theirs.__name__}As{ours.__name__}" == name:
+    theirs_name, ours_name = name.rsplit("As", 1)
+    ours = {"GroupedExperts": GroupedExperts, "TopKRouter": TopKRouter}.get(ours_name)
+    if ours is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    all_moe_block_classes()  # (imports the tuned families' modeling modules)
+    for module_name, module in list(sys.modules.items()):
+        theirs = getattr(module, theirs_name, None) if module_name.startswith("transformers.models.") else None
+        if isinstance(theirs, type) and issubclass(theirs, nn.Module):
             return stand_in_class(ours, theirs)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,13 @@
-"""Load balancing across experts, per training step, for every TopKRouter of a model.
+"""Load balancing across experts, per training step, for every MoE layer of a model: those whose
+router is our TopKRouter (a MoEBlock), and those that keep transformers' router in front of our
+GroupedExperts (any other MoE architecture), whose experts count the loads.
 
 Three rules (`mode`):
 - ``aux_loss``: each MoE layer's Switch auxiliary loss (see `router.switch_aux_loss`), averaged
   over the layers and times `aux_loss_coef`, is added to the training loss (Qwen3-MoE's rule;
-  transformers' load_balancing_loss_func gives the same value for one layer).
+  transformers' load_balancing_loss_func gives the same value for one layer). A layer with
+  transformers' router gets transformers' own auxiliary loss instead, which its model adds to the
+  loss it returns (`output_router_logits`, set by hyperparallel.models).
 - ``bias``: aux-loss-free balancing (DeepSeek-V3): after each optimizer step, every router's
   correction bias moves by `bias_update_rate` towards balance, b_e += rate * sign(mean load -
   load_e), from the loads of the step summed over every rank that saw different tokens. The
@@ -17,12 +21,16 @@ over the mean per expert (1.0 is perfect balance; E when one expert takes everyt
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.moe.block import MoEBlock
 from hyperparallel.moe.config import MoEConfig
+from hyperparallel.moe.experts import GroupedExperts
 from hyperparallel.moe.router import LOAD_BALANCE, TopKRouter
 
 
@@ -30,23 +38,59 @@ def routers(model: nn.Module) -> list[TopKRouter]:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
+@dataclass(frozen=True)
+class BalancedLayer:
+    """One MoE layer to balance: what counts its experts' loads (our router, or, inside a MoE block
+    that is transformers' own, our GroupedExperts) and the module holding the correction bias
+    that "bias" balancing moves (None: the layer's router has none)."""
+
+    counter: nn.Module  # last_counts [E] after a forward, clear_record(), recording
+    bias_owner: nn.Module | None
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        # (looked up each time: materializing and sharding the model give the buffer new tensors)
+        return None if self.bias_owner is None else self.bias_owner.e_score_correction_bias
+
+
+def balanced_layers(model: nn.Module) -> list[BalancedLayer]:
+    """Every MoE layer of `model`: our routers (a MoEBlock's), and the GroupedExperts of a MoE block
+    that keeps transformers' router, beside which the router holding an `e_score_correction_bias`
+    buffer (if any) is found."""
+    layers = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            has_bias = module.e_score_correction_bias is not None
+            layers.append(BalancedLayer(module, module if has_bias else None))
+        elif not isinstance(module, MoEBlock):
+            for child in module.children():
+                if isinstance(child, GroupedExperts):
+                    owner = next((c for c in module.children()
+                                  if isinstance(getattr(c, "e_score_correction_bias", None), torch.Tensor)), None)
+                    layers.append(BalancedLayer(child, owner))
+    return layers
+
+
 class LoadBalancer:
     def __init__(self, model: nn.Module, mode: str, *, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  process_group=None):
         if mode not in LOAD_BALANCE:
             raise ConfigError(f"moe.load_balance must be one of {', '.join(LOAD_BALANCE)}, got {mode!r}")
-        self.routers = routers(model)
-        without_bias = [name for name, m in model.named_modules()
-                        if isinstance(m, TopKRouter) and m.e_score_correction_bias is None and not m.hash_routing]
+        self.layers = balanced_layers(model)
+        self.routers = [layer.counter for layer in self.layers if isinstance(layer.counter, TopKRouter)]
+        names = {id(m): name for name, m in model.named_modules()}
+        without_bias = [names[id(layer.counter)] for layer in self.layers
+                        if layer.bias_owner is None and not getattr(layer.counter, "hash_routing", False)]
         if mode == "bias" and without_bias:
             raise ConfigError(f"moe.load_balance: bias needs routers with a correction bias, and {without_bias[0]} "
                               f"has none (its family balances with aux_loss)")
         self.mode, self.aux_loss_coef, self.bias_update_rate = mode, aux_loss_coef, bias_update_rate
         self.process_group = process_group
-        for router in self.routers:
-            router.load_balance = mode
-            router.recording = True
-            router.clear_record()
+        for layer in self.layers:
+            if isinstance(layer.counter, TopKRouter):
+                layer.counter.load_balance = mode
+            layer.counter.recording = True
+            layer.counter.clear_record()
         self._step_counts: list[torch.Tensor] | None = None  # per layer [E]: this rank's, this step's
         self._aux_values: list[torch.Tensor] = []  # this step's, per micro-batch (read at its end)
 
@@ -61,7 +105,8 @@ class LoadBalancer:
         return cls(model, config.rule(family_rule), aux_loss_coef=coef, bias_update_rate=config.bias_update_rate)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """coef * the mean over layers of the last forward's auxiliary losses (None when off)."""
+        """coef * the mean over layers of the last forward's auxiliary losses (None when off, or where
+        no router of ours records them: transformers' model then adds its own, `output_router_logits`)."""
         if self.mode != "aux_loss":
             return None
         losses = [loss for loss in (r.aux_loss() for r in self.routers) if loss is not None]
@@ -71,17 +116,20 @@ class LoadBalancer:
         self._aux_values.append(mean.detach())
         return self.aux_loss_coef * mean
 
-    def after_backward(self) -> None:
+    def after_backward(self, model_aux: torch.Tensor | None = None) -> None:
         """Fold the last micro-batch's loads into the step's (and clear the routers' records:
-        call it after every micro-batch's backward)."""
-        counts = [r.last_counts for r in self.routers]
-        if self.routers and all(c is not None for c in counts):
+        call it after every micro-batch's backward). `model_aux`: the auxiliary loss (unscaled)
+        that transformers' model added itself, reported as ours is."""
+        if model_aux is not None:
+            self._aux_values.append(model_aux.detach().float())
+        counts = [layer.counter.last_counts for layer in self.layers]
+        if self.layers and all(c is not None for c in counts):
             if self._step_counts is None:
                 self._step_counts = counts
             else:
                 self._step_counts = [total + c for total, c in zip(self._step_counts, counts, strict=True)]
-        for r in self.routers:
-            r.clear_record()
+        for layer in self.layers:
+            layer.counter.clear_record()
 
     @torch.no_grad()
     def after_step(self) -> dict[str, torch.Tensor]:
@@ -98,11 +146,11 @@ class LoadBalancer:
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             dist.all_reduce(counts, group=self.process_group)
         imbalance = []
-        for router, load in zip(self.routers, counts.double().split([c.numel() for c in per_layer]), strict=True):
+        for layer, load in zip(self.layers, counts.double().split([c.numel() for c in per_layer]), strict=True):
             mean = load.mean()
             imbalance.append(torch.where(mean > 0, load.max() / mean, torch.ones_like(mean)))
-            if self.mode == "bias" and router.e_score_correction_bias is not None:
-                bias = router.e_score_correction_bias
+            bias = layer.bias
+            if self.mode == "bias" and bias is not None:
                 bias.add_(self.bias_update_rate * torch.sign(mean - load).to(bias.dtype))
         figures["moe_imbalance_per_layer"] = torch.stack(imbalance)
         return figures

@@ -107,7 +107,8 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallel:
-    """The dispatcher a `MoEBlock` calls under expert parallelism (`block.dispatcher`).
+    """The dispatcher a `MoEBlock` calls under expert parallelism (`block.dispatcher`), or a
+    `GroupedExperts` inside transformers' own MoE block (`experts.dispatcher`).
 
     `process_group`: the EP group (the world's or a subgroup; ranks are its group ranks), whose
     rank r holds experts `ranges[r]` of `num_experts`. Calling it computes what
@@ -127,8 +128,10 @@ class ExpertParallel:
 
     @torch.compiler.disable  # the split sizes are host ints: a compiled graph would break here anyway
     def __call__(self, experts: GroupedExperts, tokens: torch.Tensor, indices: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-        """tokens [T, H], indices [T, k] (global expert ids), weights [T, k] -> [T, H]."""
+                 weights: torch.Tensor, *, inside: bool = False) -> torch.Tensor:
+        """tokens [T, H], indices [T, k] (global expert ids), weights [T, k] -> [T, H]. `inside`:
+        called from the experts module's own forward (a MoE block that is transformers' own), whose
+        hooks have run: the products are then run directly."""
         self._check(experts, tokens, indices, weights)
         num_tokens, top_k = indices.shape
         order, ends = sort_by_expert(indices, self.num_experts)
@@ -141,7 +144,8 @@ class ExpertParallel:
         regroup = _regroup_index(per_source, received.shape[0])
         local_ends = torch.cumsum(per_source.sum(0), 0).to(torch.int32)
         # called as the module (not run_sorted): its hooks, FSDP's gathers among them, must run
-        done = experts(received.index_select(0, regroup), offsets=local_ends)
+        run = experts.run_sorted if inside else experts
+        done = run(received.index_select(0, regroup), offsets=local_ends)
         done = done.index_select(0, _inverse(regroup))
         returned = _AllToAll.apply(done, recv_splits, send_splits, self.process_group)
         returned = (returned * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(tokens.dtype)

@@ -71,7 +71,7 @@ class MegaMoE(ExpertParallel):
 
     @torch.compiler.disable  # host-side sizes and a task graph: nothing a compiled graph can hold
     def __call__(self, experts: GroupedExperts, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                 shared_experts: nn.Module | None = None):
+                 shared_experts: nn.Module | None = None, *, inside: bool = False):
         """As ExpertParallel's; with `shared_experts`, returns (routed output, shared experts' output)."""
         self._check(experts, tokens, indices, weights)
         num_tokens, top_k = indices.shape
@@ -84,8 +84,9 @@ class MegaMoE(ExpertParallel):
         shared_input = tokens if shared_experts is not None else None
         shared_params = [p for p in shared_experts.parameters() if p.requires_grad] if shared_experts is not None else []
         # called as the module: its hooks (FSDP's gathers) run around the graph, as for ExpertParallel
-        outputs = experts(rows, pipeline=lambda module: _MegaMoEFunction.apply(
-            self, pipeline, rows, module.gate_up_proj, module.down_proj, shared_input, *shared_params))
+        graphs = lambda module: _MegaMoEFunction.apply(  # noqa: E731
+            self, pipeline, rows, module.gate_up_proj, module.down_proj, shared_input, *shared_params)
+        outputs = graphs(experts) if inside else experts(rows, pipeline=graphs)
         returned = (outputs[0] * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(tokens.dtype)
         out = add_rows_to_tokens(returned, token_of_row, num_tokens)
         return (out, outputs[1].to(tokens.dtype)) if shared_experts is not None else out

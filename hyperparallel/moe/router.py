@@ -17,7 +17,12 @@ Each follows the corresponding transformers router op for op (the same torch cal
 order), so indices, weights and gradients are those of transformers' own. With `fused` (the
 trainer's `kernels.mega_gate`), everything after the logits runs as one MegaGate operation
 (`hyperparallel.kernels.mega_gate`): the same indices and, to fp32 rounding, the same weights and
-gradients, with the loads counted in the same pass.
+gradients, with the loads counted in the same pass. A router whose top_k exceeds the experts its
+eligible groups reach (transformers' own DeepSeek-V3 tests have one) chooses experts outside them
+too, as transformers' does (see [Note: top_k beyond the reachable experts], in
+kernels/router_groups.py); MegaGate cannot promise torch.topk's order among those, so such a router
+is not `fusable` and runs op by op even with `fused` set: that rule is `fusable`, read by
+`route_logits` and by what reports the kernels (models/kernels.py's `use_kernels`).
 
 When a `hyperparallel.moe.LoadBalancer` watches it (`recording`), a router in training also
 records, once per micro-batch, how many (token, slot) pairs chose each expert and, when
@@ -40,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.errors import ConfigError, ShapeError
-from hyperparallel.kernels.router_groups import group_problem
+from hyperparallel.kernels.router_groups import exceeds_reachable, group_problem
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
@@ -56,8 +61,6 @@ class TopKRouter(nn.Module):
         super().__init__()
         if score not in SCORES:
             raise ConfigError(f"router score {score!r} is not one of {', '.join(SCORES)}")
-        if not 0 < top_k <= num_experts:
-            raise ConfigError(f"router top_k ({top_k}) must be in 1..num_experts ({num_experts})")
         if hash_vocab_size is not None and (correction_bias or num_groups > 1):
             raise ConfigError("a hash-routed router chooses no experts: it takes no correction bias and no groups")
         problem = group_problem(num_experts, num_groups, top_groups, top_k)
@@ -77,7 +80,7 @@ class TopKRouter(nn.Module):
             self.tid2eid = nn.Buffer(torch.zeros(hash_vocab_size, top_k, device=device, dtype=torch.long))
         else:
             self.tid2eid = None
-        self.fused = False  # MegaGate (kernels.mega_gate)
+        self.fused = False  # MegaGate (kernels.mega_gate), where `fusable`
         self.load_balance = "none"
         self.recording = False  # set by a LoadBalancer
         self.clear_record()
@@ -94,6 +97,13 @@ class TopKRouter(nn.Module):
     @property
     def hash_routing(self) -> bool:
         return self.tid2eid is not None
+
+    @property
+    def fusable(self) -> bool:
+        """Whether MegaGate computes this router's routing (with `fused` set, it does exactly when
+        this holds): not when top_k exceeds the experts the eligible groups reach, see [Note: top_k
+        beyond the reachable experts] (kernels/router_groups.py)."""
+        return not exceeds_reachable(self.num_experts, self.num_groups, self.top_groups, self.top_k)
 
     # ------------------------------------------------------------------------------ routing
 
@@ -115,7 +125,7 @@ class TopKRouter(nn.Module):
     def route_logits(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after the projection: logits [T, E] -> (weights [T, k], indices [T, k])."""
-        if self.fused:
+        if self.fused and self.fusable:
             return self._fused(logits, input_ids)
         if self.score == "softmax":
             probs = F.softmax(logits, dtype=torch.float, dim=-1)
@@ -219,7 +229,7 @@ class TopKRouter(nn.Module):
         groups = f", groups {self.top_groups} of {self.num_groups}" if self.num_groups > 1 else ""
         bias = ", correction bias" if self.e_score_correction_bias is not None else ""
         how = ", hash-routed" if self.hash_routing else ""
-        fused = ", MegaGate" if self.fused else ""
+        fused = "" if not self.fused else ", MegaGate" if self.fusable else ", op by op (top_k beyond its groups)"
         return (f"{self.hidden_dim} -> {self.num_experts} experts, top {self.top_k}, {self.score}{groups}{bias}{how}"
                 f"{fused}, load_balance={self.load_balance}")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperparallel.lowp.grouped import activation_grad, gated, swiglu_limit
+from hyperparallel.lowp.grouped import activation_grad
 from hyperparallel.mx.grouped_products import grouped_rows_mm, grouped_weight_grad_mm
 
 
@@ -37,7 +37,7 @@ class HighPrecisionStages:
     def forward(self, x, offsets, lo, hi):
         gate_up_w, down_w = self._weights(lo, hi, x.dtype)
         gate_up = grouped_rows_mm(x, gate_up_w.transpose(1, 2), offsets)
-        y = grouped_rows_mm(gated(gate_up, self.experts.act_fn, swiglu_limit(self.experts)), down_w.transpose(1, 2), offsets)
+        y = grouped_rows_mm(self.experts.activate(gate_up), down_w.transpose(1, 2), offsets)
         return y, ([x, gate_up], None)
 
     def input_grad(self, saved, dy, offsets, lo, hi):
@@ -45,7 +45,7 @@ class HighPrecisionStages:
         gate_up_w, down_w = self._weights(lo, hi, x.dtype)
         dy = dy.contiguous()
         d_act = grouped_rows_mm(dy, down_w, offsets)
-        d_gate_up, act = activation_grad(gate_up, self.experts.act_fn, d_act, swiglu_limit(self.experts))
+        d_gate_up, act = activation_grad(gate_up, self.experts.activate, d_act)
         dx = grouped_rows_mm(d_gate_up, gate_up_w, offsets)
         return dx, (x, d_gate_up, act, dy)
 

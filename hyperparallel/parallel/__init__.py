@@ -19,7 +19,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "recompute": ("RECOMPUTE_MODES", "apply_recompute"),
     "tensor_parallel": (
         "TensorParallelState",
-        "VocabParallelEmbedding",
         "apply_tensor_parallel",
         "make_head_vocab_parallel",
         "sync_partial_grads",

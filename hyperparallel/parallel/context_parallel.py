@@ -35,6 +35,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from hyperparallel.errors import ConfigError, ShapeError
+from hyperparallel.models.layers import SEQUENCE_MIXERS, attention_modules, config_values, decoder_layers
 from hyperparallel.models.loss import IGNORE_INDEX, shift_targets
 from hyperparallel.parallel.context_attention import (
     check_heads,
@@ -137,9 +138,12 @@ def _attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                           "attention mask; mark padding with labels of -100 instead")
     if dropout:
         raise ConfigError(f"{name}: context-parallel attention has no dropout (attention_dropout is {dropout})")
-    for option in ("sliding_window", "softcap"):
-        if kwargs.get(option) is not None:
-            raise ConfigError(f"{name}: context-parallel attention does not support {option} ({kwargs[option]})")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < query.shape[2] * state.size:  # (one as long as the sequence masks nothing)
+        raise ConfigError(f"{name}: context-parallel attention does not support sliding_window ({window}) shorter "
+                          f"than the sequence ({query.shape[2] * state.size})")
+    if kwargs.get("softcap") is not None:
+        raise ConfigError(f"{name}: context-parallel attention does not support softcap ({kwargs['softcap']})")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ConfigError(f"{name}: context-parallel attention is causal; this attention is not")
     state.check_positions(kwargs.get("position_ids"), query.shape[2])
@@ -163,14 +167,64 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, _no_mask)
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that call transformers' attention interface: Hugging Face's attention layers
-    (each has `num_key_value_groups` and `is_causal`; SDPA and the other kernels read them)."""
-    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "is_causal")
-            and hasattr(m, "config")]
+def context_parallel_problem(model: nn.Module, seq_len: int | None = None) -> str | None:
+    """Why `model` (on the meta device is enough) cannot run context-parallel attention over
+    sequences of `seq_len` tokens (None: of any length), or None: every decoder layer's token
+    mixing must be plain causal attention through transformers' attention interface (no sliding
+    window shorter than the sequence, chunks, sinks, soft-capping, dropout or position-dependent
+    scaling), and nothing else may mix tokens along the sequence."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
+        return f"{name} does not dispatch its attention through transformers' AttentionInterface"
+    attention = {id(m) for m in attention_modules(model)}
+    config = model.config.get_text_config(decoder=True)
+    for i, layer in enumerate(decoder_layers(model)):
+        inside = [m for m in layer.modules() if id(m) in attention]
+        mixers = sorted({type(m).__name__ for m in layer.modules()
+                         if m is not layer and SEQUENCE_MIXERS.search(type(m).__name__)})
+        if mixers:
+            return f"decoder layer {i} mixes tokens with {mixers[0]} too, which runs over the whole sequence"
+        if not inside:
+            return f"decoder layer {i} has no attention module through transformers' AttentionInterface"
+        for module in inside:
+            problem = _attention_problem(module, config, seq_len)
+            if problem is not None:
+                return f"{type(module).__name__} (decoder layer {i}) {problem}"
+    for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, key, None):
+            return f"its attention soft-caps the scores ({key} = {getattr(config, key)})"
+    return None
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: str) -> ContextParallel:
+def _attention_problem(module: nn.Module, config, seq_len: int | None) -> str | None:
+    """What a Hugging Face attention module does that context-parallel attention does not."""
+    from hyperparallel.models.layers import attention_window, layer_type
+
+    dropout = getattr(module, "attention_dropout", 0.0)
+    dropout = dropout.p if isinstance(dropout, nn.Dropout) else dropout  # (Persimmon holds an nn.Dropout)
+    if dropout:
+        return f"has attention dropout ({dropout}); set the model's attention_dropout to 0"
+    window = attention_window(module, config)
+    if window is not None and (seq_len is None or window < seq_len):
+        return f"attends in a sliding window (sliding_window = {window}){_shorter(seq_len)}"
+    if layer_type(module, config) == "chunked_attention":
+        return f"attends within chunks (attention_chunk_size = {getattr(config, 'attention_chunk_size', None)})"
+    if not getattr(module, "is_causal", True):
+        return "is not causal"
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        return "has attention sinks"
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        return ("scales its queries by their position in its own input (attn_temperature_tuning), which under CP is a "
+                "chunk of the sequence")
+    return None
+
+
+def _shorter(seq_len: int | None) -> str:
+    return f" shorter than the sequence (data.seq_len = {seq_len})" if seq_len is not None else ""
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: str,
+                           seq_len: int | None = None) -> ContextParallel:
     """Make every attention layer of `model` run context-parallel attention over `group` (the cp
     ranks; every rank calls it, with the same mode); returns the ContextParallel, also kept as
     `model._hp_context_parallel`. Call once after building the model (before or after FSDP)."""
@@ -182,30 +236,24 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, mode: str
                           "context parallelism needs a Hugging Face model that does")
     layers = attention_modules(model)
     if not layers:
-        raise ConfigError(f"{name} has no attention layer that context parallelism can reach (a module with "
-                          "num_key_value_groups and is_causal calling transformers' AttentionInterface)")
-    for layer in layers:
-        dropout = getattr(layer, "attention_dropout", 0.0) or 0.0
-        if dropout:
-            raise ConfigError(f"{type(layer).__name__}: context-parallel attention has no dropout; set the model's "
-                              f"attention_dropout to 0 (it is {dropout})")
-        if getattr(layer, "sliding_window", None) is not None:
-            raise ConfigError(f"{type(layer).__name__}: context-parallel attention does not support sliding-window "
-                              f"attention (sliding_window={layer.sliding_window})")
-        if not layer.is_causal:
-            raise ConfigError(f"{type(layer).__name__} is not causal; context-parallel attention is")
+        raise ConfigError(f"{name} has no attention layer that context parallelism can reach (a module whose "
+                          "forward calls transformers' attention interface)")
+    problem = context_parallel_problem(model, seq_len)
+    if problem is not None:
+        raise ConfigError(f"parallel.cp: {problem}; context-parallel attention is plain causal attention")
     if not dist.is_initialized():
         raise ConfigError("context parallelism needs torch.distributed initialized (a process group of the cp ranks)")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ConfigError(f"rank {dist.get_rank()} is not a member of the context-parallel group it was given")
     if mode == "ulysses":
-        for heads in sorted({layer.config.num_attention_heads for layer in layers}):
+        for heads in sorted(config_values(model.config.get_text_config(decoder=True), "num_attention_heads")):
             check_heads(heads, size)
     state = ContextParallel(group, mode, size, rank)
     _register()
     model.set_attn_implementation(ATTENTION)
-    missed = sorted({type(layer).__name__ for layer in layers if layer.config._attn_implementation != ATTENTION})
+    missed = sorted({type(layer).__name__ for layer in layers
+                     if getattr(getattr(layer, "config", model.config), "_attn_implementation", None) != ATTENTION})
     if missed:
         raise ConfigError(f"{name}: transformers did not switch {', '.join(missed)} to context-parallel attention "
                           "(its config keeps another attn_implementation)")

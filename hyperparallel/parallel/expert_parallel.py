@@ -1,4 +1,5 @@
-"""Expert parallelism (EP) for a model of hyperparallel.moe.MoEBlocks.
+"""Expert parallelism (EP) for a model whose experts are hyperparallel.moe.GroupedExperts (inside a
+tuned family's MoEBlock, or inside the MoE block transformers wrote, models/moe_blocks.py).
 
 The EP ranks are borrowed from the data-parallel ones, as torchtitan borrows them: the world's
 ranks form a (expert_shard x ep) mesh; each group of `ep` consecutive ranks splits every MoE
@@ -23,7 +24,7 @@ from torch import nn
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import ShardInfo, set_shard_info
-from hyperparallel.moe import MegaMoE, MoEBlock
+from hyperparallel.moe import GroupedExperts, MegaMoE, MoEBlock, MoEShape
 from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
 from hyperparallel.parallel.mesh import MeshShape, ParallelMesh, build_mesh
 
@@ -65,36 +66,77 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return [m for m in model.modules() if isinstance(m, MoEBlock)]
 
 
+def routed_experts(model: nn.Module) -> list[tuple[GroupedExperts, MoEBlock | None]]:
+    """Every GroupedExperts of `model`, with the MoEBlock holding it (None: transformers' own block)."""
+    in_blocks = {id(block.experts): block for block in moe_blocks(model)}
+    return [(m, in_blocks.get(id(m))) for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
 @torch.no_grad()
 def apply_expert_parallel(model: nn.Module, layout: ExpertLayout, *, implementation: str = "sequential",
                           waves: int = 1) -> int:
-    """Keep only this rank's experts in every MoEBlock and route tokens through the EP group;
-    returns how many blocks. Call before fully_shard and before building the optimizer.
+    """Keep only this rank's experts in every MoE layer and route tokens through the EP group;
+    returns how many layers. Call before fully_shard and before building the optimizer. A MoEBlock
+    dispatches (MegaMoE then overlaps its shared experts too); experts inside transformers' own
+    block dispatch from their forward.
 
     `implementation`: "sequential" (ExpertParallel) or "megamoe" (MegaMoE with `waves` waves)."""
-    blocks = moe_blocks(model)
-    for block in blocks:
-        total = keep_local_experts(block, layout.ep, layout.ep_rank)
-        block.dispatcher = (MegaMoE(layout.ep_group, total, waves) if implementation == "megamoe"
-                            else ExpertParallel(layout.ep_group, total))
-    return len(blocks)
+    layers = routed_experts(model)
+    for experts, block in layers:
+        total = keep_local_experts(experts, layout.ep, layout.ep_rank)
+        dispatcher = (MegaMoE(layout.ep_group, total, waves) if implementation == "megamoe"
+                      else ExpertParallel(layout.ep_group, total))
+        if block is not None:
+            block.dispatcher = dispatcher
+        else:
+            experts.dispatcher = dispatcher
+    return len(layers)
 
 
 @torch.no_grad()
-def keep_local_experts(block: MoEBlock, ep: int, ep_rank: int) -> int:
-    """Keep only expert-parallel rank `ep_rank`'s experts of `block` (of `ep`); returns how many it
-    had. (Also what `hyperparallel plan` does to a rank's fake model: the same rows, no groups.)"""
-    experts = block.experts
+def keep_local_experts(experts: GroupedExperts, ep: int, ep_rank: int) -> int:
+    """Keep only expert-parallel rank `ep_rank`'s experts (of `ep`): the rows of every per-expert
+    parameter (weights and biases); returns how many it had. (Also what `hyperparallel plan` does
+    to a rank's fake model: the same rows, no groups.)"""
     total = experts.num_experts
     offset, count = expert_ranges(total, ep)[ep_rank]
-    for param in (experts.gate_up_proj, experts.down_proj):
-        global_shape = param.shape
-        param.data = param.data[offset:offset + count].clone()
-        set_shard_info(param, ShardInfo(global_shape, offset, count))
+    for param in experts.parameters(recurse=False):
+        if _per_expert(param, total):
+            global_shape = param.shape
+            param.data = param.data[offset:offset + count].clone()
+            set_shard_info(param, ShardInfo(global_shape, offset, count))
     experts.num_experts = count
     return total
 
 
+def shared_by_experts(experts: GroupedExperts) -> list[str]:
+    """The parameters of `experts` that all its experts share (a norm after every expert: MuseSpark's
+    post_expert_norm): expert parallelism would keep a copy per rank, trained on that rank's
+    experts' tokens only."""
+    per_expert = {id(p) for p in experts.parameters(recurse=False) if _per_expert(p, experts.num_experts)}
+    return [name for name, p in experts.named_parameters() if id(p) not in per_expert]
+
+
+def _per_expert(param: nn.Parameter, experts: int) -> bool:
+    return param.dim() >= 2 and param.shape[0] == experts
+
+
 def expert_modules(module: nn.Module) -> list[nn.Module]:
     """The experts modules under `module` that expert parallelism split."""
-    return [block.experts for block in moe_blocks(module) if block.dispatcher is not None]
+    return [experts for experts, block in routed_experts(module)
+            if (block.dispatcher if block is not None else experts.dispatcher) is not None]
+
+
+def moe_shape(model: nn.Module, tokens: int, element_bytes: int) -> MoEShape:
+    """The shape of `model`'s first MoE layer for `tokens` tokens a rank: what MegaMoE's cost model
+    plans waves for (a MoEBlock's shared experts included; a block transformers wrote runs its own
+    apart). Before or after expert parallelism keeps a rank's experts: the counts it reads are the
+    layer's (`routed_experts`)."""
+    from hyperparallel.models.flops import top_k_of
+
+    experts, block = routed_experts(model)[0]
+    shared = block.shared_experts if block is not None else None
+    shared_intermediate = sum(p.numel() for p in shared.parameters()) // (3 * experts.hidden_dim) if shared else 0
+    return MoEShape(tokens=tokens, hidden=experts.hidden_dim, intermediate=experts.intermediate_dim,
+                    experts=experts.routed_experts, top_k=top_k_of(model, experts),
+                    shared_intermediate=shared_intermediate, element_bytes=element_bytes)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hyperparallel.fsdp import fully_shard
+from hyperparallel.models.layers import decoder_layers
 from hyperparallel.parallel.expert_parallel import ExpertLayout, expert_modules
-from hyperparallel.parallel.recompute import decoder_layers
 
 
 def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group: dist.ProcessGroup | None = None,

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.models.layers import decoder_layers
 
 _aten = torch.ops.aten
 # ops whose outputs selective recompute keeps: everything else in a layer is recomputed
@@ -75,15 +76,6 @@ def _checkpointed(forward, mode: str, *args, **kwargs):
         return forward(*args, **kwargs)
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
     return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Hugging Face causal LM (model.model.layers)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ConfigError(f"parallel.recompute: {type(model).__name__} has no decoder layers at model.layers")
-    return layers
 
 
 def apply_recompute(model: nn.Module, mode: str) -> int:

@@ -1,24 +1,31 @@
-"""Tensor parallelism (TP) with optional sequence parallelism (SP) for the Hugging Face families.
+"""Tensor parallelism (TP) with optional sequence parallelism (SP) for any Hugging Face causal LM,
+from the plan its model declares: transformers' own (`base_model_tp_plan`, the model's `_tp_plan`),
+or a tuned family's additions to it, handed in as data (`plan`: module name pattern -> style).
 
 Each rank keeps the same Parameter objects holding only its part (`.data` replaced), as expert
 parallelism does, so that everything after it works on plain local tensors: MXFP8 converts
 the TP-local linears, FSDP shards the TP-local weights over the data-parallel ranks (uneven
 shards as ever), and checkpoints record each part's place in the global tensor.
 
-The plans are the families' data: each entry in models/families.py names its attention's and
-MLP's modules and their placements (models/parallel_plan.py's TensorParallelPlan; docs/parallel.md
-has them as tables), and this file applies them, knowing no family:
-
-- column-parallel over heads (or kv heads, or an MLP's width): each rank keeps its heads' rows;
-  with fewer key/value heads than tp, each rank holds the one key/value head its query heads
-  use (replicated over tp / kv ranks).
-- row-parallel: each rank keeps its heads' (or width's) input columns; its output is partial.
-- replicated inside the block (q_norm, the MLA a-projections): whole, with a partial gradient.
-- routed experts: not split by TP (expert parallelism splits them); the router replicated.
-- in every family the embedding and the output head vocab-parallel, the loss vocab-parallel
+transformers' styles, as this file runs them (docs/parallel.md, "The plans"):
+- colwise: the projection's output rows are dealt out over the TP ranks a part at a time: a head's
+  rows in an attention module (with fewer key/value heads than tp, each rank holds the one its
+  query heads use, replicated over tp / kv ranks), one row of an MLP's width; its bias likewise.
+- rowwise: its input columns, likewise; each rank's output is a partial sum, which the block's
+  exit sums over tp (a bias is added once, after the sum).
+- replicated_with_grad_allreduce, mla_kv_a_proj, and whatever a block holds that the plan does
+  not split: whole on every rank inside the block, working on this rank's part of it: the
+  gradient is partial and summed over tp after backward.
+- colwise_gather_output, rowwise_split_input (a packed projection whose parts are not
+  head-contiguous: Phi-3's qkv_proj): whole on every rank, computed in full by each.
+- embedding_rowwise and the output head: vocab-parallel in every model, the loss vocab-parallel
   (`vocab_loss.VocabShard`): logits are never whole on any rank.
+- the routed experts (moe_tp_experts, grouped_gemm and their parameters' entries): not split by
+  TP (expert parallelism splits them); routers replicated.
+Any other style on a decoder layer's module is refused, naming the module and the style.
 
-Communication sits at the attention / MLP boundaries (`tp_collectives`): without SP the residual
+A block is the module whose children the plan splits (an attention module, an MLP, a MoE layer's
+shared experts): communication sits at its boundaries (`tp_collectives`): without SP the residual
 stream is whole on every TP rank, each block's input enters as is and its output is all-reduced;
 with SP the residual stream, the norms and the MoE layers run on this rank's part of the
 sequence, a block's input is all-gathered and its output reduce-scattered.
@@ -26,28 +33,53 @@ sequence, a block's input is all-gathered and its output reduce-scattered.
 Gradients: a TP-split weight's gradient is exact on its rank. A replicated weight that works on
 every rank's part of a computation gets a partial gradient that is summed over the TP group
 after backward (`sync_partial_grads`, partial_grads.py: one all-reduce per dtype): the weights
-inside an attention or MLP block (q_norm, the MLA a-projections), and with SP every replicated
-weight (norms, routers, experts).
+inside a block (q_norm, the MLA a-projections), and with SP every replicated weight (norms,
+routers, experts).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import ShardInfo, set_column_shards, set_shard_info
+from hyperparallel.models.layers import (
+    SEQUENCE_MIXERS,
+    attention_modules,
+    config_value,
+    config_values,
+    decoder_layer_names,
+    layer_config,
+    text_config,
+)
 from hyperparallel.models.loss import FusedLossHead
-from hyperparallel.models.parallel_plan import Heads, Modules, TensorParallelPlan
+from hyperparallel.moe import GroupedExperts
 from hyperparallel.parallel.partial_grads import PartialGradSum
-from hyperparallel.parallel.recompute import decoder_layers
 from hyperparallel.parallel.tp_collectives import enter_tp, exit_tp, reduce_tp, split_sequence
 from hyperparallel.parallel.vocab_loss import VocabShard
 
+# transformers' plan styles -> how this file runs them (the module docstring)
+STYLES = {
+    "colwise": "column",
+    "rowwise": "row",
+    "replicated_with_grad_allreduce": "replicated",
+    "mla_kv_a_proj": "replicated",
+    "colwise_gather_output": "whole",
+    "colwise_rep": "whole",
+    "rowwise_split_input": "whole",
+    "rowwise_rep": "whole",
+    "local_params": "whole",  # (marks a module whose bare parameters have entries of their own)
+    "moe_tp_experts": "experts",
+    "grouped_gemm": "experts",
+    "ep_dispatch_experts": "experts",
+    "moe_identity_expert": "experts",
+    "embedding_rowwise": "vocab",
+}
 TP_STATE = "_hp_tensor_parallel"
 
 
@@ -55,7 +87,6 @@ TP_STATE = "_hp_tensor_parallel"
 class TensorParallelState:
     """What TP did to a model, by parameter name (the names survive FSDP and checkpoints)."""
 
-    group: dist.ProcessGroup
     tp: int
     rank: int
     sequence_parallel: bool
@@ -65,6 +96,13 @@ class TensorParallelState:
     partial: dict[str, tuple[int, int] | None] = field(default_factory=dict)
     replicas: dict[str, int] = field(default_factory=dict)  # TP ranks holding the same values (default: tp)
     plan: list[tuple[str, str]] = field(default_factory=list)  # (module, placement), for the run summary and docs
+    # the blocks (module names) whose input enters the TP region and whose output leaves it, with
+    # their row-parallel projections that carry a bias (names within the block)
+    blocks: dict[str, list[str]] = field(default_factory=dict)
+    vocab_start: int = 0  # the first row of the vocabulary this rank holds (the embedding's and the head's)
+    # the TP group its collectives run over (apply_tensor_parallel's); None where only the weights were
+    # split (split_tensor_parallel: `hyperparallel plan`'s one-rank model, which runs no collective)
+    group: dist.ProcessGroup | None = None
     partial_sum: PartialGradSum | None = field(default=None, repr=False, compare=False)  # made by the first sync_partial_grads
 
     def replicas_of(self, name: str) -> int:
@@ -75,35 +113,200 @@ def tensor_parallel_state(model: nn.Module) -> TensorParallelState | None:
     return getattr(model, TP_STATE, None)
 
 
+# ----------------------------------------------------------------------------- the plan, resolved
+
+
+@dataclass(frozen=True)
+class Split:
+    """One module (or bare parameter) of a decoder layer and how TP places it."""
+
+    name: str  # its qualified name in the model
+    how: str  # a value of STYLES
+    block: str  # the module whose input enters the TP region and whose output leaves it
+
+
+def _pattern(key: str) -> re.Pattern:
+    """A plan key ("model.layers.*.self_attn.q_proj") as a regex of qualified names ('*': a layer index)."""
+    return re.compile(re.escape(key).replace(r"\*", r"\d+"))
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str]) -> list[Split]:
+    """The decoder layers' modules `plan` places, in the model's order; ConfigError (one line,
+    naming the module and the style) for what this file does not run."""
+    layers = decoder_layer_names(model)
+    patterns = [(key, _pattern(key), style) for key, style in plan.items()]
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    inside_experts = {name for name, m in modules.items() if isinstance(m, GroupedExperts)}
+    splits, whole = [], set()
+    for name in [*modules, *params]:
+        if not any(name.startswith(f"{layer}.") for layer in layers):
+            continue
+        style = next((style for key, pattern, style in patterns if pattern.fullmatch(name)), None)
+        if style is None:
+            continue
+        how = STYLES.get(style)
+        owner = name.rsplit(".", 1)[0]
+        if how == "experts" or name in inside_experts or owner in inside_experts:
+            continue  # (expert parallelism splits the routed experts)
+        if how is None or how == "vocab":
+            raise ConfigError(f"parallel.tp: the tensor-parallel plan puts {name} as {style!r}, which hyperparallel's "
+                              f"tensor parallelism does not run")
+        if how == "whole":
+            whole.add(style)
+            continue
+        if owner in layers:
+            raise ConfigError(f"parallel.tp: the plan splits {name}, which the decoder layer holds directly: its "
+                              f"output joins the residual stream, where a partial sum cannot be completed")
+        splits.append(Split(name, how, owner))
+    rows: dict[str, list[str]] = {}
+    for split in splits:
+        if split.how == "row":
+            rows.setdefault(split.block, []).append(split.name)
+    for block, names in rows.items():
+        if len(names) > 1:  # (Doge's attention: a row-parallel dt_proj whose partial sums it reads)
+            raise ConfigError(f"parallel.tp: the tensor-parallel plan splits {' and '.join(names)} by rows: only a "
+                              f"block's output projection can be row-parallel (its partial sums are completed as "
+                              f"they leave {block})")
+    if not rows:
+        styles = f" (its decoder layers' entries are {' / '.join(sorted(whole))}, whole outputs on every rank)" \
+            if whole else " (transformers' plan covers only the embedding and the experts, or nothing)"
+        raise ConfigError(f"parallel.tp: the tensor-parallel plan splits no row-parallel projection in the decoder "
+                          f"layers{styles}; use FSDP (dp_shard) and EP")
+    # a block is what one row-parallel projection's partial sums leave complete: a column split
+    # elsewhere would leave its block's output split, and a block inside another would be summed twice
+    for split in splits:
+        if split.how == "column" and split.block not in rows:
+            raise ConfigError(f"parallel.tp: the tensor-parallel plan splits {split.name} by columns and nothing in "
+                              f"{split.block} by rows, so its output would stay split over the ranks")
+    nested = next((inner for inner in rows for outer in rows if inner.startswith(f"{outer}.")), None)
+    if nested is not None:
+        raise ConfigError(f"parallel.tp: the tensor-parallel plan splits {rows[nested][0]} by rows inside a block that "
+                          f"is split too; only one of them can complete its partial sums")
+    # (a replicated entry outside a split block: its module runs whole on every rank, as unplanned)
+    return [split for split in splits if split.block in rows]
+
+
+def plan_problem(model: nn.Module, plan: dict[str, str] | None, tp: int, *,
+                 sequence_parallel: bool = False) -> str | None:
+    """Why `model` (on the meta device is enough) cannot run `plan` over `tp` ranks, or None."""
+    if plan is None:
+        return "it has no tensor-parallel plan (transformers declares none for it)"
+    try:
+        splits = resolve_plan(model, plan)
+        for split in splits:
+            if split.how != "replicated":
+                _Heads.of(model, split, tp, rank=0)
+        if sequence_parallel:
+            _check_sequence_parallel(model, {split.block for split in splits})
+    except ConfigError as error:
+        return str(error).removeprefix("parallel.tp: ")
+    return None
+
+
+def _check_sequence_parallel(model: nn.Module, blocks: set[str]) -> None:
+    """Sequence parallelism gives the split blocks the whole sequence and everything else this
+    rank's part of it: whatever mixes tokens must be inside a split block."""
+    mixing = {id(m) for m in attention_modules(model)}
+    layers = decoder_layer_names(model)
+    for name, module in model.named_modules():
+        if not any(name.startswith(f"{layer}.") for layer in layers):
+            continue
+        if id(module) in mixing or SEQUENCE_MIXERS.search(type(module).__name__):
+            if not any(name == block or name.startswith(f"{block}.") for block in blocks):
+                raise ConfigError(f"parallel.sequence_parallel: {name} ({type(module).__name__}) mixes tokens outside "
+                                  f"the blocks the tensor-parallel plan splits, where each rank holds only its part "
+                                  f"of the sequence; set sequence_parallel: false")
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """How a split projection's rows (column) or columns (row) are dealt out: `parts` of `size`,
+    this rank's `slot` of `slots` when it holds one key/value head shared by tp / parts ranks."""
+
+    parts: int
+    size: int
+    slot: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, split: Split, tp: int, rank: int) -> _Heads:
+        module = _module_or_param_owner(model, split.name)
+        weight = module if isinstance(module, nn.Parameter) else module.weight
+        width = weight.shape[1] if split.how == "row" else weight.shape[0]
+        block = model.get_submodule(split.block)
+        config = _block_config(model, block)
+        heads, kv_heads = _head_counts(block, config)
+        if _is_attention(block) and heads:
+            # a query-like projection holds every head at one of the block's head sizes (or one value
+            # per query head: attention sinks); a key- or value-like one (grouped-query attention) the
+            # key/value heads
+            per_head, sizes = width // heads, _head_sizes(block, config)
+            if width % heads == 0 and (kv_heads == heads or per_head in sizes or width == heads or width % kv_heads):
+                if heads % tp:
+                    raise ConfigError(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = "
+                                      f"{heads}) that {split.name} holds")
+                return cls(heads, per_head)
+            if width % kv_heads == 0:
+                return cls._kv(split, kv_heads, width // kv_heads, tp, rank)
+        if width % tp:
+            raise ConfigError(f"parallel.tp ({tp}) must divide {split.name}'s width ({width})")
+        return cls(width, 1)
+
+    @classmethod
+    def _kv(cls, split: Split, kv_heads: int, head_dim: int, tp: int, rank: int) -> _Heads:
+        if kv_heads % tp == 0:
+            return cls(kv_heads, head_dim)
+        if tp % kv_heads == 0 and split.how == "column":
+            # each rank's query heads use one of these heads: the rank holds that one, replicated over
+            # the tp / kv_heads ranks whose query heads share it (their gradients summed among them)
+            return cls(kv_heads, head_dim, (rank * kv_heads // tp, kv_heads))
+        raise ConfigError(f"parallel.tp ({tp}) and the key/value heads of {split.name} (num_key_value_heads = "
+                          f"{kv_heads}): one must divide the other")
+
+
+def _head_counts(block: nn.Module, config) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) of an attention module: its own where it says (a layer may
+    have a key/value head count of its own: MiMo-V2-Flash's sliding layers), else the config's."""
+    heads = next((v for v in (getattr(block, a, None) for a in ("num_heads", "num_attention_heads"))
+                  if isinstance(v, int)), None) or config_value(config, "num_attention_heads")
+    groups = getattr(block, "num_key_value_groups", None)
+    if isinstance(groups, int) and heads and groups > 0 and heads % groups == 0:
+        return heads, heads // groups
+    return heads, config_value(config, "num_key_value_heads") or heads
+
+
+def _head_sizes(block: nn.Module, config) -> set[int]:
+    """Every head size the block or the config names (head_dim, v_head_dim, qk_head_dim, ...)."""
+    return {value for owner in (block, config) for name in dir(owner) if name.endswith("head_dim")
+            and not name.startswith("_") for value in config_values(owner, name) if isinstance(value, int)}
+
+
+def _block_config(model: nn.Module, block: nn.Module):
+    """The config of the decoder layer `block` belongs to: its own where transformers' config lets
+    the layers differ (per_layer_config, by the block's layer_idx), else the model's."""
+    return layer_config(text_config(model), getattr(block, "layer_idx", None))
+
+
+def _is_attention(block: nn.Module) -> bool:
+    return any(hasattr(block, attr) for attr in ("head_dim", "num_key_value_groups", "num_heads")) \
+        or type(block).__name__.endswith("Attention")
+
+
+def _module_or_param_owner(model: nn.Module, name: str):
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return model.get_parameter(name)
+
+
 # ----------------------------------------------------------------------------- splitting weights
 
 
-def _parts(total: int, tp: int, what: str) -> int:
-    if total % tp:
-        raise ConfigError(f"parallel.tp ({tp}) must divide {what} ({total})")
-    return total // tp
-
-
-def _keep_rows(linear: nn.Module, start: int, count: int) -> None:
-    for name in ("weight", "bias"):
-        param = getattr(linear, name, None)
-        if param is None:
-            continue
-        global_shape = param.shape
-        param.data = param.data[start:start + count].clone()
-        set_shard_info(param, ShardInfo(global_shape, start, count))  # FSDP shards within it; checkpoints place it
-    linear.out_features = count
-
-
-def _keep_columns(linear: nn.Module, start: int, count: int) -> tuple[int, int]:
-    if getattr(linear, "bias", None) is not None:
-        raise ConfigError(f"tensor parallelism: a row-parallel projection with a bias ({type(linear).__name__}) "
-                          f"would add the bias on every TP rank; this plan supports bias-free ones")
-    weight = linear.weight
-    global_columns = weight.shape[1]
-    weight.data = weight.data[:, start:start + count].clone()
-    linear.in_features = count
-    return global_columns, start
+def _keep_rows(param: nn.Parameter, start: int, count: int) -> None:
+    """Keep rows [start, start + count) of dim 0."""
+    global_shape = param.shape
+    param.data = param.data[start:start + count].clone()
+    set_shard_info(param, ShardInfo(global_shape, start, count))  # FSDP shards within it; checkpoints place it
 
 
 class _Planner:
@@ -118,42 +321,49 @@ class _Planner:
         for name in self.names[id(param)]:
             table[name] = value
 
-    def column(self, linear: nn.Module, parts: int, part_size: int, owner: str, what: str,
-               slot: tuple[int, int] | None = None) -> None:
-        """Keep rows [part x part_size) of `linear`'s output for this rank's part."""
+    def split(self, split: Split) -> _Heads | None:
+        """Keep this rank's part of one module; how its heads were dealt (None: kept whole)."""
         state = self.state
-        index = slot[0] if slot is not None else state.rank
-        per_rank = parts // (state.tp if slot is None else slot[1])
-        _keep_rows(linear, index * per_rank * part_size, per_rank * part_size)
-        for p in (linear.weight, getattr(linear, "bias", None)):
-            if p is None:
-                continue
-            if slot is not None:
-                self.record(state.partial, p, slot)
-                self.record(state.replicas, p, state.tp // slot[1])
-            else:
-                self.record(state.replicas, p, 1)
-        state.plan.append((owner, what))
+        target = _module_or_param_owner(self.model, split.name)
+        if split.how == "replicated":
+            for p in [target] if isinstance(target, nn.Parameter) else target.parameters():
+                self.record(state.partial, p, None)
+            state.plan.append((split.name, "replicated (gradient summed over tp)"))
+            return None
+        heads = _Heads.of(self.model, split, state.tp, state.rank)
+        index = heads.slot[0] if heads.slot is not None else state.rank
+        per_rank = heads.parts // (state.tp if heads.slot is None else heads.slot[1])
+        start, count = index * per_rank * heads.size, per_rank * heads.size
+        if split.how == "column":
+            params = [target] if isinstance(target, nn.Parameter) else [target.weight, getattr(target, "bias", None)]
+            for p in params:
+                if p is not None:
+                    _keep_rows(p, start, count)
+                    if heads.slot is not None:
+                        self.record(state.partial, p, heads.slot)
+                    self.record(state.replicas, p, 1 if heads.slot is None else state.tp // heads.slot[1])
+            if not isinstance(target, nn.Parameter):
+                target.out_features = target.weight.shape[0]
+        else:  # row
+            weight = target.weight
+            self.record(state.columns, weight, (weight.shape[1], start))
+            weight.data = weight.data[:, start:start + count].clone()
+            target.in_features = count
+            self.record(state.replicas, weight, 1)
+            if getattr(target, "bias", None) is not None:
+                # whole on every rank and added once after the sum (`_hook_block`): its gradient is the
+                # whole output's on every rank, with sequence parallelism too (exit_tp's backward
+                # gathers it), so it is not partial
+                self.record(state.replicas, target.bias, state.tp)
+        state.plan.append((split.name, f"{split.how}-parallel" + (" over heads" if heads.size > 1 else "")
+                           if heads.slot is None else f"key/value head replicated over {state.tp // heads.slot[1]} ranks"))
+        return heads
 
-    def row(self, linear: nn.Module, parts: int, part_size: int, owner: str, what: str) -> None:
-        state = self.state
-        per_rank = parts // state.tp
-        self.record(state.columns, linear.weight,
-                    _keep_columns(linear, state.rank * per_rank * part_size, per_rank * part_size))
-        self.record(state.replicas, linear.weight, 1)
-        state.plan.append((owner, what))
 
-    def replicated_inside(self, module: nn.Module | None, owner: str) -> None:
-        """Replicated weights inside a TP block: each rank's gradient covers its part only."""
-        if module is None:
-            return
-        for p in module.parameters():
-            self.record(self.state.partial, p, None)
-        self.state.plan.append((owner, "replicated (gradient summed over tp)"))
-
-
-def _hook_block(module: nn.Module, group: dist.ProcessGroup, sp: bool) -> None:
-    """The block's input enters the TP region (whole on every rank), its output leaves it."""
+def _hook_block(module: nn.Module, group: dist.ProcessGroup, sp: bool, biased: list[str]) -> None:
+    """The block's input enters the TP region (whole on every rank), its output leaves it. `biased`:
+    its row-parallel projections (names within it) whose bias every rank added: once after the sum."""
+    tp = dist.get_world_size(group)
 
     def before(mod, args, kwargs):
         if "hidden_states" in kwargs:
@@ -162,173 +372,140 @@ def _hook_block(module: nn.Module, group: dist.ProcessGroup, sp: bool) -> None:
             args = (enter_tp(args[0], group, sp), *args[1:])
         return args, kwargs
 
+    def leave(output):
+        output = exit_tp(output, group, sp)
+        for name in biased:  # (each rank's partial sum carried the bias: tp - 1 of them too many; looked up
+            # here, where the block's parameters are gathered, and its modules are what convert left)
+            output = output - (tp - 1) * module.get_submodule(name).bias.detach()
+        return output
+
     def after(mod, args, kwargs, output):
         if isinstance(output, tuple):
-            return (exit_tp(output[0], group, sp), *output[1:])
-        return exit_tp(output, group, sp)
+            return (leave(output[0]), *output[1:])
+        return leave(output)
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
 
 
-def _find(block: nn.Module, names: str) -> tuple[str, nn.Module | None]:
-    """The module a plan's name picks in `block` ("a|b": a if the block holds one, else b) and its
-    name; None if the block holds none of them."""
-    for name in names.split("|"):
-        child = getattr(block, name, None)
-        if child is not None:
-            return name, child
-    return names, None
+def make_embedding_vocab_parallel(embedding: nn.Embedding, group: dist.ProcessGroup, start: int) -> None:
+    """`embedding` (holding this rank's rows [start, start + num_embeddings) already) looks up ids
+    in its own rows: ids elsewhere read row 0 and give zeros, and the ranks' results are summed
+    (each id's row is on exactly one rank). Its own forward runs (a scaled embedding's scale
+    included: Gemma's), its class and parameter names stay; hooks do the rest."""
+    rows = embedding.num_embeddings
+    outside_of: list[torch.Tensor] = []  # the forward's ids outside this rank's rows (pre-hook to hook)
 
+    def before(module, args, kwargs):
+        ids = args[0] if args else kwargs.pop("input")
+        local = ids - start
+        outside = (local < 0) | (local >= rows)
+        outside_of.append(outside)
+        return (local.masked_fill(outside, 0), *args[1:]), kwargs
 
-def _head_parts(heads: Heads, config, tp: int, rank: int) -> tuple[int, tuple[int, int] | None]:
-    """How many `heads` the model has, and this rank's slot among them ((slot, slots)) when tp
-    exceeds them, None when tp divides them."""
-    count = getattr(config, heads.config_key)
-    if count % tp == 0:
-        return count, None
-    if heads.shared and tp % count == 0:
-        # each rank's query heads use one of these heads: the rank holds that one, replicated over
-        # the tp / count ranks whose query heads share it (their gradients are summed among them)
-        return count, (rank * count // tp, count)
-    if heads.shared:
-        raise ConfigError(f"parallel.tp ({tp}) and {heads.noun} ({heads.config_key} = {count}): one must divide "
-                          f"the other")
-    raise ConfigError(f"parallel.tp ({tp}) must divide {heads.noun} ({heads.config_key} = {count})")
+    def after(module, args, kwargs, output):
+        return reduce_tp(output.masked_fill(outside_of.pop().unsqueeze(-1), 0), group)
 
-
-def _plan_block(planner: _Planner, block: nn.Module, modules: Modules, config, owner: str) -> bool:
-    """Split `block`'s modules as the family's plan places them; True if this rank holds a shared
-    head (one key/value head of fewer than tp)."""
-    state = planner.state
-    shared = False
-    for names, placement in modules:
-        name, child = _find(block, names)
-        where = f"{owner}.{name}"
-        if placement.style == "replicated":
-            planner.replicated_inside(child, where)
-            continue
-        if child is None:
-            raise ConfigError(f"parallel.tp: no tensor-parallel plan for {owner} ({type(block).__name__}): the "
-                              f"family's plan splits its {names.replace('|', ' or ')}, which it does not have")
-        heads = placement.heads
-        if heads is None:  # an MLP's width: one row (column-parallel) or input column (row-parallel) a part
-            parts = child.weight.shape[0 if placement.style == "column" else 1]
-            _parts(parts, state.tp, f"{owner}'s intermediate size")
-            part_size, slot, what = 1, None, f"{placement.style}-parallel"
-        else:
-            parts, slot = _head_parts(heads, config, state.tp, state.rank)
-            part_size = sum(getattr(block, size) for size in placement.head_size)
-            what = (f"{placement.style}-parallel over {heads.label}s" if slot is None
-                    else f"{heads.label} replicated over {state.tp // parts} ranks")
-        if placement.style == "column":
-            planner.column(child, parts, part_size, where, what, slot=slot)
-        elif slot is None:
-            planner.row(child, parts, part_size, where, what)
-        else:
-            raise AssertionError(f"{where}: a row-parallel projection over shared heads (the planner has no such split)")
-        shared |= slot is not None
-    return shared
-
-
-class VocabParallelEmbedding(nn.Module):
-    """An embedding whose rows [start, start + rows) are on this rank: ids elsewhere give zeros,
-    and the ranks' results are summed (each id's row is on exactly one rank)."""
-
-    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, start: int):
-        super().__init__()
-        self.weight = embedding.weight  # the same Parameter (already this rank's rows)
-        self.group, self.start = group, start
-        self.num_embeddings, self.embedding_dim = self.weight.shape
-        padding = embedding.padding_idx
-        self.padding_idx = padding - start if padding is not None and 0 <= padding - start < self.num_embeddings else None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.num_embeddings)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
-        return reduce_tp(rows.masked_fill(outside.unsqueeze(-1), 0), self.group)
-
-    def extra_repr(self) -> str:
-        return f"rows {self.start}..{self.start + self.num_embeddings} of a vocab-parallel embedding, {self.embedding_dim}"
+    embedding.register_forward_pre_hook(before, with_kwargs=True)
+    embedding.register_forward_hook(after, with_kwargs=True)
 
 
 def _plan_vocab(planner: _Planner, model: nn.Module) -> None:
     state = planner.state
-    inner = getattr(model, "model", model)
-    embedding = getattr(inner, "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear | FusedLossHead):
-        raise ConfigError(f"parallel.tp: {type(model).__name__} has no model.embed_tokens embedding and lm_head "
-                          f"linear to make vocab-parallel")
+        raise ConfigError(f"parallel.tp: {type(model).__name__} has no input embedding and linear output head to make "
+                          f"vocab-parallel")
     vocab = embedding.weight.shape[0]
-    per_rank = _parts(vocab, state.tp, "the vocabulary (vocab_size; pad it to a multiple of tp)")
-    start = state.rank * per_rank
+    if vocab % state.tp:
+        raise ConfigError(f"parallel.tp ({state.tp}) must divide the vocabulary ({vocab}; pad vocab_size to a multiple "
+                          f"of tp)")
+    per_rank = vocab // state.tp
+    start = state.vocab_start = state.rank * per_rank
     tied = head.weight is embedding.weight  # (tied: one Parameter, split once)
-    _keep_rows(head, start, per_rank)
+    _keep_rows(head.weight, start, per_rank)
+    head.out_features = per_rank
     if not tied:
-        _keep_rows(embedding, start, per_rank)
+        _keep_rows(embedding.weight, start, per_rank)
     embedding.num_embeddings = per_rank
+    padding = embedding.padding_idx  # (its row, where this rank holds it)
+    embedding.padding_idx = padding - start if padding is not None and 0 <= padding - start < per_rank else None
     for p in (embedding.weight, head.weight):
         planner.record(state.replicas, p, 1)
-    inner.embed_tokens = VocabParallelEmbedding(embedding, state.group, start)
-    state.plan.append(("model.embed_tokens", "vocab-parallel (rows), outputs summed over tp"))
-    state.plan.append(("lm_head", "vocab-parallel (rows), vocab-parallel cross-entropy"))
+    names = {id(m): n for n, m in model.named_modules()}
+    state.plan.append((names[id(embedding)], "vocab-parallel (rows), outputs summed over tp"))
+    state.plan.append((names[id(head)], "vocab-parallel (rows), vocab-parallel cross-entropy"))
 
 
-def _family_plan(model: nn.Module) -> TensorParallelPlan:
-    """The tensor-parallel plan of `model`'s family (its entry in models/families.py, found by the
-    config's model_type)."""
-    from hyperparallel.models.families import family_for_model_type
-
-    model_type = getattr(model.config, "model_type", None)
-    family = family_for_model_type(model_type)
-    if family is None or family.tensor_parallel is None:
-        whose = f"family {family.name!r}" if family is not None else f"{type(model).__name__} (model_type {model_type!r})"
-        raise ConfigError(f"parallel.tp: {whose} has no tensor-parallel plan; use FSDP (dp_shard) and EP")
-    return family.tensor_parallel
+def _local_head_counts(block: nn.Module, config, tp: int, kv_shared: bool) -> None:
+    """An attention module whose heads TP split: the counts its forward reads, made this rank's."""
+    heads, kv_heads = _head_counts(block, config)
+    local, local_kv = heads // tp, 1 if kv_shared else max(kv_heads // tp, 1)
+    counts = {"num_heads": local, "num_attention_heads": local, "num_key_value_heads": local_kv,
+              "num_kv_heads": local_kv, "num_key_value_groups": local // local_kv}
+    for attr, value in counts.items():
+        if isinstance(getattr(block, attr, None), int):
+            setattr(block, attr, value)
 
 
-def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool,
-                          plan: TensorParallelPlan | None = None) -> TensorParallelState:
-    """Split `model`'s weights over the TP `group` as `plan` (default: its family's) places them
-    and put the collectives in its forward and backward. Call right after building the model,
-    before MXFP8 conversion, expert parallelism, the fused loss (`make_head_vocab_parallel` after
-    it), recompute and FSDP."""
-    from hyperparallel.moe import MoEBlock
-
-    plan = plan or _family_plan(model)
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    state = TensorParallelState(group, tp, rank, sequence_parallel)
+def split_tensor_parallel(model: nn.Module, plan: dict[str, str], tp: int, rank: int, *,
+                          sequence_parallel: bool) -> TensorParallelState:
+    """Keep TP rank `rank`'s part (of `tp`) of `model`'s weights as `plan` places them, and make its
+    attention modules count their local heads: the weights alone, no collectives (the model runs as
+    one rank's part would, which is what `hyperparallel plan` measures; `apply_tensor_parallel` adds
+    the collectives)."""
+    state = TensorParallelState(tp, rank, sequence_parallel)
     planner = _Planner(model, state)
-    config = model.config
+    splits = resolve_plan(model, plan)
+    if sequence_parallel:
+        _check_sequence_parallel(model, {split.block for split in splits})
+    config = text_config(model)
     with torch.no_grad():
         _plan_vocab(planner, model)
-        layers = decoder_layers(model)
-        for i, layer in enumerate(layers):
-            owner = f"model.layers.{i}"
-            attention, at = getattr(layer, plan.attention_at), f"{owner}.{plan.attention_at}"
-            if _plan_block(planner, attention, plan.attention, config, at) and plan.kv_groups:
-                setattr(attention, plan.kv_groups, 1)  # one local key/value head serves all local query heads
-            _hook_block(attention, group, sequence_parallel)
-            mlp, at = getattr(layer, plan.mlp_at), f"{owner}.{plan.mlp_at}"
-            if isinstance(mlp, MoEBlock):  # (the swap made every family's MoE layers MoEBlocks)
-                shared = getattr(mlp, plan.shared_experts) if plan.shared_experts else None
-                if shared is not None:
-                    _plan_block(planner, shared, plan.mlp, config, f"{at}.{plan.shared_experts}")
-                    _hook_block(shared, group, sequence_parallel)
-                state.plan.append((f"{at}.experts", "replicated over tp (expert parallelism splits them)"))
-            else:
-                _plan_block(planner, mlp, plan.mlp, config, at)
-                _hook_block(mlp, group, sequence_parallel)
+        shared_kv: dict[str, bool] = {}
+        for split in splits:
+            heads = planner.split(split)
+            biased = state.blocks.setdefault(split.block, [])
+            shared_kv[split.block] = shared_kv.get(split.block, False) or (heads is not None and heads.slot is not None)
+            target = _module_or_param_owner(model, split.name)
+            if split.how == "row" and getattr(target, "bias", None) is not None:
+                biased.append(split.name.removeprefix(f"{split.block}."))
+        for name in state.blocks:
+            block = model.get_submodule(name)
+            if _is_attention(block) and config_values(config, "num_attention_heads"):
+                _local_head_counts(block, _block_config(model, block), tp, shared_kv[name])
+            # whatever the plan leaves whole inside a block works on this rank's part of it: its
+            # gradient is partial (q_norm, an MLA's low-rank a-projections and their norms, named by
+            # a plan or not)
+            for p in block.parameters():
+                if not any(n in state.replicas or n in state.partial for n in planner.names[id(p)]):
+                    planner.record(state.partial, p, None)
     if sequence_parallel:
         # the residual stream from the first layer on is this rank's part of the sequence: every
         # replicated weight then sees only those tokens
-        layers[0].register_forward_pre_hook(_split_first_input(group), with_kwargs=True)
         for name, _ in model.named_parameters(remove_duplicate=False):
             if name not in state.replicas:
                 state.partial.setdefault(name, None)
     setattr(model, TP_STATE, state)
+    return state
+
+
+def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool,
+                          plan: dict[str, str]) -> TensorParallelState:
+    """Split `model`'s weights over the TP `group` as `plan` (transformers' style names by module
+    name pattern: `models.families.tensor_parallel_plan`) places them and put the collectives in
+    its forward and backward. Call right after building the model, before MXFP8 conversion, expert
+    parallelism, the fused loss (`make_head_vocab_parallel` after it), recompute and FSDP."""
+    state = split_tensor_parallel(model, plan, dist.get_world_size(group), dist.get_rank(group),
+                                  sequence_parallel=sequence_parallel)
+    state.group = group
+    make_embedding_vocab_parallel(model.get_input_embeddings(), group, state.vocab_start)
+    for name, biased in state.blocks.items():
+        _hook_block(model.get_submodule(name), group, sequence_parallel, biased)
+    if sequence_parallel:
+        first = model.get_submodule(decoder_layer_names(model)[0])
+        first.register_forward_pre_hook(_split_first_input(group), with_kwargs=True)
     set_column_shards(model, state.columns)  # where checkpoints place them
     return state
 
@@ -352,8 +529,7 @@ def make_head_vocab_parallel(model: nn.Module) -> None:
     if not isinstance(head, FusedLossHead):
         raise ConfigError("parallel.tp needs training.fused_loss: true (the vocab-parallel loss computes the "
                           "cross-entropy without whole logits on any rank)")
-    vocab = model.get_input_embeddings()
-    head.vocab_shard = VocabShard(state.group, vocab.start)
+    head.vocab_shard = VocabShard(state.group, state.vocab_start)
     head.out_features = head.weight.shape[0]
 
     def before(mod, args):

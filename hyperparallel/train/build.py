@@ -17,9 +17,12 @@ from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.lowp import convert
-from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss
+from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss, training_flops_per_token
+from hyperparallel.models.build import declared_config_keys
+from hyperparallel.models.families import load_balance_rule, tensor_parallel_plan
 from hyperparallel.models.kernels import use_kernels
-from hyperparallel.moe import LoadBalancer, MoEBlock, MoEShape, default_waves, routers
+from hyperparallel.moe import LoadBalancer, default_waves
+from hyperparallel.moe.balance import balanced_layers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import (
@@ -30,7 +33,7 @@ from hyperparallel.parallel import (
     build_mesh,
     shard_model,
 )
-from hyperparallel.parallel.expert_parallel import expert_layout_of
+from hyperparallel.parallel.expert_parallel import expert_layout_of, moe_shape
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
@@ -81,7 +84,10 @@ def inline_model_config(cfg: TrainConfig, vocab_size: int) -> dict | None:
     if cfg.model.config is None:
         return None
     inline = dict(cfg.model.config)
-    given = inline.setdefault("vocab_size", vocab_size)
+    holder, declared = inline, declared_config_keys(get_family(cfg.model.family).config_class)
+    if "vocab_size" not in declared and "text_config" in declared:  # (Fuyu keeps it in its text model's config)
+        holder = inline["text_config"] = dict(inline.get("text_config") or {})
+    given = holder.setdefault("vocab_size", vocab_size)
     if given < vocab_size:
         raise ConfigError(f"model.config.vocab_size ({given}) is smaller than the tokenizer's vocabulary "
                           f"({vocab_size}); leave vocab_size out of the model config to follow the tokenizer")
@@ -101,6 +107,10 @@ class BuiltModel:
     context_parallel: ContextParallel | None = None  # what apply_context_parallel returned (cp enabled)
     kernels: str = ""  # the run summary's line on the fused kernels
     memory: BuildMemory | None = None  # what the build cost (peak memory, time)
+    flops_per_token: float = 0.0  # training FLOPs per token at data.seq_len (of the whole model: MFU's numerator)
+    # transformers' model adds its own auxiliary loss (MoE layers with transformers' routers under
+    # moe.load_balance aux_loss): forward asks for it (output_router_logits)
+    transformers_aux_loss: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -130,13 +140,19 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         raise ConfigError(f"model.path {cfg.model.path}: its vocabulary ({model.config.vocab_size}) is smaller than "
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
     n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
+    flops_per_token = training_flops_per_token(shadow, cfg.data.seq_len)
     k = cfg.kernels
     kernels = use_kernels(model, mega_gate=k.mega_gate, mega_mhc=k.mega_mhc).summary(mega_gate=k.mega_gate,
                                                                                    mega_mhc=k.mega_mhc)
+    family = get_family(cfg.model.family)
     if mesh.tp_enabled:
-        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel)
+        plan = tensor_parallel_plan(family, model)
+        if isinstance(plan, str):
+            raise ConfigError(f"parallel.tp: {cfg.model.family!r}: {plan}")
+        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel, plan=plan)
     conversion = convert(model, cfg.low_precision)
     balancer = build_balancer(cfg, model)
+    transformers_aux = balancer is not None and balancer.mode == "aux_loss" and not balancer.routers
     layout, waves = None, None
     if mesh.ep_enabled:
         layout = expert_layout_of(mesh)
@@ -150,7 +166,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     if mesh.cp_enabled:
         from hyperparallel.parallel.context_parallel import apply_context_parallel
 
-        context = apply_context_parallel(model, mesh.cp_group, p.cp_mode)
+        context = apply_context_parallel(model, mesh.cp_group, p.cp_mode, cfg.data.seq_len)
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
@@ -177,7 +193,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                                  "init" if hf_plan is None and fill else f"model.path {cfg.model.path}" if fill
                                  else "checkpoint")
     return BuiltModel(model=model, trained=trained, card=card, n_params=n_params, conversion_summary=summary, mesh=mesh,
-                      balancer=balancer, waves=waves, context_parallel=context, kernels=kernels, memory=memory)
+                      balancer=balancer, waves=waves, context_parallel=context, kernels=kernels, memory=memory,
+                      flops_per_token=flops_per_token, transformers_aux_loss=transformers_aux)
 
 
 def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
@@ -220,22 +237,22 @@ def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:
     this run's micro-batch (the same on every rank: it depends on the config alone)."""
     if cfg.moe.waves is not None:
         return cfg.moe.waves
-    block = next(m for m in model.modules() if isinstance(m, MoEBlock))
-    shared = block.shared_experts
-    shared_intermediate = sum(p.numel() for p in shared.parameters()) // (3 * block.experts.hidden_dim) if shared else 0
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
-    shape = MoEShape(tokens=cfg.training.micro_batch * cfg.data.seq_len, hidden=block.experts.hidden_dim,
-                     intermediate=block.experts.intermediate_dim, experts=block.experts.num_experts,
-                     top_k=block.gate.top_k, shared_intermediate=shared_intermediate,
-                     element_bytes=torch.empty((), dtype=dtype).element_size())
+    shape = moe_shape(model, cfg.training.micro_batch * cfg.data.seq_len, torch.empty((), dtype=dtype).element_size())
     return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], **EXECUTORS[device.type])
 
 
 def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:
-    """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank."""
-    if not routers(model):
+    """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank. Where
+    the MoE layers keep transformers' routers and the rule is aux_loss, transformers' model adds
+    its own auxiliary loss (at moe.aux_loss_coef when that is given)."""
+    if not balanced_layers(model):
         return None
-    return LoadBalancer.from_config(model, cfg.moe, family_rule=get_family(cfg.model.family).default_load_balance)
+    rule = load_balance_rule(get_family(cfg.model.family), model)
+    balancer = LoadBalancer.from_config(model, cfg.moe, family_rule=rule)
+    if balancer.mode == "aux_loss" and not balancer.routers and cfg.moe.aux_loss_coef is not None:
+        model.router_aux_loss_coef = cfg.moe.aux_loss_coef  # (what its forward multiplies the loss by)
+    return balancer
 
 
 def build_optimization(cfg: TrainConfig, model: nn.Module):

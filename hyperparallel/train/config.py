@@ -28,7 +28,7 @@ from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import GEOMETRIES
 from hyperparallel.lowp.config import LowPrecisionConfig
-from hyperparallel.models import family_for_model_type, family_names, get_family
+from hyperparallel.models import get_family
 from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
 from hyperparallel.models.kernels import KernelsConfig
 from hyperparallel.moe.config import MoEConfig
@@ -40,7 +40,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "de
 
 
 class ModelSection(Section):
-    family: choice(family_names())  # may be left out with model.path: its config.json's model_type names it
+    # a causal-LM model_type of transformers (llama, mixtral, qwen3_moe, ... or the alias kimi_k2);
+    # auto: the model_type of model.path's config.json, or of the inline config's `model_type` key
+    family: str = "auto"
     path: str | None = None  # a local directory for from_pretrained
     # an inline Hugging Face config for from_config: a mapping, or a YAML file holding one
     # (configs/models/*.yaml; a relative path is looked for beside the config file first)
@@ -53,24 +55,32 @@ class ModelSection(Section):
         """The attn_implementation the model is built with (auto resolved for the family)."""
         if self.attn_implementation != "auto":
             return self.attn_implementation
-        return get_family(self.family).attn_implementations[0]
+        return get_family(self.family).attention_implementations[0]
 
     @model_validator(mode="before")
     @classmethod
-    def _family_from_path(cls, data):
-        if isinstance(data, dict) and "family" not in data and isinstance(data.get("path"), str):
-            data = dict(data, family=_family_in(Path(data["path"]).expanduser()))
+    def _family_from_model_type(cls, data):
+        if not isinstance(data, dict) or data.get("family", "auto") != "auto":
+            return data
+        if isinstance(data.get("path"), str):
+            return dict(data, family=_model_type_in(Path(data["path"]).expanduser()))
+        inline = data.get("config")
+        if isinstance(inline, dict) and isinstance(inline.get("model_type"), str):
+            return dict(data, family=inline["model_type"])
         return data
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.path is None) == (self.config is None):
             raise ValueError("give exactly one of model.path (a local directory) or model.config (an inline config)")
+        if self.family == "auto":
+            raise ValueError("model.family is auto, and the inline model.config has no model_type to name the model; "
+                             "give model.config.model_type (e.g. llama) or model.family")
         return self
 
 
-def _family_in(path: Path) -> str:
-    """The family that model.path's config.json names (by its model_type)."""
+def _model_type_in(path: Path) -> str:
+    """The model_type model.path's config.json names (what model.family: auto trains)."""
     config_json = path / "config.json"
     if not path.is_dir():
         raise ValueError(f"model.path {path} is not a directory; give a local Hugging Face model directory")
@@ -83,13 +93,11 @@ def _family_in(path: Path) -> str:
     try:
         model_type = json.loads(config_json.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
-        raise ValueError(f"model.family is not given and {config_json} cannot be read to infer it; give "
+        model_type = None
+    if not isinstance(model_type, str):
+        raise ValueError(f"model.family is auto and {config_json} names no model_type to infer it from; give "
                          f"model.family") from None
-    family = family_for_model_type(str(model_type))
-    if family is None:
-        raise ValueError(f"model.family is not given and {config_json} has model_type {model_type!r}, which no family "
-                         f"trains (families: {', '.join(family_names())})")
-    return family.name
+    return model_type
 
 
 def _one_or_many(value):
@@ -263,10 +271,6 @@ class TrainConfig(Section):
 
     def warmup_steps(self) -> int:
         return self.scheduler.warmup(self.training.steps)
-
-    def load_balance(self) -> str:
-        """moe.load_balance, or (null) the model family's rule."""
-        return self.moe.rule(get_family(self.model.family).default_load_balance)
 
     def grad_accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; ConfigError if the batch does not split."""

@@ -77,7 +77,7 @@ def announce(console: Console, cfg: TrainConfig, built, dataset, accumulation: i
         b = built.balancer
         how = {"aux_loss": f"auxiliary loss x {b.aux_loss_coef:g}", "bias": f"correction bias, rate {b.bias_update_rate:g}",
                "none": "none"}[b.mode]
-        console.print(f"MoE: {len(b.routers)} layers, load balancing {how}")
+        console.print(f"MoE: {len(b.layers)} layers, load balancing {how}")
 
 
 # ------------------------------------------------------------------------------- step lines

@@ -94,13 +94,15 @@ def _resolve(source: str | os.PathLike) -> _Source:
         raise ConfigError(f"{config_file} is not JSON: {error}") from None
     if not isinstance(hf_config, dict):
         raise ConfigError(f"{config_file} is not a JSON object")
-    from hyperparallel.models.families import FAMILIES, family_for_model_type
+    from hyperparallel.models.families import get_family
 
-    family = family_for_model_type(hf_config.get("model_type"))
-    if family is None:
-        known = sorted({t for f in FAMILIES.values() for t in f.model_types})
-        raise ConfigError(f"{config_file} has model_type {hf_config.get('model_type')!r}; hyperparallel knows "
-                          f"{', '.join(known)}")
+    model_type = hf_config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{config_file} names no model_type; a Hugging Face config.json does")
+    try:
+        family = get_family(model_type)
+    except ConfigError as error:
+        raise ConfigError(f"{config_file}: {error}") from None
     tokenizer = path / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise ConfigError(f"no tokenizer for {path}: {tokenizer} does not exist (`hyperparallel export` writes it "
@@ -141,8 +143,13 @@ def _load_model(source: _Source):
 
     # the dtype it was saved in (float16 and others are read as float32); HF's own experts modules
     dtype = DTYPES.get(source.hf_config.get("dtype") or source.hf_config.get("torch_dtype"), torch.float32)
+    from hyperparallel.checkpoint.hf_files import plan_hf_read
     from hyperparallel.train.quiet import progress_bars_off
 
+    # the files against the model their config.json describes, from their headers: every missing,
+    # unexpected or mis-shaped tensor named, where from_pretrained would draw the missing ones
+    meta = build_model(source.family, path=source.path, dtype=dtype, grouped_experts=False, materialize=False)
+    plan_hf_read(source.path, meta)
     restore = progress_bars_off()  # from_pretrained's "Loading weights" bar, around the generated text
     try:
         return build_model(source.family, path=source.path, dtype=dtype, grouped_experts=False).eval()

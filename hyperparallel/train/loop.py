@@ -18,7 +18,6 @@ import torch
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
-from hyperparallel.models import training_flops_per_token
 from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
@@ -173,7 +172,7 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
                                 background=cfg.checkpoint.async_, is_main=rt.is_main,
                                 background_group=background_group(timeout_s) if cfg.checkpoint.async_ else None)
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
-    flops_per_step = training_flops_per_token(built.model.config, cfg.data.seq_len) * tokens_per_step
+    flops_per_step = built.flops_per_token * tokens_per_step
     first_loss = last_loss = stopped_by = None
     last = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     window = LogWindow()

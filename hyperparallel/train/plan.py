@@ -28,8 +28,9 @@ recording gives the same bytes, tested). From that timeline:
 - the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
   buffers (clipping, fsdp's or torch's, makes foreach norms only).
 
-The model run is one rank's part of the layout (`parallel.mesh.MeshShape`): with tp a model of one TP rank's
-shapes (`tp_rank_config`), with cp each sequence's seq_len / cp tokens, with ep the first
+The model run is one rank's part of the layout (`parallel.mesh.MeshShape`): with tp one TP rank's
+part of it, split by the plan the trainer runs (`split_tensor_parallel`), with cp each sequence's
+seq_len / cp tokens, with ep the first
 expert-parallel rank's experts (`keep_local_experts`), every routed row computed as a rank
 receiving its share under uniform routing does; FSDP shards over dp_shard x cp (a layer's
 experts over the ranks holding the same experts), and HSDP's replicas hold the same shards.
@@ -60,14 +61,17 @@ from torch.utils._pytree import tree_leaves
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import padded_rows, shard_ranges
-from hyperparallel.models import build_model, fused_loss, install_fused_loss
+from hyperparallel.models import build_model, fused_loss, get_family, install_fused_loss
+from hyperparallel.models.families import tensor_parallel_plan
+from hyperparallel.models.flops import top_k_of
 from hyperparallel.models.kernels import use_kernels
+from hyperparallel.models.layers import decoder_layers, layer_configs
 from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
 from hyperparallel.parallel import apply_recompute
-from hyperparallel.parallel.expert_parallel import keep_local_experts, moe_blocks
+from hyperparallel.parallel.expert_parallel import keep_local_experts, moe_shape, routed_experts
 from hyperparallel.parallel.mesh import MeshShape
-from hyperparallel.parallel.recompute import decoder_layers
+from hyperparallel.parallel.tensor_parallel import split_tensor_parallel, tensor_parallel_state
 from hyperparallel.train.build import build_balancer, inline_model_config
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.data import tokenizer_vocab_size
@@ -169,29 +173,34 @@ def runtime_bytes(compile: str = "none") -> int:
 def meta_model(cfg: TrainConfig, tp: int = 1, layers: int | None = None) -> nn.Module:
     """The trainer's model on the meta device: shapes and dtypes, nothing allocated or initialized.
     Its config and vocabulary are checked as a run's are (`preflight.model_problems`). With `tp`
-    > 1: the shapes of one tensor-parallel rank's part (`tp_rank_config`); with `layers`: its first
-    `layers` decoder layers only (`first_layers_config`)."""
+    > 1: one tensor-parallel rank's part, split by the plan the trainer runs
+    (`parallel.tensor_parallel.split_tensor_parallel`); with `layers`: its first `layers` decoder
+    layers only (`first_layers_config`)."""
     vocab = tokenizer_vocab_size(cfg.data, cfg.model.path)
     problems = model_problems(cfg, vocab)
     if problems:
         raise ConfigError("\n".join(problems))
     options = {"dtype": DTYPES[cfg.model.dtype], "attn_implementation": cfg.model.attention(), "materialize": False}
-    if tp == 1 and layers is None:
-        return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab), **options)
-    config = whole_model_config(cfg, vocab)
-    if layers is not None:
-        config = first_layers_config(config, layers)
+    if layers is None:
+        model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab), **options)
+    else:
+        model = build_model(cfg.model.family, config=first_layers_config(whole_model_config(cfg, vocab), layers),
+                            **options)
     if tp > 1:
-        config = tp_rank_config(config, tp)
-    return build_model(cfg.model.family, config=config, **options)
+        plan = tensor_parallel_plan(get_family(cfg.model.family), model)
+        if isinstance(plan, str):
+            raise ConfigError(f"parallel.tp: {cfg.model.family!r}: {plan}")
+        split_tensor_parallel(model, plan, tp, 0, sequence_parallel=cfg.parallel.sequence_parallel)
+    return model
 
 
 def first_layers_config(config: dict, layers: int) -> dict:
     """The config of the model's first `layers` decoder layers (their per-layer lists cut to match)."""
+    whole = config.get("num_hidden_layers")
     local = dict(config, num_hidden_layers=layers)
-    for key in ("layer_types", "mlp_layer_types"):
-        if isinstance(local.get(key), list):
-            local[key] = local[key][:layers]
+    for key, value in config.items():
+        if isinstance(value, list) and len(value) == whole:  # (layer_types, mlp_layer_types, ...)
+            local[key] = value[:layers]
     if isinstance(local.get("mlp_only_layers"), list):
         local["mlp_only_layers"] = [i for i in local["mlp_only_layers"] if i < layers]
     return local
@@ -205,21 +214,6 @@ def whole_model_config(cfg: TrainConfig, vocab: int) -> dict:
 
     config = pretrained_config(cfg.model.family, cfg.model.path).to_dict()
     return {key: value for key, value in config.items() if key not in ("transformers_version", "architectures")}
-
-
-def tp_rank_config(config: dict, tp: int) -> dict:
-    """A config whose model has the shapes of one tensor-parallel rank's part (tensor_parallel.py's
-    plans): attention heads and key/value heads (at least one: a replicated key/value head), the
-    dense MLPs' width and the vocabulary (vocab-parallel embedding and head) over tp. Routed experts
-    are not split by TP. Shared experts are planned whole (an overestimate: TP splits their columns)."""
-    local = dict(config)  # (head_dim is a field of its own in these families' configs: it stays)
-    local["num_attention_heads"] = max(1, local["num_attention_heads"] // tp)
-    if local.get("num_key_value_heads"):
-        local["num_key_value_heads"] = max(1, local["num_key_value_heads"] // tp)
-    if local.get("intermediate_size"):
-        local["intermediate_size"] = max(1, local["intermediate_size"] // tp)
-    local["vocab_size"] = -(-local["vocab_size"] // tp)
-    return local
 
 
 def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp: int = 1, ep: int = 1,
@@ -236,8 +230,8 @@ def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp:
     model.tie_weights()  # (to_empty made new Parameters)
     if ep > 1:
         with mode:
-            for block in moe_blocks(model):
-                keep_local_experts(block, ep, 0)
+            for experts, _ in routed_experts(model):
+                keep_local_experts(experts, ep, 0)
     if cfg.training.fused_loss:
         install_fused_loss(model)  # (its element-wise work eager: compiled it keeps the same tensors)
     apply_recompute(model, cfg.parallel.recompute)
@@ -688,7 +682,8 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     params = list(model.parameters())
     whole = {id(p): _nbytes(p) for p in params}
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
-    experts = {id(p) for block in moe_blocks(model) for p in block.experts.parameters()} if layout.ep_enabled else set()
+    experts = ({id(p) for module, _ in routed_experts(model) for p in module.parameters()} if layout.ep_enabled
+               else set())
 
     if sharded:
         world_of = {id(p): layout.expert_shard if id(p) in experts else layout.shard_size for p in params}
@@ -782,11 +777,13 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
 
 def _whole_config(cfg: TrainConfig, model: nn.Module, layout: MeshShape, layers: int | None) -> dict:
-    """The whole model's parameter count and HF config (the fake model is one rank's part)."""
-    if not layout.tp_enabled and not layout.ep_enabled and layers is None:
-        return {"n_params": sum(p.numel() for p in model.parameters()), "config": model.config}
-    whole = meta_model(cfg)
-    return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config}
+    """The whole model's parameter count, HF config and training FLOPs per token (the fake model is
+    one rank's part)."""
+    from hyperparallel.models.flops import training_flops_per_token
+
+    whole = model if not layout.tp_enabled and not layout.ep_enabled and layers is None else meta_model(cfg)
+    return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config,
+            "flops_per_token": training_flops_per_token(whole, cfg.data.seq_len)}
 
 
 def _activation_bytes(cfg: TrainConfig) -> int:
@@ -795,25 +792,23 @@ def _activation_bytes(cfg: TrainConfig) -> int:
     return dtype.itemsize
 
 
-# a replicated weight whose gradient is partial on each TP rank without sequence parallelism: the
-# per-head norms and multi-head latent attention's low-rank a-projections (tensor_parallel.py)
-_PARTIAL_WITHOUT_SP = ("q_norm", "k_norm", "q_a_proj", "q_a_layernorm", "kv_a_proj", "kv_a_layernorm")
-
-
-def _tp_partial_bytes(model: nn.Module, sequence_parallel: bool) -> int:
-    """Bytes of the gradients TP sums over its group after backward (`sync_partial_grads`): without
-    SP the weights inside a block that work on every rank's part; with SP every replicated weight
-    (norms, routers, routed experts), counted here as every 1-D weight and every MoE layer's."""
-    if sequence_parallel:
-        replicated = {id(q) for q in model.parameters() if q.dim() == 1}
-        replicated |= {id(q) for block in moe_blocks(model) for name, q in block.named_parameters()
-                       if not name.startswith("shared_experts")}
-        return sum(_nbytes(q) for q in model.parameters() if id(q) in replicated)
-    return sum(_nbytes(q) for name, q in model.named_parameters() if any(k in name for k in _PARTIAL_WITHOUT_SP))
+def _tp_partial_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients TP sums over its group after backward (`sync_partial_grads`): the
+    ones the split of the model's plan marked partial (`split_tensor_parallel`)."""
+    state = tensor_parallel_state(model)
+    if state is None:
+        return 0
+    return sum(_nbytes(q) for name, q in model.named_parameters() if name in state.partial)
 
 
 def _attention_widths(config) -> tuple[int, int]:
-    """(query width, key + value width) per token of one attention layer, whole (all heads)."""
+    """(query width, key + value width) per token of one attention layer, whole (all heads): the
+    widest layer's where the config lets them vary by layer."""
+    widths = [_layer_attention_widths(layer) for layer in layer_configs(config)]
+    return max(q for q, _ in widths), max(kv for _, kv in widths)
+
+
+def _layer_attention_widths(config) -> tuple[int, int]:
     heads = config.num_attention_heads
     if hasattr(config, "qk_nope_head_dim"):  # multi-head latent attention: keys and values per head
         qk = config.qk_nope_head_dim + config.qk_rope_head_dim
@@ -863,10 +858,10 @@ def _collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_co
     if T > 1:
         act = tokens * config.hidden_size * element
         tp_spans = spans_nodes(1, T, ranks_per_node)
-        # TP's blocks: every attention, and every MLP but a MoE layer without dense shared experts
+        # TP's blocks, as the model's split placed them: each enters and leaves the TP region
         # (its routed experts are not split by TP: tensor_parallel.py)
-        per_pass = sum(1 + (0 if blocks and blocks[0].shared_experts is None else 1)
-                       for blocks in (moe_blocks(layer) for layer in layers))
+        state = tensor_parallel_state(model)
+        per_pass = len(state.blocks) if state is not None else 0
         blocks = accumulation * per_pass * (2 + replays)  # forward, backward, replay
         if p.sequence_parallel:
             out.append(Collective("tp_all_gather", "tp", "all_gather", T, act // T, blocks, tp_spans))
@@ -875,8 +870,7 @@ def _collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_co
             out.append(Collective("tp_all_reduce", "tp", "all_reduce", T, act, blocks, tp_spans))
         out.append(Collective("tp_embedding_all_reduce", "tp", "all_reduce", T, act, accumulation, tp_spans))
         out.append(Collective("tp_loss_all_reduce", "tp", "all_reduce", T, tokens * 4, 3 * accumulation, tp_spans))
-        out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, _tp_partial_bytes(model, p.sequence_parallel),
-                              1, tp_spans))
+        out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, _tp_partial_bytes(model), 1, tp_spans))
     if C > 1:
         q_width, kv_width = _attention_widths(whole_config)
         cp_spans = spans_nodes(T, C, ranks_per_node)
@@ -888,11 +882,11 @@ def _collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_co
             out.append(Collective("cp_all_to_all", "cp", "all_to_all", C, tokens * (2 * q_width + kv_width) * element,
                                   calls, cp_spans))
     if E > 1:
-        blocks = moe_blocks(model)
-        top_k = blocks[0].gate.top_k if blocks else 1
+        layers_ = routed_experts(model)
+        top_k = top_k_of(model, layers_[0][0]) if layers_ else 1
         rows = tokens * top_k * config.hidden_size * element
         exposure = "simulated" if cfg.moe.implementation == "megamoe" else "critical"
-        calls = accumulation * len(blocks) * 2 * (2 + replays)  # dispatch and combine: forward, backward, replay
+        calls = accumulation * len(layers_) * 2 * (2 + replays)  # dispatch and combine: forward, backward, replay
         out.append(Collective("ep_all_to_all", "ep", "all_to_all", E, rows, calls, spans_nodes(T, E, ranks_per_node),
                               exposure))
     return [c for c in out if c.ranks > 1 and c.calls]
@@ -901,8 +895,6 @@ def _collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_co
 def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dict, costs: OpCosts, accumulation: int,
                collectives: list[Collective], shard: dict[int, int], matrices, rank: int, sharded: bool,
                device: DeviceModel) -> StepTime:
-    from hyperparallel.models.flops import training_flops_per_token
-
     trainable = [q for q in model.parameters() if q.requires_grad]
     shard_bytes = sum(shard[id(q)] for q in trainable)
     state = _optimizer_state(cfg, model, shard)
@@ -917,10 +909,7 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
                 ns_flops += per_matrix if owners.get(id(q), rank) == rank else 0
             else:  # a stack (the experts): each rank its shard's matrices
                 ns_flops += per_matrix * (q.numel() // (small * large)) * shard[id(q)] / max(_nbytes(q), 1)
-    try:
-        flops_per_token = training_flops_per_token(whole["config"], cfg.data.seq_len)
-    except ConfigError:
-        flops_per_token = 0.0
+    flops_per_token = whole["flops_per_token"]
     # (on the CPU nothing overlaps in the model: MegaMoE's all-to-alls count whole, as critical)
     megamoe = cfg.moe.implementation == "megamoe" and device.overlap
     moe_exposed = _megamoe_exposed_s(cfg, layout, model, device) if megamoe else 0.0
@@ -934,22 +923,16 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
 def _megamoe_exposed_s(cfg: TrainConfig, layout: MeshShape, model: nn.Module, device: DeviceModel) -> float:
     """MegaMoE's exposed communication per micro-batch: every MoE layer's wave graphs (forward and
     backward) simulated with this device's costs (multicore.simulate)."""
-    from hyperparallel.moe import MoEShape, default_waves
+    from hyperparallel.moe import default_waves
     from hyperparallel.moe.megamoe_graphs import plan_graphs
     from hyperparallel.multicore import EXECUTORS, CostModel
     from hyperparallel.multicore import simulate as simulate_graph
 
-    blocks = moe_blocks(model)
-    if not blocks or not layout.ep_enabled:
+    layers = routed_experts(model)
+    if not layers or not layout.ep_enabled:
         return 0.0
-    block = blocks[0]
-    shared = block.shared_experts
-    shared_intermediate = sum(q.numel() for q in shared.parameters()) // (3 * block.experts.hidden_dim) if shared else 0
-    element = _activation_bytes(cfg)
-    shape = MoEShape(tokens=cfg.training.micro_batch * cfg.data.seq_len // layout.cp, hidden=block.experts.hidden_dim,
-                     intermediate=block.experts.intermediate_dim, experts=block.gate.num_experts if hasattr(
-                         block.gate, "num_experts") else block.experts.num_experts * layout.ep,
-                     top_k=block.gate.top_k, shared_intermediate=shared_intermediate, element_bytes=element)
+    shape = moe_shape(model, cfg.training.micro_batch * cfg.data.seq_len // layout.cp, _activation_bytes(cfg))
+    element = shape.element_bytes
     bandwidth, latency = device.link(spans_nodes(layout.tp, layout.ep, device.ranks_per_node))
     cost = CostModel(matmul_flops=device.flops_for("bfloat16" if element == 2 else "float32"),
                      memory_bytes_per_s=device.memory_bytes_per_s, link_bytes_per_s=bandwidth,
@@ -958,7 +941,7 @@ def _megamoe_exposed_s(cfg: TrainConfig, layout: MeshShape, model: nn.Module, de
     waves = cfg.moe.waves or default_waves(shape, layout.ep, cost, **executor)
     forward, backward = plan_graphs(shape, layout.ep, waves)
     exposed = sum(simulate_graph(graph, cost, **executor).exposed_comm_s for graph in (forward, backward))
-    return exposed * len(blocks)
+    return exposed * len(layers)
 
 
 def _build_transient(cfg: TrainConfig, model: nn.Module) -> int:

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.models.layers import config_values
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.device_model import DeviceModel
 from hyperparallel.train.plan import Plan, meta_model, plan, runtime_bytes
@@ -67,11 +68,12 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config) -> list[d
     """The mesh shapes of `cfg`'s model (its HF `config`) over `world` ranks to try (as config
     settings), without recompute and micro-batch (`search` picks those): shard groups of whole
     machines, or of every data-parallel rank."""
-    heads = config.num_attention_heads
+    heads = config_values(config, "num_attention_heads")  # (per layer, where the config lets them vary)
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
     seq = cfg.data.seq_len
     out = []
-    for tp in [t for t in _powers_of_two(min(ranks_per_node, world)) if heads % t == 0 and world % t == 0]:
+    for tp in [t for t in _powers_of_two(min(ranks_per_node, world))
+               if all(h % t == 0 for h in heads) and world % t == 0]:
         for cp in [c for c in _powers_of_two(max(seq // CP_TOKENS, 1)) if (world // tp) % c == 0]:
             if tp > 1 and cp > 1:
                 continue
@@ -145,9 +147,12 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         except ConfigError:
             return None
         options = {"device_model": device, "runtime": runtime, "device": "cpu", "simulations": simulations}
-        if depth <= db:
-            return plan(candidate, world, **options)
-        return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
+        try:
+            if depth <= db:
+                return plan(candidate, world, **options)
+            return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
+        except ConfigError:  # what this layout asks of the model it cannot do (no TP plan, no CP, ...)
+            return None
 
     screened: list[Candidate] = []
     for mesh in layouts(cfg, world, device.ranks_per_node, config):

@@ -11,6 +11,7 @@ is found by `data.prepare`, which reads every input before it writes its first c
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -45,11 +46,33 @@ def document_mask(cfg: TrainConfig) -> tuple[bool, str | None]:
     if cfg.parallel.cp > 1:
         reason = (f"parallel.cp = {cfg.parallel.cp} splits each sequence over ranks whose ring and Ulysses attention "
                   f"is causal over the whole row")
-    elif get_family(cfg.model.family).document_mask is not None:
-        reason = f"model.family {cfg.model.family}: {get_family(cfg.model.family).document_mask}"
+    elif (family := _family(cfg)) is not None and family.document_mask is not None:
+        reason = f"model.family {cfg.model.family}: {family.document_mask}"
+    elif family is not None and (problem := _model_document_mask_problem(cfg)) is not None:
+        reason = f"model {family.name!r}: {problem}"
     if cfg.data.document_mask is None:
         return reason is None, reason
     return cfg.data.document_mask and reason is None, reason
+
+
+_document_mask_problems: dict[str, str | None] = {}
+
+
+def _model_document_mask_problem(cfg: TrainConfig) -> str | None:
+    """`models.document_mask_problem` of the model the config builds (on the meta device, once per
+    model config); None where it cannot be built (model_problems says why)."""
+    from hyperparallel.models import build_model, document_mask_problem
+
+    key = json.dumps([cfg.model.family, cfg.model.path, cfg.model.config, cfg.model.attention()], sort_keys=True,
+                     default=str)
+    if key not in _document_mask_problems:
+        try:
+            meta = build_model(cfg.model.family, path=None if cfg.model.path is None else Path(cfg.model.path).expanduser(),
+                               config=cfg.model.config, attn_implementation=cfg.model.attention(), materialize=False)
+        except HyperparallelError:
+            return None
+        _document_mask_problems[key] = document_mask_problem(meta)
+    return _document_mask_problems[key]
 
 
 def compile_problems(cfg: TrainConfig, cuda: bool | None = None) -> list[str]:
@@ -88,26 +111,17 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     if tp > 1 and cfg.optimizer.name == "muon":
         problems.append(f"optimizer.name: muon with parallel.tp = {tp}: Muon orthogonalizes whole matrices, and TP "
                         f"splits them over ranks (not supported yet); use adamw, or tp: 1")
-    family = get_family(cfg.model.family)
-    for name, size in (("tp", tp), ("cp", cp)):
-        if size > 1 and name not in family.parallel_plans:
-            problems.append(f"parallel.{name} = {size}: family {cfg.model.family!r} has no {name.upper()} plan (its "
-                            f"attention is transformers' eager code alone); use FSDP (dp_shard) and EP")
+    family = _family(cfg)  # (None: model_problems names what is wrong with model.family)
     attention = cfg.model.attn_implementation
-    if attention != "auto" and attention not in family.attn_implementations:
+    if family is not None and attention != "auto" and attention not in family.attention_implementations:
         problems.append(f"model.attn_implementation: {attention}: transformers' {cfg.model.family} supports "
-                        f"{', '.join(family.attn_implementations)} only; use auto")
+                        f"{', '.join(family.attention_implementations)} only; use auto")
     if cfg.moe.waves is not None and cfg.moe.implementation != "megamoe":
         problems.append(f"moe.waves = {cfg.moe.waves} sets MegaMoE's expert waves, and moe.implementation is "
                         f"{cfg.moe.implementation}; set moe.implementation: megamoe, or leave moe.waves null")
     if cfg.moe.implementation == "megamoe" and ep == 1:
         problems.append("moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep "
                         "is 1 (no all-to-alls); set parallel.ep > 1 or use moe.implementation: sequential")
-    if ep > 1 and not family.moe_block_classes:
-        problems.append(f"parallel.ep = {ep} splits the experts of MoE layers, and family {cfg.model.family!r} has none")
-    if cfg.load_balance() == "bias" and family.default_load_balance != "bias":
-        problems.append(f"moe.load_balance: bias moves a router's correction bias, and family {cfg.model.family!r} has "
-                        f"none; use aux_loss or none")
     try:
         cfg.grad_accumulation(world)
     except HyperparallelError as error:
@@ -115,8 +129,55 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     return problems
 
 
-def _expert_problems(cfg: TrainConfig, hf_config) -> list[str]:
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", None)
+def _family(cfg: TrainConfig):
+    """The model's family, or None where model.family names none (model_problems says why)."""
+    try:
+        return get_family(cfg.model.family)
+    except HyperparallelError:
+        return None
+
+
+def _moe_problems(cfg: TrainConfig, meta) -> list[str]:
+    """What the MoE options ask of the model's MoE layers (`meta`: the model on the meta device,
+    its MoE layers on hyperparallel.moe's modules)."""
+    from hyperparallel.models.families import computes_aux_loss, load_balance_rule
+    from hyperparallel.moe import GroupedExperts, TopKRouter
+    from hyperparallel.moe.balance import balanced_layers
+    from hyperparallel.parallel.expert_parallel import shared_by_experts
+
+    layers = balanced_layers(meta)
+    experts = [m for m in meta.modules() if isinstance(m, GroupedExperts)]
+    name = cfg.model.family
+    problems = []
+    if cfg.parallel.ep > 1 and not experts:
+        problems.append(f"parallel.ep = {cfg.parallel.ep} splits the experts of MoE layers, and {name!r} has none")
+    rule = cfg.moe.load_balance or load_balance_rule(get_family(name), meta)
+    if rule == "bias" and any(layer.bias_owner is None and not getattr(layer.counter, "hash_routing", False)
+                              for layer in layers):
+        problems.append(f"moe.load_balance: bias moves a router's correction bias, and the routers of {name!r} have none; "
+                        f"use aux_loss or none")
+    ours = any(isinstance(layer.counter, TopKRouter) for layer in layers)
+    if rule == "aux_loss" and layers and not ours and not computes_aux_loss(meta):
+        problems.append(f"moe.load_balance: aux_loss: transformers' {type(meta).__name__} adds no auxiliary loss of "
+                        f"its own (its config has no router_aux_loss_coef); use bias or none")
+    shared = next(((m, names) for m in experts if (names := shared_by_experts(m))), None)
+    if cfg.parallel.ep > 1 and shared is not None:
+        problems.append(f"parallel.ep = {cfg.parallel.ep}: {type(shared[0]).__name__}'s {', '.join(shared[1])} are "
+                        f"shared by all its experts, and expert parallelism would train a copy per rank on that "
+                        f"rank's experts' tokens only; use ep: 1")
+    odd = next((m for m in experts if not m.default_layout), None)
+    if odd is not None and cfg.moe.implementation == "megamoe" and cfg.parallel.ep > 1:
+        problems.append(f"moe.implementation: megamoe runs gate_up_proj [E, 2I, H] / down_proj [E, H, I] experts "
+                        f"without biases or a post-expert norm, and {type(odd).__name__} is laid out otherwise "
+                        f"({odd.layout_description()}); use moe.implementation: sequential")
+    return problems
+
+
+def _expert_problems(cfg: TrainConfig, meta) -> list[str]:
+    from hyperparallel.moe import GroupedExperts
+
+    counts = [m.routed_experts for m in meta.modules() if isinstance(m, GroupedExperts)]
+    experts = min(counts) if counts else None
     ep = cfg.parallel.ep
     if ep > 1 and experts is not None and experts < ep:
         return [f"parallel.ep = {ep} needs at least one expert per rank, and the model has {experts} "
@@ -138,24 +199,33 @@ def _training_output(cfg: TrainConfig) -> str | None:
 def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     """The model's HF config, built and checked by its family (the inline keys, the heads, the
     experts); its vocabulary against the tokenizer's (`data.tokenizer_vocab_size`; None: unknown)."""
-    from hyperparallel.models import make_config, pretrained_config
+    from hyperparallel.models import build_model, make_config, pretrained_config
 
     try:
         if cfg.model.config is not None:
             hf_config = make_config(cfg.model.family, cfg.model.config)
-            given = cfg.model.config.get("vocab_size")  # (absent: it follows the tokenizer)
+            inline = cfg.model.config
+            given = inline.get("vocab_size", (inline.get("text_config") or {}).get("vocab_size"))  # (absent: it
+            # follows the tokenizer)
         else:
             instead = _training_output(cfg)
             if instead is not None:
                 return [instead]
             hf_config = pretrained_config(cfg.model.family, Path(cfg.model.path).expanduser())
-            given = hf_config.vocab_size
+            given = hf_config.get_text_config(decoder=True).vocab_size
     except HyperparallelError as error:
         where = "model.config" if cfg.model.config is not None else "model.path"
         return [line if line.startswith("model") else f"{where}: {line}" for line in str(error).splitlines()]
-    experts = _expert_problems(cfg, hf_config) + _parallel_problems(cfg, hf_config, given or tokenizer_vocab)
+    where = "model.config" if cfg.model.config is not None else "model.path"
+    try:  # (the model on the meta device, its MoE layers swapped: what the layout and options ask of it)
+        meta = build_model(cfg.model.family, path=None if cfg.model.path is None else Path(cfg.model.path).expanduser(),
+                           config=cfg.model.config, attn_implementation=cfg.model.attention(), materialize=False)
+    except HyperparallelError as error:
+        return [f"{where}: {line}" for line in str(error).splitlines()]
+    experts = _expert_problems(cfg, meta) + _moe_problems(cfg, meta)
+    experts += _parallel_problems(cfg, meta, given or tokenizer_vocab)
     if cfg.model.path is not None and not experts:
-        experts += _weight_file_problems(cfg)
+        experts += _weight_file_problems(cfg, meta)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
         return experts
     source = data.tokenizer_source(cfg.data, cfg.model.path)
@@ -174,43 +244,60 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
                           "model's)" if own else f"set data.vocab_size: {given}")]
 
 
-def _weight_file_problems(cfg: TrainConfig) -> list[str]:
-    """model.path's safetensors against the model its config.json describes, from the files'
-    headers alone: every missing, unexpected or mis-shaped tensor, before any rank allocates."""
+def _weight_file_problems(cfg: TrainConfig, meta) -> list[str]:
+    """model.path's safetensors against the model its config.json describes (`meta`, on the meta
+    device), from the files' headers alone: every missing, unexpected or mis-shaped tensor, before
+    any rank allocates."""
     from hyperparallel.checkpoint.hf_files import plan_hf_read
-    from hyperparallel.models import build_model
 
-    path = Path(cfg.model.path).expanduser()
-    meta = build_model(cfg.model.family, path=path, attn_implementation=cfg.model.attention(), materialize=False)
     try:
-        plan_hf_read(path, meta)
+        plan_hf_read(Path(cfg.model.path).expanduser(), meta)
     except HyperparallelError as error:
         return [f"model.path: {line}" for line in str(error).splitlines()]
     return []
 
 
-def _parallel_problems(cfg: TrainConfig, hf_config, vocab: int | None) -> list[str]:
-    """What tensor and context parallelism need of the model's shape."""
+def _parallel_problems(cfg: TrainConfig, meta, vocab: int | None) -> list[str]:
+    """What tensor and context parallelism need of the model (`meta`: on the meta device): a
+    tensor-parallel plan this can run (transformers' own, with the family's additions) and the
+    fused loss it computes the vocab-parallel cross-entropy with; attention context parallelism
+    can run."""
+    from hyperparallel.models import fused_loss_problem
+    from hyperparallel.models.families import tensor_parallel_plan
+    from hyperparallel.models.layers import config_values
+    from hyperparallel.moe.block import MoEBlock
+    from hyperparallel.parallel.context_parallel import context_parallel_problem
+    from hyperparallel.parallel.tensor_parallel import plan_problem
+
     problems = []
     tp, cp = cfg.parallel.tp, cfg.parallel.cp
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    if tp > 1 and heads is not None:
-        if heads % tp:
-            problems.append(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = {heads})")
-        elif kv % tp and tp % kv:
-            problems.append(f"parallel.tp ({tp}) and the key/value heads (num_key_value_heads = {kv}): one must divide "
-                            f"the other (fewer kv heads than tp are replicated)")
+    family, name = get_family(cfg.model.family), cfg.model.family
+    config = meta.config.get_text_config(decoder=True)
+    heads = config_values(config, "num_attention_heads")  # (per layer, where the config lets them vary)
+    if tp > 1:
+        plan = tensor_parallel_plan(family, meta)
+        problem = plan if isinstance(plan, str) else plan_problem(meta, plan, tp,
+                                                                  sequence_parallel=cfg.parallel.sequence_parallel)
+        if problem is not None:  # (one that names parallel.tp itself says what to change)
+            problems.append(problem if problem.startswith("parallel.") else f"parallel.tp = {tp}: {name!r}: {problem}")
+        elif (loss_problem := fused_loss_problem(meta)) is not None:
+            problems.append(f"parallel.tp = {tp}: {name!r}: the vocab-parallel cross-entropy needs the fused loss "
+                            f"head, and {loss_problem}")
     if tp > 1 and vocab is not None and vocab % tp:
         problems.append(f"parallel.tp ({tp}) must divide the vocabulary ({vocab}) of the vocab-parallel embedding and "
                         f"head; set the model's vocab_size to a multiple of {tp}")
-    if tp > 1 and cfg.moe.implementation == "megamoe" and getattr(hf_config, "n_shared_experts", None):
+    if tp > 1 and cfg.moe.implementation == "megamoe" and any(
+            isinstance(m, MoEBlock) and m.shared_experts is not None for m in meta.modules()):
         problems.append(f"moe.implementation: megamoe with parallel.tp = {tp}: MegaMoE runs the shared experts inside "
                         f"its task graph, where tensor parallelism's collectives cannot run; use "
                         f"moe.implementation: sequential")
-    if cp > 1 and cfg.parallel.cp_mode == "ulysses" and heads is not None and heads % cp:
+    if cp > 1:
+        problem = family.context_parallel or context_parallel_problem(meta, cfg.data.seq_len)
+        if problem is not None:
+            problems.append(f"parallel.cp = {cp}: {name!r}: {problem}; use FSDP (dp_shard) and EP")
+    if cp > 1 and cfg.parallel.cp_mode == "ulysses" and any(h % cp for h in heads):
         problems.append(f"parallel.cp_mode: ulysses exchanges heads for sequence: parallel.cp ({cp}) must divide the "
-                        f"attention heads ({heads}); use cp_mode: ring")
+                        f"attention heads ({', '.join(map(str, sorted(heads)))}); use cp_mode: ring")
     return problems
 
 

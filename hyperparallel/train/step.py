@@ -19,22 +19,43 @@ from hyperparallel.train.build import BuiltModel
 from hyperparallel.train.data import MicroBatch
 
 
-def language_model_loss(built: BuiltModel, batch: MicroBatch, device: torch.device, **extra) -> torch.Tensor:
-    """The model's loss on one micro-batch (inside fused_loss and autocast). Packed documents come
-    with position ids that restart at each, from which transformers keeps attention within each
-    document. With context parallelism this rank runs its part of each sequence, and its loss is
-    scaled so that the mean over the cp ranks' gradients is the whole sequence's
+def model_outputs(built: BuiltModel, batch: MicroBatch, device: torch.device, **extra):
+    """The model's outputs on one micro-batch (inside fused_loss and autocast), its `.loss` the
+    language-model loss (plus the auxiliary loss of a model that adds its own: MoE layers keeping
+    transformers' routers under moe.load_balance aux_loss, `built.transformers_aux_loss`). Packed
+    documents come with position ids that restart at each, from which transformers keeps attention
+    within each document. With context parallelism this rank runs its part of each sequence, and
+    its loss is scaled so that the mean over the cp ranks' gradients is the whole sequence's
     (`context_parallel_batch`; preflight refuses document masks there)."""
+    if hasattr(built.model.config, "output_router_logits"):
+        # (asked for exactly when the loss is the trainer's choice: a config saved with
+        # output_router_logits true would otherwise add its auxiliary loss under any other rule)
+        extra.setdefault("output_router_logits", built.transformers_aux_loss)
     context = built.context_parallel
     ids, labels = batch.ids, batch.labels
     if context is None:
         if batch.positions is not None:
             extra["position_ids"] = batch.positions.to(device)
-        return built.trained(input_ids=ids.to(device), labels=labels.to(device), **extra).loss
+        return built.trained(input_ids=ids.to(device), labels=labels.to(device), **extra)
     local_ids, shift_labels, positions, items = context_parallel_batch(ids, labels, context.size, context.rank)
     return built.trained(input_ids=local_ids.to(device), labels=shift_labels.to(device),
                          shift_labels=shift_labels.to(device), position_ids=positions.to(device),
-                         num_items_in_batch=items.to(device), **extra).loss
+                         num_items_in_batch=items.to(device), **extra)
+
+
+def language_model_loss(built: BuiltModel, batch: MicroBatch, device: torch.device, **extra) -> torch.Tensor:
+    """The language-model loss alone on one micro-batch (`model_outputs`, no auxiliary loss)."""
+    if hasattr(built.model.config, "output_router_logits"):
+        extra["output_router_logits"] = False
+    return model_outputs(built, batch, device, **extra).loss
+
+
+def _transformers_aux(built: BuiltModel, outputs) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(the auxiliary loss transformers' model added to its loss, scaled as it added it; unscaled)."""
+    aux = getattr(outputs, "aux_loss", None) if built.transformers_aux_loss else None
+    if aux is None:
+        return None, None
+    return built.model.router_aux_loss_coef * aux, aux
 
 
 @dataclass(frozen=True)
@@ -76,12 +97,15 @@ class TrainStep:
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):
                 with autocast:
-                    loss = language_model_loss(self.built, batch, self.device)
+                    outputs = model_outputs(self.built, batch, self.device)
+                loss = outputs.loss  # (with transformers' own auxiliary loss where its model adds one)
+                model_aux, unscaled = _transformers_aux(self.built, outputs)
+                del outputs  # (its logits, the fused loss's hidden states, would otherwise live through backward)
                 aux = balancer.aux_loss() if balancer is not None else None
                 ((loss if aux is None else loss + aux) / self.accumulation).backward()
             if balancer is not None:
-                balancer.after_backward()
-            loss_sum += loss.detach().double()
+                balancer.after_backward(unscaled)
+            loss_sum += (loss if model_aux is None else loss - model_aux).detach().double()
         sync_partial_grads(model)  # (tensor parallelism: replicated weights' partial gradients)
         if self.built.sharded:
             grad_norm = fsdp.clip_grad_norm_(model, self.max_norm, replicas=self.replicas)

@@ -201,7 +201,8 @@ def test_a_non_empty_destination_is_refused_and_an_empty_one_is_filled(checkpoin
 
 @pytest.mark.parametrize("family, message", [
     ("qwen3_moe", "family 'qwen3_moe' but its HF config has model_type 'qwen3'"),
-    ("llama", "its model card names unknown model family 'llama'"),
+    ("llama", "family 'llama' but its HF config has model_type 'qwen3'"),
+    ("lama", "its model card names model type 'lama' is no causal LM transformers knows; did you mean 'llama'"),
 ])
 def test_a_card_whose_family_does_not_fit_is_refused(tmp_path, family, message):
     model = build_model("qwen3", config=tiny_config("qwen3"))

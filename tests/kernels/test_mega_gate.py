@@ -364,8 +364,12 @@ def test_compiles_whole_to_the_custom_ops():
     (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=2, num_groups=4, top_groups=5), ConfigError,
      "top_groups"),
     (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=2, num_groups=8), ConfigError, "num_groups"),
-    (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=5, num_groups=4, top_groups=2), ConfigError,
+    (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=9, num_groups=4, top_groups=2), ConfigError,
      "top_k"),
+    # a top_k beyond the experts the eligible groups reach is defined (transformers routes it, and moe's
+    # TopKRouter does, op by op: it is not `fusable`), but not for MegaGate, which says so
+    (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=5, num_groups=4, top_groups=2), ConfigError,
+     r"top_k \(5\) exceeds the 4 experts that top_groups \(2\) of num_groups \(4\) groups reach.*op by op"),
     (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=2, hash_indices=torch.zeros(4, 3).long()),
      ShapeError, "hash_indices"),
     (lambda: mega_gate(torch.zeros(4, 8), None, score="sigmoid", top_k=2, hash_indices=torch.zeros(4, 2)),

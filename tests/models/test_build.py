@@ -145,8 +145,10 @@ def test_init_weights_reinitializes_a_loaded_model(tmp_path):
 
 
 def test_unknown_family():
-    with pytest.raises(ConfigError, match="unknown model family 'llama'.*qwen3_moe"):
-        build_model("llama", config={})
+    with pytest.raises(ConfigError, match="model type 'lama' is no causal LM transformers knows; did you mean 'llama'"):
+        build_model("lama", config={})
+    with pytest.raises(ConfigError, match="model type 'bert' is an encoder.*trains text decoder-only causal LMs"):
+        build_model("bert", config={})
 
 
 def test_unknown_inline_key_is_named_with_the_family():
@@ -229,4 +231,33 @@ def test_deepseek_v4_hash_layers_route_by_a_drawn_table_and_clamp_the_experts():
     assert torch.equal(table, hf.model.layers[0].mlp.gate.tid2eid)
     assert all(len(set(row)) == config["num_experts_per_tok"] for row in table.tolist())
     assert set(table.flatten().tolist()) == set(range(config["n_routed_experts"]))
-    assert ours.model.layers[0].mlp.experts.swiglu_limit == config["swiglu_limit"]
+    # the clamp is transformers' own (DeepseekV4Experts._apply_gate, reading its `limit`), which ours runs
+    experts = ours.model.layers[0].mlp.experts
+    assert experts.limit == config["swiglu_limit"]
+    limit = config["swiglu_limit"]
+    big = torch.full((3, 2 * experts.intermediate_dim), 4 * limit)  # gate and up clamped to the limit
+    assert torch.equal(experts.activate(big), torch.full((3, experts.intermediate_dim),
+                                                         limit * torch.sigmoid(torch.tensor(limit)).item() * limit))
+
+
+# Whose init reaches beyond each module's own tensors: GPT-2's attention rescales its c_proj (and
+# its head is tied); ModernBERT's decoder draws truncated normals (which torch skips on the meta
+# device) from its parents, the model for its head; Falcon-H1's model writes every layer's
+# mup_vector; AFMoE's MoE block zeroes its router's; Apertus' xIELU alphas and OpenAI GPT's Conv1D
+# weights come from their constructors alone.
+@pytest.mark.parametrize("model_type", ["gpt2", "modernbert-decoder", "falcon_h1", "afmoe", "apertus", "openai-gpt"])
+def test_init_by_name_gives_the_whole_models_init(model_type):
+    from hyperparallel.models.init import init_by_name
+    from hyperparallel.models.tiny import tiny_config_values
+
+    config = tiny_config_values(model_type)
+    whole = build_model(model_type, config=config, seed=3)
+    with torch.device("meta"):
+        shadow = build_model(model_type, config=config, materialize=False)
+    tensors = dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers(remove_duplicate=False))
+    got: dict[int, torch.Tensor] = {}  # by the whole model's tensor: a tied one keeps the first value handed out
+    init_by_name(shadow, 3, lambda name, value: got.setdefault(id(tensors[name]), value.clone()))
+
+    assert set(got) == {id(t) for t in tensors.values()}
+    assert all(torch.equal(t, got[id(t)]) for t in tensors.values())
+    assert all(t.is_meta for t in shadow.parameters())

@@ -4,8 +4,9 @@ supports: Qwen3-MoE, DeepSeek-V3, Kimi K2 (DeepSeek-V3's classes with yarn rope)
 
 Each family's tiny model (configs/models/*_tiny.yaml) is built once with transformers' blocks;
 "ours" is a `copy.deepcopy` of it with the blocks swapped, so both hold the same weights. The
-reference runs transformers' eager experts loop; ours runs GroupedExperts (the default
-`grouped_mm` experts implementation). Each test works on copies of the pair.
+reference runs transformers' eager experts loop; ours runs GroupedExperts (the swapped model's
+experts implementation, "hyperparallel", registered in transformers' experts interface). Each test
+works on copies of the pair.
 
 The transformers behaviours covered:
 - fp32 forward: logits and every hidden state (`output_hidden_states=True`).
@@ -15,11 +16,12 @@ The transformers behaviours covered:
   DeepSeek-V3 records logits but computes none) and total loss; with a padded attention mask; with
   MegaGate's fused routing. DeepSeek-V4's hash-routed layers are not recorded by transformers and
   not by ours.
-- `set_experts_implementation`: "eager", "batched_mm" and "grouped_mm" give transformers' outputs;
-  another implementation transformers accepts ("deepgemm", "sonicmoe") runs transformers' own
-  (the same outcome as transformers' model: on the CPU, its own error); one that would drop our
-  MXFP8 recipe or expert parallelism is refused with a ConfigError naming what ours run, never
-  silently ignored.
+- `set_experts_implementation`: "eager", "batched_mm" and "grouped_mm" run transformers' own
+  functions (called through its experts interface, as transformers' tests check with mocks) on our
+  Parameters and give transformers' outputs; "hyperparallel" runs ours again; another
+  implementation transformers accepts ("deepgemm", "sonicmoe") runs transformers' own (the same
+  outcome as transformers' model: on the CPU, its own error); one that would drop our MXFP8 recipe
+  or expert parallelism is refused with a ConfigError naming what ours run, never silently ignored.
 - save_pretrained, then loading (build_model(path=...), which swaps): the same state dict and logits.
 - transformers' init paths reach our modules: `init_weights()` gives our router and expert weights
   normal(0, initializer_range) and a zero correction bias; a seed gives the same state dict with
@@ -56,6 +58,7 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.models import build_model, get_family, swap_moe_blocks
 from hyperparallel.models.kernels import use_kernels
 from hyperparallel.moe import GroupedExperts, MoEBlock, TopKRouter
+from hyperparallel.moe.experts import EXPERTS_IMPLEMENTATION
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 # (family, tiny config, MoE layers)
@@ -100,7 +103,7 @@ def built(request) -> Pair:
     hf = build_model(family, config=tiny(name), seed=SEED, grouped_experts=False).eval()
     ours = copy.deepcopy(hf)
     assert swap_moe_blocks(ours) == moe_layers
-    hf.set_experts_implementation("eager")  # transformers' reference loop (ours keeps the default, grouped_mm)
+    hf.set_experts_implementation("eager")  # transformers' reference loop (ours runs "hyperparallel")
     return Pair(family, name, moe_layers, hf, ours)
 
 
@@ -206,14 +209,27 @@ def test_router_logits_with_mega_gate(pair):
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 def test_experts_implementation_gives_transformers_outputs(pair, implementation):
-    pair.hf.set_experts_implementation(implementation)
-    pair.ours.set_experts_implementation(implementation)
-    assert pair.ours.config._experts_implementation == implementation
+    """As transformers' own test of it: each implementation is called through the interface's
+    mapping (mocks wrapping transformers' functions), and gives the eager loop's outputs; our own
+    comes back with set_experts_implementation("hyperparallel")."""
+    from unittest.mock import Mock, patch
+
+    from transformers.integrations import moe as hf_moe
+
+    assert pair.ours.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    mocks = {name: Mock(wraps=hf_moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm")}
     ids = batch(pair.vocab_size)
-    with torch.no_grad():
+    with patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", mocks), torch.no_grad():
+        pair.ours.set_experts_implementation(implementation)
+        assert pair.ours.config._experts_implementation == implementation
         o = pair.ours(input_ids=ids).logits
+        for name, mock in mocks.items():
+            assert mock.called == (name == implementation)
         h = pair.hf(input_ids=ids).logits
+        pair.ours.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        back = pair.ours(input_ids=ids).logits
     torch.testing.assert_close(o, h, rtol=0, atol=FORWARD_ATOL)
+    torch.testing.assert_close(back, h, rtol=0, atol=FORWARD_ATOL)
 
 
 @pytest.mark.parametrize("implementation", ["deepgemm", "sonicmoe"])
@@ -244,9 +260,9 @@ def test_an_implementation_that_would_drop_mxfp8_is_refused(pair):
     convert(pair.ours, LowPrecisionConfig(enabled=True, modules=["experts"]))
     ids = batch(pair.vocab_size, shape=(1, 8))
     with torch.no_grad():
-        pair.ours(input_ids=ids)  # (grouped_mm: ours, in MXFP8)
+        pair.ours(input_ids=ids)  # (ours, in MXFP8)
         pair.ours.set_experts_implementation("eager")
-        with pytest.raises(ConfigError, match=r"(?is)'eager'.*mxfp8.*grouped_mm"):
+        with pytest.raises(ConfigError, match=r"(?is)'eager'.*mxfp8.*'hyperparallel'"):
             pair.ours(input_ids=ids)
 
 
@@ -257,7 +273,7 @@ def test_an_implementation_that_would_drop_expert_parallelism_is_refused(pair):
     experts = next(m for m in pair.ours.modules() if isinstance(m, GroupedExperts))
     rows = torch.randn(4, experts.hidden_dim)
     offsets = torch.full((experts.num_experts,), 4, dtype=torch.int32)
-    with pytest.raises(ConfigError, match=r"(?s)'batched_mm'.*expert parallelism.*grouped_mm"):
+    with pytest.raises(ConfigError, match=r"(?s)'batched_mm'.*expert parallelism.*'hyperparallel'"):
         experts(rows, offsets=offsets)
 
 
@@ -407,7 +423,7 @@ def test_missing_keys_on_load_are_initialized(built, tmp_path):
             swap_moe_blocks(self)
 
     Swapped.__module__ = spec.model_class.__module__  # (transformers reads its module's source)
-    model = Swapped.from_pretrained(tmp_path, attn_implementation=spec.attn_implementations[0])
+    model = Swapped.from_pretrained(tmp_path, attn_implementation=spec.attention_implementations[0])
     block = model.model.layers[1].mlp
     assert isinstance(block, MoEBlock)
 

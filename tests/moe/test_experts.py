@@ -446,3 +446,14 @@ def test_run_sorted_matches_hf_experts_on_sorted_rows(autocast):
             assert_close_bf16(g.float(), w.float())
         else:
             torch.testing.assert_close(g, w, **FP32)
+
+
+def test_parameters_all_experts_share_are_named_for_expert_parallelism():
+    from hyperparallel.parallel.expert_parallel import keep_local_experts, shared_by_experts
+
+    experts = GroupedExperts(4, 8, 16, torch.nn.SiLU())
+    assert shared_by_experts(experts) == []
+    experts.has_post_expert_norm, experts.post_expert_norm = True, torch.nn.LayerNorm(8)
+    assert shared_by_experts(experts) == ["post_expert_norm.weight", "post_expert_norm.bias"]
+    keep_local_experts(experts, ep=2, ep_rank=1)  # (the norm is not sliced per expert: preflight refuses ep)
+    assert experts.gate_up_proj.shape[0] == 2 and experts.post_expert_norm.weight.shape == (8,)

@@ -5,7 +5,8 @@ the loads of every rank.
 
 Our router runs transformers' torch calls in the same order, so everything compared here was
 measured bit-equal (logits, weights, indices, and the gradients w.r.t. input and router weight):
-the checks are torch.equal. The aux loss is the same formula with its divisions grouped
+the checks are torch.equal, also for a router whose top_k exceeds the experts its groups reach
+(with `fused` set too: it runs op by op). The aux loss is the same formula with its divisions grouped
 differently: measured within 1 float32 ulp of transformers' load_balancing_loss_func (4.8e-7 on
 4.19, over five seeds), checked to 2e-6 relative; its gradient w.r.t. the router weight within
 1.7e-8 of transformers' (largest element 0.03 to 0.05), checked to 1e-5 of the largest element.
@@ -25,7 +26,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter,
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.models import build_model, make_config
-from hyperparallel.models.families import router_from_hf
+from hyperparallel.models.moe_blocks import router_from_hf
 from hyperparallel.moe import LoadBalancer, TopKRouter, switch_aux_loss
 from hyperparallel.moe.balance import read_figures
 
@@ -38,19 +39,26 @@ def tiny(name: str) -> dict:
 
 
 # (family, tiny config, overrides): DeepSeek-V3 (8 groups, 4 eligible), Kimi K2's tiny shape
-# (4 groups, 2 eligible) and Kimi K2's own grouping (one group: every expert eligible)
+# (4 groups, 2 eligible) and Kimi K2's own grouping (one group: every expert eligible); and the
+# shape of transformers' own DeepSeek-V3 tests, whose top_k exceeds the experts the eligible groups
+# reach (8 experts in 4 groups of 2, 2 eligible: 4 reachable), top 8 (every expert) and top 6 (which
+# 2 of the 4 excluded experts come is torch.topk's order of -inf ties): see [Note: top_k beyond the
+# reachable experts] (kernels/router_groups.py)
+BEYOND_REACH = {"n_routed_experts": 8, "n_group": 4, "topk_group": 2}
 CASES = {
     "qwen3_moe": ("qwen3_moe", "qwen3_moe_tiny", {}),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3_tiny", {}),
     "kimi_k2": ("kimi_k2", "kimi_k2_tiny", {}),
     "kimi_k2_one_group": ("kimi_k2", "kimi_k2_tiny", {"n_group": 1, "topk_group": 1}),
+    "beyond_reach_top8": ("deepseek_v3", "deepseek_v3_tiny", BEYOND_REACH | {"num_experts_per_tok": 8}),
+    "beyond_reach_top6": ("deepseek_v3", "deepseek_v3_tiny", BEYOND_REACH | {"num_experts_per_tok": 6}),
 }
 
 
-def hf_router(case: str, *, norm_topk_prob: bool = True, seed: int = 0, bias: bool = False):
+def hf_router(case: str, *, norm_topk_prob: bool = True, seed: int = 0, bias: bool = False, overrides=None):
     """transformers' router of a tiny config, with random weights (and a random correction bias)."""
-    family, name, overrides = CASES[case]
-    config = make_config(family, tiny(name) | overrides | {"norm_topk_prob": norm_topk_prob})
+    family, name, case_overrides = CASES[case]
+    config = make_config(family, tiny(name) | case_overrides | (overrides or {}) | {"norm_topk_prob": norm_topk_prob})
     router = (Qwen3MoeTopKRouter if family == "qwen3_moe" else DeepseekV3TopkRouter)(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -63,6 +71,21 @@ def hf_router(case: str, *, norm_topk_prob: bool = True, seed: int = 0, bias: bo
 def tokens(router, n: int = 57, seed: int = 1, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(3, n, router.hidden_dim, generator=g).to(dtype)  # [batch, seq, hidden]: reshaped to [T, H]
+
+
+def assert_same_grads(ours, hf, x):
+    """The input's and the weight's gradients of one loss on the routing weights and logits, bitwise."""
+
+    def grads(router):
+        inp = x.clone().requires_grad_()
+        logits, weights, _ = router(inp)
+        g = torch.Generator()
+        loss = (weights * torch.randn(weights.shape, generator=g.manual_seed(3))).sum() + \
+            (logits * torch.randn(logits.shape, generator=g.manual_seed(4))).sum() * 0.1
+        return torch.autograd.grad(loss, (inp, router.weight))
+
+    for name, got, want in zip(("input", "weight"), grads(ours), grads(hf), strict=True):
+        assert torch.equal(got, want), f"{name}: max abs diff {(got - want).abs().max().item()}"
 
 
 def assert_same_routing(ours: TopKRouter, hf, x: torch.Tensor) -> None:
@@ -136,18 +159,7 @@ def test_gradients_equal_transformers(case, norm_topk_prob):
     hf = hf_router(case, norm_topk_prob=norm_topk_prob, bias=case != "qwen3_moe")
     ours = router_from_hf(copy.deepcopy(hf))
     assert ours.weight is not hf.weight
-    x = tokens(hf)
-    g = torch.Generator().manual_seed(2)
-
-    def grads(router):
-        inp = x.clone().requires_grad_()
-        logits, weights, _ = router(inp)
-        loss = (weights * torch.randn(weights.shape, generator=g.manual_seed(3))).sum() + \
-            (logits * torch.randn(logits.shape, generator=g.manual_seed(4))).sum() * 0.1
-        return torch.autograd.grad(loss, (inp, router.weight))
-
-    for name, got, want in zip(("input", "weight"), grads(ours), grads(hf), strict=True):
-        assert torch.equal(got, want), f"{name}: max abs diff {(got - want).abs().max().item()}"
+    assert_same_grads(ours, hf, tokens(hf))
 
 
 # -- what a training forward records --
@@ -217,14 +229,113 @@ def test_recompute_records_the_same_counts_not_twice():
     (8, 4, 2, r"num_experts \(8\) must split into num_groups \(8\) groups of at least 2 experts"),
     (3, 1, 2, r"num_experts \(8\) must split into num_groups \(3\)"),
     (4, 5, 2, r"top_groups \(5\) must be in 1\.\.num_groups \(4\)"),
-    (4, 1, 3, r"top_k \(3\) must be in 1\.\.top_groups \* num_experts / num_groups \(2\)"),
+    (4, 1, 9, r"top_k \(9\) must be in 1\.\.num_experts \(8\)"),
+    (1, 1, 0, r"top_k \(0\) must be in 1\.\.num_experts \(8\)"),
 ])
 def test_group_limited_shapes_that_cannot_route_are_refused_when_made(groups, top_groups, top_k, named):
     """Shapes for which group-limited top-k is undefined fail when the router is made, naming
-    the keys, not in forward (a group of one expert: torch.topk's "selected index k out of range")."""
+    the keys, not in forward (a group of one expert: torch.topk's "selected index k out of range").
+    A top_k beyond the experts the eligible groups reach is defined (transformers routes it), and
+    only such a router is not `fusable`."""
     with pytest.raises(ConfigError, match=f"router: {named}"):
         TopKRouter(16, 8, top_k, score="sigmoid", num_groups=groups, top_groups=top_groups, correction_bias=True)
-    TopKRouter(16, 8, 2, score="sigmoid", num_groups=4, top_groups=1, correction_bias=True)  # the most that fits
+    assert TopKRouter(16, 8, 2, score="sigmoid", num_groups=4, top_groups=1, correction_bias=True).fusable
+    for top_k in (3, 8):  # beyond the 2 experts of the one eligible group
+        assert not TopKRouter(16, 8, top_k, score="sigmoid", num_groups=4, top_groups=1, correction_bias=True).fusable
+
+
+# -- top_k beyond the experts the eligible groups reach (CASES' beyond_reach_*) --
+
+
+def test_routing_beyond_reach_takes_excluded_experts_as_transformers_does():
+    """The test has teeth: with top 6 of 4 reachable, every token takes 2 of the 4 experts outside
+    its eligible groups, not the 2 of lowest index for every token (torch.topk's order of -inf
+    ties), and weights them by their real scores."""
+    hf = hf_router("beyond_reach_top6", bias=True)
+    logits, weights, indices = hf(tokens(hf))
+    choice = logits.sigmoid() + hf.e_score_correction_bias
+    groups = choice.view(-1, 4, 2).topk(2, dim=-1)[0].sum(dim=-1).topk(2, dim=-1)[1]
+    eligible = torch.zeros(logits.shape[0], 4, dtype=torch.bool).scatter_(1, groups, True).repeat_interleave(2, 1)
+    outside = ~eligible.gather(1, indices)
+    assert torch.equal(outside.sum(dim=1), torch.full((logits.shape[0],), 2))
+    assert len({tuple(sorted(row)) for row in indices[outside].view(-1, 2).tolist()}) > 1
+    assert (weights[outside] > 0).all()
+    assert_same_routing(router_from_hf(hf), hf, tokens(hf))
+
+
+@pytest.mark.parametrize("case", ["beyond_reach_top8", "beyond_reach_top6"])
+def test_fused_router_beyond_reach_runs_op_by_op(case, monkeypatch):
+    """With `fused` set, a router that is not `fusable` never calls MegaGate: transformers' indices
+    (the same tensors, not only the same sets per token), weights and gradients, bit for bit."""
+    import hyperparallel.kernels.mega_gate as gate
+
+    def refused(*args, **kwargs):
+        raise AssertionError("MegaGate called for a router that is not fusable")
+
+    monkeypatch.setattr(gate, "mega_gate", refused)
+    hf = hf_router(case, bias=True)
+    ours = router_from_hf(hf)
+    ours.fused = True
+    assert not ours.fusable and "op by op" in repr(ours)
+    x = tokens(hf)
+    assert_same_routing(ours, hf, x)
+    _, _, indices = ours(x)
+    assert [sorted(row) for row in indices.tolist()] == [sorted(row) for row in hf(x)[2].tolist()]
+    assert_same_grads(ours, hf, x)
+
+
+def test_use_kernels_counts_routers_beyond_reach_apart():
+    from hyperparallel.models.kernels import use_kernels
+
+    model = torch.nn.ModuleList([router_from_hf(hf_router(case, bias=True))
+                                 for case in ("deepseek_v3", "beyond_reach_top8", "deepseek_v3")])
+    report = use_kernels(model, mega_gate=True, mega_mhc=False)
+    assert all(router.fused for router in model) and [router.fusable for router in model] == [True, False, True]
+    assert (report.mega_gate, report.routers, report.op_by_op) == (2, 3, 1)
+    assert report.summary(mega_gate=True, mega_mhc=False) == (
+        "kernels: MegaGate on (2 routers; 1 whose top_k exceeds its reachable experts runs op by op, "
+        "as transformers does)")
+    off = use_kernels(model, mega_gate=False, mega_mhc=False)
+    assert (off.mega_gate, off.op_by_op) == (0, 0) and off.summary(mega_gate=False, mega_mhc=False) == \
+        "kernels: MegaGate off"
+
+
+def test_counts_and_aux_loss_of_a_router_beyond_reach():
+    """Load balancing reads the indices, excluded experts included: the counts are their bincount,
+    the aux loss the Switch loss of transformers' indices and normalized scores."""
+    hf = hf_router("beyond_reach_top6", bias=True)
+    ours = router_from_hf(copy.deepcopy(hf)).train()
+    ours.fused, ours.load_balance, ours.recording = True, "aux_loss", True
+    x = tokens(hf)
+    _, _, indices = ours(x)
+    logits, _, want_indices = hf(x)
+    assert torch.equal(indices, want_indices)
+    assert torch.equal(ours.last_counts, torch.bincount(want_indices.reshape(-1), minlength=hf.num_experts))
+    assert int(ours.last_counts.sum()) == want_indices.numel()
+    scores = logits.sigmoid()
+    want = switch_aux_loss(scores / scores.sum(dim=-1, keepdim=True), want_indices, hf.num_experts)
+    torch.testing.assert_close(ours.aux_loss(), want, **AUX_LOSS)
+    grad, = torch.autograd.grad(ours.aux_loss(), ours.weight)
+    assert grad.isfinite().all() and grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op_by_op", "mega_gate"])
+def test_softmax_router_choosing_every_expert(fused):
+    """Qwen3-MoE's shape with num_experts_per_tok == num_experts (one group: every expert
+    reachable, so fusable): transformers' routing, bit for bit op by op; with MegaGate the same
+    indices, and weights within MegaGate's 1e-6 (tests/kernels/test_mega_gate.py; measured 1.8e-7
+    over five seeds)."""
+    hf = hf_router("qwen3_moe", overrides={"num_experts_per_tok": 16})
+    ours = router_from_hf(hf)
+    ours.fused = fused
+    assert ours.fusable and ours.top_k == ours.num_experts == 16
+    x = tokens(hf)
+    if not fused:
+        assert_same_routing(ours, hf, x)
+        return
+    (logits, weights, indices), (want_logits, want_weights, want_indices) = ours(x), hf(x)
+    assert torch.equal(logits, want_logits) and torch.equal(indices, want_indices)
+    torch.testing.assert_close(weights, want_weights, rtol=0.0, atol=1e-6)
 
 
 # -- LoadBalancer --

@@ -48,7 +48,7 @@ BAD = [
     (MINIMAL + "training: {stepz: 3}\n", r"training.stepz: unknown key; did you mean training.steps\?"),
     (MINIMAL + "checkpoint: {asynk: true}\n", r"checkpoint.asynk: unknown key; did you mean checkpoint.async\?"),
     ("data: {}\n", r"model: missing"),
-    ("model: {family: llama, config: {}}\n", r"model.family: .*got 'llama'"),
+    ("model: {config: {hidden_size: 64}}\n", r"model.family is auto, and the inline model.config has no model_type"),
     ("model: {family: qwen3}\n", r"exactly one of model.path .* or model.config"),
     ("model: {family: qwen3, path: x, config: {}}\n", r"exactly one of model.path"),
     (MINIMAL + "training: {steps: many}\n", r"training.steps: .*got 'many'"),
@@ -169,12 +169,17 @@ def test_model_config_may_name_a_mapping_file_beside_the_config(tmp_path):
     assert cfg.model.config == {"hidden_size": 64, "num_hidden_layers": 1}
 
 
-def test_the_family_is_read_from_model_path(tmp_path):
+def test_the_family_is_read_from_model_path_or_the_inline_model_type(tmp_path):
+    """model.family: auto (the default) is the model_type of model.path's config.json or of the
+    inline config: any transformers type, checked (with the rest of the model) by preflight."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "deepseek_v3"}')
     assert load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n")).model.family == "deepseek_v3"
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigError, match=r"model_type 'llama', which no family trains"):
+    assert load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n")).model.family == "llama"
+    assert load_config(write(tmp_path, "model: {config: {model_type: mixtral}}\n")).model.family == "mixtral"
+    (tmp_path / "hf" / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ConfigError, match=r"config.json names no model_type to infer it from; give model.family"):
         load_config(write(tmp_path, f"model: {{path: {tmp_path / 'hf'}}}\n"))
 
 
@@ -240,7 +245,6 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
     from hyperparallel.checkpoint.model_card import DTYPES
     from hyperparallel.fsdp import GEOMETRIES
     from hyperparallel.lowp.config import LowPrecisionConfig
-    from hyperparallel.models import family_names
     from hyperparallel.models.compile import BACKENDS
     from hyperparallel.moe.config import MoEConfig
     from hyperparallel.mx.format import SCALE_MODES
@@ -251,7 +255,6 @@ def test_the_choices_are_those_of_the_registries_that_implement_them():
     def choices(section, key):
         return set(get_args(section.model_fields[key].annotation))
 
-    assert choices(config.ModelSection, "family") == set(family_names())
     assert choices(config.ModelSection, "dtype") == set(DTYPES)
     assert choices(config.TrainingSection, "compile") == set(BACKENDS)
     assert choices(config.ParallelSection, "shard_geometry") == set(GEOMETRIES)

@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from hyperparallel.models import FAMILIES, build_model, fused_loss, install_fused_loss
+from hyperparallel.models import FAMILIES, build_model, document_mask_problem, fused_loss, install_fused_loss
 from hyperparallel.models.families import ALIASES
 from hyperparallel.models.kernels import use_kernels
+from hyperparallel.models.tiny import tiny_config_values
 from hyperparallel.moe import TopKRouter
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -69,6 +70,11 @@ class Case:
                          *(k for k, _ in self.overrides)])
 
 
+# any causal LM of transformers (no tuned family): masks where `document_mask_problem` finds none
+# (Gemma 3: sliding windows of 16 tokens, shorter than the first document), refused where it names
+# a reason: Mamba's recurrent state, GPT-OSS's forward that builds its masks without the positions
+GENERIC = [Case("llama", ""), Case("gemma3_text", ""), Case("mixtral", "")]
+GENERIC_REFUSED = [Case("mamba", ""), Case("gpt_oss", "")]
 SLIDING_ONLY_V4 = (("layer_types", ("sliding_attention",) * 4),)
 # (qwen3 twice: sdpa's mask and eager's; kimi_k2 is DeepSeek-V3 with yarn rope)
 SUPPORTED = [Case("qwen3", "qwen3_tiny"), Case("qwen3", "qwen3_tiny", "eager"), Case("qwen3_moe", "qwen3_moe_tiny"),
@@ -81,7 +87,8 @@ MOE = [*(c for c in SUPPORTED if c.family != "qwen3"), V4_SLIDING]
 @functools.cache
 def model_of(case: Case, seed: int):
     """The family as the trainer builds it: our MoE blocks, MegaGate and MegaMHC on, the fused loss."""
-    config = yaml.safe_load((CONFIGS / f"{case.config}.yaml").read_text())
+    path = CONFIGS / f"{case.config}.yaml"
+    config = yaml.safe_load(path.read_text()) if path.is_file() else tiny_config_values(case.family)
     config.update({k: list(v) if isinstance(v, tuple) else v for k, v in case.overrides})
     model = build_model(case.family, config=config, attn_implementation=case.attn_implementation, seed=seed)
     use_kernels(model, mega_gate=True, mega_mhc=True)
@@ -278,6 +285,20 @@ def test_moe_routing_is_per_token_so_packing_changes_no_tokens_experts(case):
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@pytest.mark.parametrize("case", GENERIC, ids=lambda c: c.id)
+def test_any_causal_lm_whose_token_mixing_is_masked_attention_keeps_documents_apart(case):
+    assert document_mask_problem(model_of(case, 0)) is None
+    assert_each_document_as_alone(case)
+
+
+@pytest.mark.parametrize("case", GENERIC_REFUSED, ids=lambda c: c.id)
+def test_where_the_model_names_a_reason_later_documents_do_see_earlier_ones(case):
+    """What the trainer then says when it turns masks off (or refuses data.document_mask: true)
+    is so: the packed documents after the first do see it."""
+    assert document_mask_problem(model_of(case, 0)) is not None
+    assert_later_documents_differ(case, restart=True)
 
 
 def test_deepseek_v4_holds_with_sliding_window_attention_only():

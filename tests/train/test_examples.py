@@ -6,7 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from hyperparallel.models import build_model, get_family
+from hyperparallel.models.families import load_balance_rule
+from hyperparallel.moe.balance import balanced_layers
 from hyperparallel.train.config import load_config
 from hyperparallel.train.loop import train
 
@@ -39,6 +43,11 @@ def test_each_example_trains_three_steps(tmp_path, monkeypatch, capfd, path):
     assert [r["step"] for r in summary["records"] if "val_loss" in r] == [3]
     assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
     logged = [r for r in summary["records"] if "loss" in r]
-    if cfg.model.family != "qwen3":  # MoE families: the loads measured, the family's balancing on
+    with torch.device("meta"):
+        meta = build_model(cfg.model.family, config=dict(cfg.model.config), materialize=False)
+    if balanced_layers(meta):  # MoE models: the loads measured, the model's balancing rule on
         assert all(1.0 <= r["moe_imbalance"] for r in logged)
-        assert all(("aux_loss" in r) == (cfg.load_balance() == "aux_loss") for r in logged)
+        rule = cfg.moe.load_balance or load_balance_rule(get_family(cfg.model.family), meta)
+        assert all(("aux_loss" in r) == (rule == "aux_loss") for r in logged)
+    else:
+        assert not any("moe_imbalance" in r or "aux_loss" in r for r in logged)

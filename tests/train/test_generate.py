@@ -129,7 +129,8 @@ def test_each_mistake_is_named(run, tmp_path):
     (tmp_path / "bare" / "tokenizer.json").unlink()
     shutil.copytree(checkpoint, tmp_path / "partial.tmp")
     (tmp_path / "partial.tmp" / "checkpoint.json").unlink()  # what a killed save leaves
-    llama = shrunk(hf, tmp_path / "llama", model_type="llama")
+    llama = shrunk(hf, tmp_path / "llama", model_type="llama")  # Qwen3's files under Llama's config
+    bert = shrunk(hf, tmp_path / "bert", model_type="bert")
     tiny = shrunk(hf, tmp_path / "tiny", max_position_embeddings=2)
     cases = [
         (tmp_path / "nowhere", {}, ConfigError, "nowhere does not exist"),
@@ -139,7 +140,9 @@ def test_each_mistake_is_named(run, tmp_path):
          r"no tokenizer for checkpoint .*loose/step_1: .*tokenizer.json does not exist"),
         (tmp_path / "bare", {}, ConfigError, r"no tokenizer for .*bare/tokenizer.json does not exist"),
         (tmp_path / "partial.tmp", {}, CheckpointError, "partial.tmp is not a complete checkpoint"),
-        (llama, {}, ConfigError, "has model_type 'llama'; hyperparallel knows"),
+        (llama, {}, CheckpointError, r"checkpoint .*llama: model.layers.0.mlp.experts.0.down_proj.weight in model.safetensors is no tensor of "
+         r"the model"),
+        (bert, {}, ConfigError, r"config.json: model type 'bert' is an encoder, .* trains text decoder-only causal LMs"),
         (tiny, {}, ConfigError, r"the prompt is \d+ tokens; .* at most 2 positions \(max_position_embeddings\)"),
         (hf, {"prompt": ""}, ConfigError, "the prompt is empty"),
         (hf, {"max_new_tokens": 0}, ConfigError, "max_new_tokens must be an integer of at least 1; got 0"),

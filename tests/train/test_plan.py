@@ -233,29 +233,36 @@ def test_user_errors_print_one_line_and_exit_2(cli, args, message):
 
 
 def test_a_tp_ranks_fake_model_has_the_tp_plans_shapes():
-    """The plan's model of one TP rank (`tp_rank_config`) has, parameter by parameter, the shapes
-    the trainer's TP plan leaves on each rank (apply_tensor_parallel over a fake 2-rank group)."""
+    """The plan's model of one TP rank is split by the plan the trainer runs, so it has, parameter
+    by parameter, the shapes apply_tensor_parallel leaves on each rank (over a fake 2-rank group),
+    and the same partial gradients."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
+    from hyperparallel.models import get_family
+    from hyperparallel.models.families import tensor_parallel_plan
+    from hyperparallel.parallel.tensor_parallel import (
+        apply_tensor_parallel,
+        make_head_vocab_parallel,
+        tensor_parallel_state,
+    )
 
     for family in ("qwen3", "qwen3_moe", "deepseek_v3"):
         cfg = tiny(family, parallel={"tp": 2})
-        planned = {n: tuple(p.shape) for n, p in planning.meta_model(cfg, tp=2).named_parameters()}
+        fake = planning.meta_model(cfg, tp=2)
+        planned = {n: tuple(p.shape) for n, p in fake.named_parameters()}
         for rank in range(2):
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
             try:
                 model = build_model(family, config={**cfg.model.config, "vocab_size": 512}, materialize=False)
-                apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=False)
+                plan = tensor_parallel_plan(get_family(family), model)
+                apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=False, plan=plan)
                 install_fused_loss(model)
                 make_head_vocab_parallel(model)
                 real = {n: tuple(p.shape) for n, p in model.named_parameters()}
             finally:
                 dist.destroy_process_group()
-            assert real.keys() == planned.keys()
-            # (DeepSeek's shared experts: TP splits their columns, the plan keeps them whole)
-            differ = {n for n in real if real[n] != planned[n]}
-            assert all("shared_experts" in n for n in differ), (family, sorted(differ)[:4])
+            assert real == planned, family
+            assert tensor_parallel_state(model).partial == tensor_parallel_state(fake).partial
 
 
 def test_hsdp_shards_over_the_shard_group_and_all_reduces_across_replicas():
@@ -273,7 +280,7 @@ def test_expert_parallel_ranks_hold_their_experts_sharded_over_the_ranks_holding
     cfg = tiny(parallel={"dp_shard": 4}, training={"micro_batch": 1})
     with_ep = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"ep": 2})})
     model = planning.meta_model(cfg)
-    experts = sum(nbytes(b.experts.parameters()) for b in planning.moe_blocks(model))
+    experts = sum(nbytes(e.parameters()) for e, _ in planning.routed_experts(model))
     others = nbytes(model.parameters()) - experts
     plan = planning.plan(with_ep, 4, runtime=0)
     # experts: half on each EP rank, sharded over the 2 ranks holding the same half; the rest over 4

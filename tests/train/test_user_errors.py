@@ -113,10 +113,12 @@ def test_under_two_ranks_a_mistake_is_reported_once(cli, tmp_path, config, case)
 def _config(family: str, **sections):
     import yaml
 
+    from hyperparallel.models.tiny import tiny_config_values
     from hyperparallel.train.config import from_mapping
 
-    model = {"family": family, "config": yaml.safe_load((ROOT / f"configs/models/{family}_tiny.yaml").read_text()),
-             **sections.pop("model", {})}
+    path = ROOT / f"configs/models/{family}_tiny.yaml"
+    inline = yaml.safe_load(path.read_text()) if path.is_file() else tiny_config_values(family)
+    model = {"family": family, "config": inline, **sections.pop("model", {})}
     return from_mapping({"model": model, "training": {"global_batch": 64, "micro_batch": 1}, **sections})
 
 
@@ -125,14 +127,8 @@ def _config(family: str, **sections):
      r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1 x parallel.cp = 1: that product must be a "
      r"multiple of ep .* with 2 rank\(s\): dp_shard: 2 and ep one of \[2\]"),
     ("qwen3_moe", {"parallel": {"ep": 3, "dp_shard": 8}}, 8, r"parallel.dp_shard = 8 x .* ep one of \[2, 4, 8\]"),
-    ("qwen3", {"parallel": {"ep": 2, "dp_shard": 2}}, 2, r"parallel.ep = 2 splits the experts .* family 'qwen3' has none"),
-    ("qwen3_moe", {"moe": {"load_balance": "bias"}}, 1,
-     r"moe.load_balance: bias moves a router's correction bias, and family 'qwen3_moe' has none"),
     ("qwen3_moe", {"moe": {"implementation": "megamoe"}, "parallel": {"dp_shard": 2}}, 2,
      r"moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep is 1"),
-    ("deepseek_v4", {"parallel": {"tp": 2}}, 2,
-     r"parallel.tp = 2: family 'deepseek_v4' has no TP plan .* use FSDP \(dp_shard\) and EP"),
-    ("deepseek_v4", {"parallel": {"cp": 2}, "data": {"seq_len": 256}}, 2, r"parallel.cp = 2: family 'deepseek_v4' has no CP"),
     ("deepseek_v4", {"model": {"attn_implementation": "sdpa"}}, 1,
      r"model.attn_implementation: sdpa: transformers' deepseek_v4 supports eager only; use auto"),
     ("qwen3_moe", {"parallel": {"ep": 4, "dp_shard": 2, "dp_replicate": 2}}, 4,
@@ -197,6 +193,24 @@ def test_hsdp_layouts_whose_product_is_the_world_pass(parallel, world):
                                                  r"attention heads \(4\); use cp_mode: ring"),
     ("kimi_k2", {"tp": 2, "dp_shard": 2, "ep": 2}, None),
     ("deepseek_v3", {"tp": 2, "dp_shard": 2, "ep": 2}, None),
+    ("qwen3", {"ep": 2, "dp_shard": 2}, r"parallel.ep = 2 splits the experts of MoE layers, and 'qwen3' has none"),
+    ("deepseek_v4", {"tp": 2}, r"parallel.tp = 2: 'deepseek_v4': its compressed sparse attention and "
+                               r"hyper-connections have no tensor-parallel plan"),
+    ("deepseek_v4", {"cp": 2}, r"parallel.cp = 2: 'deepseek_v4': its compressed sparse attention with sinks is "
+                               r"transformers' eager code alone; use FSDP \(dp_shard\) and EP"),
+    ("gpt2", {"tp": 2}, r"parallel.tp = 2: 'gpt2': transformers declares no tensor-parallel plan for it"),
+    ("gemma2", {"tp": 2}, r"parallel.tp = 2: 'gemma2': the vocab-parallel cross-entropy needs the fused loss head, and "
+                          r"its forward rewrites the head's logits \(scales or soft-caps them\) first"),
+    ("mamba", {"cp": 2}, r"parallel.cp = 2: 'mamba': decoder layer 0 mixes tokens with MambaMixer too, which runs "
+                         r"over the whole sequence"),
+    ("llama", {"tp": 8}, r"parallel.tp \(8\) must divide the attention heads"),
+    ("mixtral", {"tp": 2, "dp_shard": 2, "ep": 2}, None),
+    ("qwen3_next", {"tp": 2, "sequence_parallel": True},
+     r"parallel.sequence_parallel: model.layers.0.linear_attn \(Qwen3NextGatedDeltaNet\) mixes tokens outside the "
+     r"blocks the tensor-parallel plan splits"),
+    ("mistral", {"cp": 2}, r"parallel.cp = 2: 'mistral': MistralAttention \(decoder layer 0\) attends in a sliding "
+                           r"window \(sliding_window = 16\) shorter than the sequence \(data.seq_len = 256\)"),
+    ("gpt2", {"cp": 2}, None),  # (its attention has no num_key_value_groups: found by the interface it calls)
 ])
 def test_parallel_model_mistakes_are_named(family, parallel, message):
     from hyperparallel.train.preflight import model_problems
@@ -206,6 +220,58 @@ def test_parallel_model_mistakes_are_named(family, parallel, message):
         assert problems == []
     else:
         assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+@pytest.mark.parametrize("family, config, message", [
+    ("falcon", {"hidden_size": 64, "num_attention_heads": 5, "num_hidden_layers": 2},
+     r"^model.config: transformers' FalconForCausalLM cannot be built from this config \(model_type 'falcon'\): "
+     r"`hidden_size` must be divisible by num_heads"),
+    ("xlnet", {}, r"^model type 'xlnet' is a model whose forward does not compute transformers' causal-LM loss "
+              r"\(XLNetLMHeadModel.forward"),
+    ("llama", {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3},
+     r"^model.config: invalid inline config for family 'llama': num_attention_heads \(4\) must be a positive multiple "
+     r"of num_key_value_heads \(3\)$"),
+    ("gpt2", {"n_embd": 64, "n_head": 0},
+     r"^model.config: transformers' GPT2LMHeadModel cannot be built from this config \(model_type 'gpt2'\): "
+     r"ZeroDivisionError"),
+])
+def test_models_transformers_refuses_or_the_trainer_cannot_train_are_named(family, config, message):
+    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.preflight import model_problems
+
+    cfg = from_mapping({"model": {"family": family, "config": config}, "training": {"global_batch": 64,
+                                                                                    "micro_batch": 1}})
+    problems = model_problems(cfg, None)
+    assert len(problems) == 1 and re.search(message, problems[0]) and "\n" not in problems[0], problems
+
+
+def test_document_masks_on_a_model_whose_documents_would_see_each_other_are_refused():
+    from hyperparallel.train.config import from_mapping
+    from hyperparallel.train.preflight import data_problems, document_mask
+
+    def config(family: str, mask: bool | None):
+        return from_mapping({"model": {"family": family, "config": {"hidden_size": 64, "num_hidden_layers": 2}},
+                             "data": {"document_mask": mask}})
+
+    assert document_mask(config("llama", None)) == (True, None)
+    on, reason = document_mask(config("mamba", None))  # (null: off, and why)
+    assert not on and reason == "model 'mamba': MambaForCausalLM does not build its attention masks from the position ids"
+    assert data_problems(config("mamba", True)) == [
+        f"data.document_mask: {reason}, so packed documents would see each other; set data.document_mask: false (or "
+        f"null: masks wherever supported), or data.packing: false"]
+
+
+def test_balancing_a_router_without_a_correction_bias_by_bias_is_named():
+    from hyperparallel.train.preflight import model_problems
+
+    for family in ("qwen3_moe", "mixtral"):
+        cfg = _config(family, moe={"load_balance": "bias"})
+        assert model_problems(cfg, None) == [f"moe.load_balance: bias moves a router's correction bias, and "
+                                             f"the routers of {family!r} have none; use aux_loss or none"]
+    cfg = _config("glm4_moe", moe={"load_balance": "aux_loss"})  # (DeepSeek-V3's routers; no aux loss of its own)
+    assert model_problems(cfg, None) == ["moe.load_balance: aux_loss: transformers' Glm4MoeForCausalLM adds no "
+                                         "auxiliary loss of its own (its config has no router_aux_loss_coef); use "
+                                         "bias or none"]
 
 
 def test_megamoe_with_tensor_parallel_shared_experts_is_named():
@@ -233,7 +299,7 @@ def test_more_megamoe_waves_than_a_rank_has_experts_is_named():
 
 def test_expert_parallelism_of_a_dense_family_without_sharding(cli, tmp_path, config):
     fails_cleanly(cli, tmp_path, str(config), "--set", "parallel.ep=2", "--nproc", "2", lines=2,
-                  message=r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1(.|\n)*family 'qwen3' has none")
+                  message=r"parallel.ep = 2 borrows its ranks from parallel.dp_shard = 1(.|\n)*'qwen3' has none")
 
 
 def test_model_path_files_that_do_not_fit_the_model_are_named_before_any_rank_starts(cli, tmp_path, config):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hyperparallel.errors import ConfigError, ShapeError
-from hyperparallel.kernels.router_groups import group_problem
+from hyperparallel.kernels.router_groups import exceeds_reachable, group_problem, reachable
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -51,6 +51,13 @@ def _check_groups(num_experts, top_k, num_groups, top_groups) -> None:
     problem = group_problem(num_experts, num_groups, top_groups, top_k)
     if problem is not None:
         raise ConfigError(f"mega_gate: {problem}")
+    if exceeds_reachable(num_experts, num_groups, top_groups, top_k):
+        # see [Note: top_k beyond the reachable experts] (kernels/router_groups.py)
+        raise ConfigError(
+            f"mega_gate: top_k ({top_k}) exceeds the {reachable(num_experts, num_groups, top_groups)} experts "
+            f"that top_groups ({top_groups}) of num_groups ({num_groups}) groups reach; transformers then also "
+            f"chooses experts outside them, in torch.topk's order of -inf ties, which MegaGate does not "
+            f"reproduce: route it op by op (TopKRouter does, even with fused set)")
 
 
 # ------------------------------------------------------------------------------- reference
