@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from hyperparallel.models import build_model
+from hyperparallel.optim.schedules import build_scheduler
 from hyperparallel.train import data
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import load_config
@@ -55,6 +56,7 @@ def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str
     if compile is not None:
         run.training.compile = compile
     run.scheduler.warmup_steps = min(cfg.warmup_steps(), steps)
+    run.data.cache_dir = str(data.cache_root(cfg.data))  # (main's tokenized corpus, not one beside the run)
     run.logging.run_dir = str(workdir / f"ours-{time.monotonic_ns()}")
     run.logging.every = 1
     run.logging.progress = False
@@ -64,17 +66,33 @@ def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str
     return [r["loss"] for r in summary["records"] if "loss" in r]  # (not the validation records)
 
 
-class _Sequences(torch.utils.data.Dataset):
-    """The trainer's rows (plain text, packed: every token trained) as HF Trainer examples."""
+def _ours_on_meta(cfg, vocab_size: int):
+    """The model as hyperparallel trains it, on the meta device (its MoE layers swapped)."""
+    return build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab_size),
+                       materialize=False)
 
-    def __init__(self, rows):
+
+def _load_balance(cfg, vocab_size: int) -> str:
+    """moe.load_balance, or the model's rule (what hyperparallel's run balances by)."""
+    from hyperparallel.models import get_family
+    from hyperparallel.models.families import load_balance_rule
+
+    return cfg.moe.load_balance or load_balance_rule(get_family(cfg.model.family), _ours_on_meta(cfg, vocab_size))
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """The trainer's rows (plain text, packed: every token trained) as HF Trainer examples, in the
+    order hyperparallel trains them (read sequentially: both see the same batch at every step)."""
+
+    def __init__(self, rows, seed: int):
         self.rows = rows
+        self.order = data.SequenceOrder(len(rows), seed)
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
-        ids = torch.from_numpy(self.rows.row(i)[0])
+        ids = torch.from_numpy(self.rows.row(self.order.index(i))[0])
         return {"input_ids": ids, "labels": ids}
 
 
@@ -87,7 +105,7 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
                         seed=cfg.training.seed, grouped_experts=False)
     if experts is not None:
         model.set_experts_implementation(experts)
-    if cfg.load_balance() == "aux_loss":
+    if _load_balance(cfg, dataset.tokenizer.vocab_size) == "aux_loss":
         # ours adds the MoE auxiliary loss (moe.load_balance); the Trainer then does its own too
         model.config.output_router_logits = True
         if cfg.moe.aux_loss_coef is not None:
@@ -105,16 +123,27 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
+    schedule = cfg.scheduler.model_copy(update={"warmup_steps": min(cfg.warmup_steps(), steps)})
+
+    class SameSchedule(Trainer):
+        """The Trainer with hyperparallel's lr at every step (its own "cosine" starts from lr 0 and
+        ends at 0, ours at min_lr_ratio): the loss columns then compare like for like."""
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = build_scheduler(optimizer or self.optimizer, schedule, total_steps=num_training_steps)
+            return self.lr_scheduler
+
     t, o = cfg.training, cfg.optimizer
     args = TrainingArguments(
         output_dir=str(workdir / "hf"), per_device_train_batch_size=t.micro_batch,
         gradient_accumulation_steps=cfg.grad_accumulation(1), max_steps=steps, learning_rate=o.lr,
         weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        lr_scheduler_type="cosine", warmup_steps=min(cfg.warmup_steps(), steps), max_grad_norm=t.max_grad_norm or 0.0,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, seed=t.seed, disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
+        max_grad_norm=t.max_grad_norm or 0.0, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=t.seed,
+        train_sampling_strategy="sequential", disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_Sequences(dataset.train), callbacks=[Clock()])
+    trainer = SameSchedule(model=model, args=args, train_dataset=_Sequences(dataset.train, t.seed), callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
     trainer.train()
     return losses
@@ -219,10 +248,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    data.prepare(cfg.data)  # tokenized once here; the contenders read the cache
+    dataset = data.prepare(cfg.data)  # tokenized once here; the contenders read the cache
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     contenders = {}
-    moe = "moe" in cfg.model.family or cfg.model.family in ("deepseek_v3", "kimi_k2")
+    from hyperparallel.moe import GroupedExperts
+
+    moe = any(isinstance(m, GroupedExperts) for m in _ours_on_meta(cfg, dataset.tokenizer.vocab_size).modules())
     for precision in args.precision.split(","):
         contenders[(precision, "hyperparallel")] = ("ours", {"precision": precision})
         for other in args.ours_compile.split(",") if args.ours_compile else ():
