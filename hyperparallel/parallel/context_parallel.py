@@ -24,6 +24,10 @@ gradient, and the mean of their losses the one-process loss.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -190,6 +194,13 @@ def context_parallel_problem(model: nn.Module, seq_len: int | None = None) -> st
             problem = _attention_problem(module, config, seq_len)
             if problem is not None:
                 return f"{type(module).__name__} (decoder layer {i}) {problem}"
+    layers = decoder_layers(model)
+    within = {id(m) for layer in layers for m in layer.modules()}
+    for where, module in model.named_modules():  # (attention outside the decoder layers: BLT's local models)
+        if id(module) in attention and id(module) not in within:
+            problem = _attention_problem(module, config, seq_len)
+            if problem is not None:
+                return f"{type(module).__name__} ({where}) {problem}"
     for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
         if getattr(config, key, None):
             return f"its attention soft-caps the scores ({key} = {getattr(config, key)})"
@@ -211,11 +222,33 @@ def _attention_problem(module: nn.Module, config, seq_len: int | None) -> str | 
         return f"attends within chunks (attention_chunk_size = {getattr(config, 'attention_chunk_size', None)})"
     if not getattr(module, "is_causal", True):
         return "is not causal"
+    own = _own_attention_mask(type(module))
+    if own is not None:
+        return f"hands the attention a mask of its own ({own}), which context-parallel attention cannot take"
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         return "has attention sinks"
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         return ("scales its queries by their position in its own input (attn_temperature_tuning), which under CP is a "
                 "chunk of the sequence")
+    return None
+
+
+@functools.cache
+def _own_attention_mask(cls: type) -> str | None:
+    """The mask `cls.forward` hands transformers' attention function where it is not the mask the
+    model gave it (its `attention_mask` argument) but one it makes itself (Doge's dynamic mask),
+    as source text; None otherwise."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface"):
+            continue
+        given = next((k.value for k in node.keywords if k.arg == "attention_mask"),
+                     node.args[4] if len(node.args) > 4 else None)  # (module, q, k, v, mask)
+        if given is not None and not (isinstance(given, ast.Name) and given.id == "attention_mask"):
+            return ast.unparse(given)
     return None
 
 

@@ -211,6 +211,10 @@ def test_hsdp_layouts_whose_product_is_the_world_pass(parallel, world):
     ("mistral", {"cp": 2}, r"parallel.cp = 2: 'mistral': MistralAttention \(decoder layer 0\) attends in a sliding "
                            r"window \(sliding_window = 16\) shorter than the sequence \(data.seq_len = 256\)"),
     ("gpt2", {"cp": 2}, None),  # (its attention has no num_key_value_groups: found by the interface it calls)
+    ("doge", {"cp": 2}, r"parallel.cp = 2: 'doge': DogeAttention \(decoder layer 0\) hands the attention a mask of its "
+                        r"own \(attn_mask\)"),
+    ("blt", {"cp": 2}, r"parallel.cp = 2: 'blt': BltCrossAttention \(model.local_encoder.cross_attn_layers.0\) is not "
+                       r"causal"),
 ])
 def test_parallel_model_mistakes_are_named(family, parallel, message):
     from hyperparallel.train.preflight import model_problems
