@@ -288,7 +288,10 @@ def _cell_text(model_type: str, name: str, cell: dict | None, reference: dict | 
         converted = result.note.removeprefix("MXFP8: ").split(" modules converted")[0]
         if converted in ("", "0"):
             return "nothing to convert (no nn.Linear or experts it takes)", "no"
-        return f"yes ({converted} modules)", "yes"
+        fp32 = reference.get("losses") if reference else None
+        apart = (f", loss {max(abs(m - f) / abs(f) for m, f in zip(result.losses, fp32, strict=True)):.0e} from fp32's"
+                 if fp32 and len(fp32) == len(result.losses) else "")
+        return f"yes ({converted} modules{apart})", "yes"
     if name in LAYOUTS:
         return f"yes ({result.note})", "yes"
     return "yes", "yes"
@@ -319,12 +322,13 @@ def render(results: dict[str, dict]) -> str:
         f"{len(causal_lm_types())} causal-LM types), at a tiny size (`hyperparallel/models/tiny.py`), through "
         f"`hyperparallel train`: {STEPS} steps in one process (fp32), then on two gloo ranks in each layout, whose "
         f"losses must equal the one process's within {TOLERANCE:.0e} relative (the figure in the cell is the largest "
-        f"difference seen); MXFP8 (one process); and the one-process checkpoint exported with `hyperparallel export` "
+        f"difference seen); MXFP8 (one process; the modules it converts and its largest relative loss difference "
+        f"from fp32's); and the one-process checkpoint exported with `hyperparallel export` "
         f"and loaded by `AutoModelForCausalLM.from_pretrained` (transformers' own class and keys, the checkpoint's values "
         f"bit for bit). MoE models train with their load-balancing loss, except under CP: a rank computes it over its "
         f"own tokens, which there are half of every sequence, so CP's cells and the one-process run they are held to "
         f"train with `moe.aux_loss_coef: 0`. A refused cell gives the "
-        f"trainer's one-line reason. Made by `python scripts/model_coverage.py --write` "
+        f"trainer's one-line reason. Made by `python scripts/model_coverage.py --write` (its results, every cell's losses, in docs/models.jsonl) "
         f"(hyperparallel/train/coverage.py); `make test` runs a subset (tests/models/test_coverage.py).",
         "",
         "| | types | " + " | ".join(title for _, title in COLUMNS[1:]) + " |",
