@@ -47,6 +47,7 @@ from hyperparallel.train import data
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import load_config
 from hyperparallel.train.loop import train
+from hyperparallel.train.preflight import document_mask
 
 
 def ours(cfg, steps: int, workdir: Path, precision: str, step_done, compile: str | None = None) -> list[float]:
@@ -81,19 +82,22 @@ def _load_balance(cfg, vocab_size: int) -> str:
 
 
 class _Sequences(torch.utils.data.Dataset):
-    """The trainer's rows (plain text, packed: every token trained) as HF Trainer examples, in the
-    order hyperparallel trains them (read sequentially: both see the same batch at every step)."""
+    """The trainer's rows as HF Trainer examples: its ids, labels and (with document masks) position
+    ids restarting at each packed document, which transformers' masks then keep apart as ours; in
+    the order hyperparallel trains them, epoch after epoch, for `length` rows (read sequentially,
+    both see the same batch at every step)."""
 
-    def __init__(self, rows, seed: int):
-        self.rows = rows
+    def __init__(self, rows, seed: int, length: int):
+        self.rows, self.length = rows, length
         self.order = data.SequenceOrder(len(rows), seed)
 
     def __len__(self):
-        return len(self.rows)
+        return self.length
 
     def __getitem__(self, i):
-        ids = torch.from_numpy(self.rows.row(self.order.index(i))[0])
-        return {"input_ids": ids, "labels": ids}
+        ids, labels, positions = self.rows.row(self.order.index(i))
+        example = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+        return example if positions is None else {**example, "position_ids": torch.from_numpy(positions)}
 
 
 def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_done, experts: str | None = None,
@@ -143,7 +147,8 @@ def hf_trainer(cfg, dataset, steps: int, workdir: Path, precision: str, step_don
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=t.seed,
         train_sampling_strategy="sequential", disable_tqdm=True, bf16=precision == "bf16", torch_compile=compile,
     )
-    trainer = SameSchedule(model=model, args=args, train_dataset=_Sequences(dataset.train, t.seed), callbacks=[Clock()])
+    rows = _Sequences(dataset.train, t.seed, steps * t.global_batch)
+    trainer = SameSchedule(model=model, args=args, train_dataset=rows, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
     trainer.train()
     return losses
@@ -156,7 +161,7 @@ def _contender(kind: str, options: dict, config: str | None, overrides: list[str
     try:
         cfg = load_config(config, overrides)
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            dataset = data.prepare(cfg.data)
+            dataset = data.prepare(cfg.data, document_mask=document_mask(cfg)[0])  # (the rows ours trains on)
         conn.send(("ready",))
         conn.recv()
 
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    dataset = data.prepare(cfg.data)  # tokenized once here; the contenders read the cache
+    dataset = data.prepare(cfg.data, document_mask=document_mask(cfg)[0])  # tokenized once here; the contenders read it
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     contenders = {}
     from hyperparallel.moe import GroupedExperts

@@ -73,7 +73,7 @@ def run_spawned(world: int, jobs: list[tuple[str, list[str]]], root: Path, resul
     progress = root / "progress.txt"
     progress.unlink(missing_ok=True)
     for model_type, layouts in jobs:  # (what an earlier, ended try of these cells left)
-        for cell in layouts if world > 1 else ("one", "mxfp8", "export"):
+        for cell in layouts if world > 1 else ("one", "one_no_aux", "mxfp8", "export"):
             shutil.rmtree(root / model_type / cell, ignore_errors=True)
     context = mp.start_processes(rank_worker, args=(world, free_port(), jobs, str(root), str(results), str(progress)),
                                  nprocs=world, join=False, start_method="spawn")

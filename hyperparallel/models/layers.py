@@ -138,57 +138,83 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _source_has(type(m), "ALL_ATTENTION_FUNCTIONS")]
 
 
+def token_mixers(layer: nn.Module, *, indexers: bool = True) -> list[str]:
+    """The class names of what mixes tokens in `layer` besides attention through transformers'
+    interface: `SEQUENCE_MIXERS` and convolutions over the sequence (nn.Conv1d: Zaya's CCA);
+    `indexers` False leaves DeepSeek sparse attention's indexers out (they score keys under the
+    model's own mask)."""
+    named = {type(m).__name__ for m in layer.modules()
+             if m is not layer and SEQUENCE_MIXERS.search(type(m).__name__)}
+    convolutions = {type(m).__name__ for m in layer.modules() if isinstance(m, nn.modules.conv._ConvNd)}
+    return [*sorted(n for n in named if indexers or not n.endswith("Indexer")), *sorted(convolutions - named)]
+
+
 def document_mask_problem(model: nn.Module) -> str | None:
     """Why packed documents whose positions restart would still see each other in `model` (on the
     meta device is enough), or None: transformers masks attention between them (masking_utils,
     from the position ids), which keeps them apart only where every token mixer is attention
-    through its interface; a recurrent, convolutional or linear-attention mixer carries its state
-    along the whole row."""
-    if not any(_masks_from_positions(type(m)) for m in model.modules()):
-        return f"{type(model).__name__} does not build its attention masks from the position ids"
+    through its interface (a recurrent, convolutional or linear-attention mixer carries its state
+    along the whole row) and every causal mask the model builds is given the position ids."""
     attention = {id(m) for m in attention_modules(model)}
     for i, layer in enumerate(decoder_layers(model)):
-        mixers = sorted({type(m).__name__ for m in layer.modules()
-                         if m is not layer and SEQUENCE_MIXERS.search(type(m).__name__)})
+        mixers = token_mixers(layer, indexers=False)
         if mixers:
             return f"decoder layer {i}'s {mixers[0]} carries its state along the whole row, whatever the positions say"
         if not any(id(m) in attention for m in layer.modules()):
             return f"decoder layer {i} mixes tokens without attention through transformers' attention interface"
+    calls = [(type(m).__name__, given) for m in model.modules() for given in _mask_calls(type(m))]
+    if not calls:
+        return f"{type(model).__name__} does not build its attention masks from the position ids"
+    without = next((name for name, given in calls if not given), None)
+    if without is not None:
+        return f"{without} builds a causal mask without the position ids"
     return None
 
 
 _MASK_FUNCTION = re.compile(r"^create_\w*mask")
+_NOT_CAUSAL = {"create_bidirectional_mask"}  # (an encoder's or a cross-attention's mask)
 
 
 @functools.cache
-def _masks_from_positions(cls: type) -> bool:
-    """Whether `cls.forward` calls one of masking_utils' create_*mask functions (by name, or through
-    a variable or table it assigned them to) with the position ids: as a keyword, or in a dict of
-    keyword arguments it passes as **kwargs."""
+def _mask_calls(cls: type) -> tuple[bool, ...]:
+    """For each call in `cls.forward` of one of masking_utils' causal create_*mask functions (by
+    name, or through a variable or table it assigned them to): whether it hands it the position ids
+    (as a keyword, or in a dict of keyword arguments passed as **kwargs; not the constant None)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (AttributeError, OSError, TypeError, SyntaxError):
-        return False
+        return ()
     names = lambda node: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}  # noqa: E731
-    functions = {name for name in names(tree) if _MASK_FUNCTION.match(name)}
-    with_positions = set()  # variables holding keyword arguments that include position_ids
+    functions = {name for name in names(tree) if _MASK_FUNCTION.match(name) and name not in _NOT_CAUSAL}
+    with_positions = set()  # variables holding keyword arguments that include the position ids
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             target, value = node.targets[0].id, node.value
             if names(value) & functions:  # (mask_function = create_causal_mask if ... else ...)
                 functions.add(target)
-            if isinstance(value, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "position_ids"
-                                                   for k in value.keys):
+            if isinstance(value, ast.Dict) and any(
+                    (isinstance(k, ast.Constant) and k.value == "position_ids" and not _is_none(v))
+                    or (k is None and isinstance(v, ast.Name) and v.id in with_positions)  # ({**mask_kwargs, ...})
+                    for k, v in zip(value.keys, value.values, strict=True)):
                 with_positions.add(target)
+            copied = value.func.value if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+                and value.func.attr == "copy" else None  # (sliding_kwargs = mask_kwargs.copy())
+            if isinstance(copied, ast.Name) and copied.id in with_positions:
+                with_positions.add(target)
+    calls = []
     for node in ast.walk(tree):
-        callee = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) else \
-            getattr(node, "func", None)  # (a table of them: functions[layer_type](**mask_kwargs))
-        if isinstance(node, ast.Call) and isinstance(callee, ast.Name) and callee.id in functions:
-            for keyword in node.keywords:
-                if keyword.arg == "position_ids" or (
-                        keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id in with_positions):
-                    return True
-    return False
+        if not isinstance(node, ast.Call):
+            continue
+        callee = node.func.value if isinstance(node.func, ast.Subscript) else node.func  # (table[layer_type](...))
+        if isinstance(callee, ast.Name) and callee.id in functions and (node.args or node.keywords):
+            # (a call with no arguments runs a table's thunk, `lambda: create_causal_mask(**kw)`, whose own call counts)
+            calls.append(any((k.arg == "position_ids" and not _is_none(k.value)) or (
+                k.arg is None and isinstance(k.value, ast.Name) and k.value.id in with_positions) for k in node.keywords))
+    return tuple(calls)
+
+
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from hyperparallel.errors import ConfigError, ShapeError
-from hyperparallel.models.layers import SEQUENCE_MIXERS, attention_modules, config_values, decoder_layers
+from hyperparallel.models.layers import attention_modules, config_values, decoder_layers, token_mixers
 from hyperparallel.models.loss import IGNORE_INDEX, shift_targets
 from hyperparallel.parallel.context_attention import (
     check_heads,
@@ -184,8 +184,7 @@ def context_parallel_problem(model: nn.Module, seq_len: int | None = None) -> st
     config = model.config.get_text_config(decoder=True)
     for i, layer in enumerate(decoder_layers(model)):
         inside = [m for m in layer.modules() if id(m) in attention]
-        mixers = sorted({type(m).__name__ for m in layer.modules()
-                         if m is not layer and SEQUENCE_MIXERS.search(type(m).__name__)})
+        mixers = token_mixers(layer)
         if mixers:
             return f"decoder layer {i} mixes tokens with {mixers[0]} too, which runs over the whole sequence"
         if not inside:

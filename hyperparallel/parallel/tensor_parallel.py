@@ -212,7 +212,7 @@ def _check_sequence_parallel(model: nn.Module, blocks: set[str]) -> None:
     for name, module in model.named_modules():
         if not any(name.startswith(f"{layer}.") for layer in layers):
             continue
-        if id(module) in mixing or SEQUENCE_MIXERS.search(type(module).__name__):
+        if id(module) in mixing or SEQUENCE_MIXERS.search(type(module).__name__) or isinstance(module, nn.modules.conv._ConvNd):
             if not any(name == block or name.startswith(f"{block}.") for block in blocks):
                 raise ConfigError(f"parallel.sequence_parallel: {name} ({type(module).__name__}) mixes tokens outside "
                                   f"the blocks the tensor-parallel plan splits, where each rank holds only its part "
@@ -241,7 +241,8 @@ class _Heads:
             # per query head: attention sinks); a key- or value-like one (grouped-query attention) the
             # key/value heads
             per_head, sizes = width // heads, _head_sizes(block, config)
-            if width % heads == 0 and (kv_heads == heads or per_head in sizes or width == heads or width % kv_heads):
+            sinks = weight.ndim == 1 and width == heads
+            if width % heads == 0 and (kv_heads == heads or per_head in sizes or sinks or width % kv_heads):
                 if heads % tp:
                     raise ConfigError(f"parallel.tp ({tp}) must divide the attention heads (num_attention_heads = "
                                       f"{heads}) that {split.name} holds")

@@ -184,8 +184,9 @@ def meta_model(cfg: TrainConfig, tp: int = 1, layers: int | None = None) -> nn.M
     if layers is None:
         model = build_model(cfg.model.family, path=cfg.model.path, config=inline_model_config(cfg, vocab), **options)
     else:
-        model = build_model(cfg.model.family, config=first_layers_config(whole_model_config(cfg, vocab), layers),
-                            **options)
+        whole = whole_model_config(cfg, vocab)
+        first = first_layers_config(whole, layers, layer_count_key(cfg.model.family, whole))
+        model = build_model(cfg.model.family, config=first, **options)
     if tp > 1:
         plan = tensor_parallel_plan(get_family(cfg.model.family), model)
         if isinstance(plan, str):
@@ -194,10 +195,22 @@ def meta_model(cfg: TrainConfig, tp: int = 1, layers: int | None = None) -> nn.M
     return model
 
 
-def first_layers_config(config: dict, layers: int) -> dict:
-    """The config of the model's first `layers` decoder layers (their per-layer lists cut to match)."""
-    whole = config.get("num_hidden_layers")
-    local = dict(config, num_hidden_layers=layers)
+def layer_count_key(family: str, config: dict) -> str:
+    """The key of `config` (a model config's keys) that holds the decoder layer count:
+    num_hidden_layers, or the config class's own name for it (GPT-2's n_layer)."""
+    from hyperparallel.models import get_family
+
+    if "num_hidden_layers" in config:
+        return "num_hidden_layers"
+    own = (getattr(get_family(family).config_class, "attribute_map", None) or {}).get("num_hidden_layers")
+    return own if own in config else "num_hidden_layers"
+
+
+def first_layers_config(config: dict, layers: int, key: str = "num_hidden_layers") -> dict:
+    """The config of the model's first `layers` decoder layers (their per-layer lists cut to match;
+    `key`: the layer count's, `layer_count_key`)."""
+    whole = config.get(key)
+    local = {**config, key: layers}
     for key, value in config.items():
         if isinstance(value, list) and len(value) == whole:  # (layer_types, mlp_layer_types, ...)
             local[key] = value[:layers]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields, replace
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.models.layers import config_values
+from hyperparallel.moe import GroupedExperts
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.device_model import DeviceModel
 from hyperparallel.train.plan import Plan, meta_model, plan, runtime_bytes
@@ -64,12 +65,11 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config) -> list[dict]:
-    """The mesh shapes of `cfg`'s model (its HF `config`) over `world` ranks to try (as config
-    settings), without recompute and micro-batch (`search` picks those): shard groups of whole
-    machines, or of every data-parallel rank."""
+def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: int = 0) -> list[dict]:
+    """The mesh shapes of `cfg`'s model (its HF `config`, `experts` routed experts per MoE layer,
+    0: dense) over `world` ranks to try (as config settings), without recompute and micro-batch
+    (`search` picks those): shard groups of whole machines, or of every data-parallel rank."""
     heads = config_values(config, "num_attention_heads")  # (per layer, where the config lets them vary)
-    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
     seq = cfg.data.seq_len
     out = []
     for tp in [t for t in _powers_of_two(min(ranks_per_node, world))
@@ -134,9 +134,12 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
     budget = device.memory_bytes * (1 - HEADROOM)
     # the CPU's runtime term measured once, before any plan fills this process
     runtime = 0 if device.name != "cpu" else runtime_bytes(cfg.training.compile)
-    config = meta_model(cfg, layers=1).config  # (the HF config, its defaults filled in; one layer deep)
+    meta = meta_model(cfg, layers=1)  # (the HF config, its defaults filled in; one layer deep)
+    config = meta.config
+    experts = max((m.routed_experts for m in meta.modules() if isinstance(m, GroupedExperts)), default=0)
     depth, (da, db) = _depth(cfg), _depths(config)
     simulations: dict = {}
+    refusals: list[str] = []  # (what the model refused of the layouts tried: said when none is left)
 
     def screen(settings: dict) -> Plan | None:
         candidate = configured(cfg, settings)
@@ -151,11 +154,12 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
             if depth <= db:
                 return plan(candidate, world, **options)
             return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
-        except ConfigError:  # what this layout asks of the model it cannot do (no TP plan, no CP, ...)
+        except ConfigError as error:  # what this layout asks of the model it cannot do (no TP plan, no CP, ...)
+            refusals.append(str(error).splitlines()[0])
             return None
 
     screened: list[Candidate] = []
-    for mesh in layouts(cfg, world, device.ranks_per_node, config):
+    for mesh in layouts(cfg, world, device.ranks_per_node, config, experts):
         data_ranks = world // (mesh["parallel.tp"] * mesh["parallel.cp"])  # (each reads its share of a batch)
         rows = cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
         micros = [m for m in _powers_of_two(rows) if rows % m == 0]
@@ -175,6 +179,8 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
                 screened.append(best)
                 if best.settings["training.micro_batch"] == micros[-1]:
                     break  # (more recompute at the same micro-batch is only slower)
+    if not screened and refusals:
+        raise ConfigError("\n".join(dict.fromkeys(refusals)))
     screened.sort(key=lambda c: -c.tokens_per_s)
     confirmed = []
     for c in screened[:top * CONFIRMED]:  # (each planned as `hyperparallel plan` plans its --set lines)
@@ -187,9 +193,10 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
 
 def _depth(cfg: TrainConfig) -> int:
     from hyperparallel.train.data import tokenizer_vocab_size
-    from hyperparallel.train.plan import whole_model_config
+    from hyperparallel.train.plan import layer_count_key, whole_model_config
 
-    return whole_model_config(cfg, tokenizer_vocab_size(cfg.data, cfg.model.path))["num_hidden_layers"]
+    whole = whole_model_config(cfg, tokenizer_vocab_size(cfg.data, cfg.model.path))
+    return whole[layer_count_key(cfg.model.family, whole)]
 
 
 def format_search(found: list[Candidate], cfg: TrainConfig, world: int, device: DeviceModel) -> str:

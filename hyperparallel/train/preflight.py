@@ -69,9 +69,9 @@ def _model_document_mask_problem(cfg: TrainConfig) -> str | None:
         try:
             meta = build_model(cfg.model.family, path=None if cfg.model.path is None else Path(cfg.model.path).expanduser(),
                                config=cfg.model.config, attn_implementation=cfg.model.attention(), materialize=False)
+            _document_mask_problems[key] = document_mask_problem(meta)
         except HyperparallelError:
             return None
-        _document_mask_problems[key] = document_mask_problem(meta)
     return _document_mask_problems[key]
 
 

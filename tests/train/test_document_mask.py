@@ -72,9 +72,10 @@ class Case:
 
 # any causal LM of transformers (no tuned family): masks where `document_mask_problem` finds none
 # (Gemma 3: sliding windows of 16 tokens, shorter than the first document), refused where it names
-# a reason: Mamba's recurrent state, GPT-OSS's forward that builds its masks without the positions
+# a reason: Mamba's recurrent state, Zaya's convolution over the sequence, GPT-OSS's forward that
+# builds its masks without the positions, BLT's global model whose mask is given none
 GENERIC = [Case("llama", ""), Case("gemma3_text", ""), Case("mixtral", "")]
-GENERIC_REFUSED = [Case("mamba", ""), Case("gpt_oss", "")]
+GENERIC_REFUSED = [Case("mamba", ""), Case("zaya", ""), Case("gpt_oss", ""), Case("blt", "")]
 SLIDING_ONLY_V4 = (("layer_types", ("sliding_attention",) * 4),)
 # (qwen3 twice: sdpa's mask and eager's; kimi_k2 is DeepSeek-V3 with yarn rope)
 SUPPORTED = [Case("qwen3", "qwen3_tiny"), Case("qwen3", "qwen3_tiny", "eager"), Case("qwen3_moe", "qwen3_moe_tiny"),

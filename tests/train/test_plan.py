@@ -352,6 +352,27 @@ def test_search_ranks_the_layouts_that_fit():
     assert off and all(settings.get("parallel.sync_every_micro_batch") for settings in off), off
 
 
+def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
+    """Mixtral (its experts counted as num_local_experts): expert parallelism among the layouts
+    found; GPT-2 (no tensor-parallel plan, its layer count named n_layer): no tp layout, and the
+    search goes on past the layouts refused."""
+    from dataclasses import replace
+
+    from hyperparallel.models.tiny import tiny_config_values
+    from hyperparallel.train.device_model import GPUS
+    from hyperparallel.train.plan_search import search
+
+    device = replace(GPUS["h100"], ranks_per_node=4)
+    raw = {"data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 64},
+           "training": {"steps": 4, "global_batch": 8, "micro_batch": 1, "compile": "none"}}
+    found = {}
+    for family in ("mixtral", "gpt2"):
+        cfg = from_mapping({**raw, "model": {"family": family, "config": tiny_config_values(family)}})
+        found[family] = search(cfg, 4, device, top=20)
+    assert any(c.settings["parallel.ep"] > 1 for c in found["mixtral"])
+    assert found["gpt2"] and all(c.settings["parallel.tp"] == 1 for c in found["gpt2"])
+
+
 def test_qwen3_30b_a3b_on_64_h200s_is_planned_without_launching():
     """The issue's acceptance: Qwen3-30B-A3B's shape, dp_shard=64 x ep=8, predicted on H200s."""
     from hyperparallel.train.device_model import device_model

@@ -259,7 +259,8 @@ def test_document_masks_on_a_model_whose_documents_would_see_each_other_are_refu
 
     assert document_mask(config("llama", None)) == (True, None)
     on, reason = document_mask(config("mamba", None))  # (null: off, and why)
-    assert not on and reason == "model 'mamba': MambaForCausalLM does not build its attention masks from the position ids"
+    assert not on and reason == ("model 'mamba': decoder layer 0's MambaMixer carries its state along the whole row, "
+                                 "whatever the positions say")
     assert data_problems(config("mamba", True)) == [
         f"data.document_mask: {reason}, so packed documents would see each other; set data.document_mask: false (or "
         f"null: masks wherever supported), or data.packing: false"]
