@@ -126,7 +126,8 @@ def text_config(model: nn.Module):
 # Class names of token mixers that run over the whole sequence apart from attention (state-space,
 # linear-attention, recurrent and convolutional layers, and the indexers of DeepSeek sparse
 # attention, which score every key to pick the ones attended to): a sequence split over ranks
-# would cut them, and a document's restarting positions do not reset them.
+# would cut them, and a document's restarting positions do not reset them (the indexers aside:
+# they score keys under the model's own mask, `token_mixers(indexers=False)`).
 SEQUENCE_MIXERS = re.compile(r"Mamba|Mixer|SSM|LinearAttention|GatedDeltaNet|DeltaNet|DeltaAttention|ShortConv|"
                              r"(?<!^)Recurrent|Rglru|RWKV|Rwkv|LSTM|Lightning|Hyena|Indexer")
 # (case matters: SeedOssMLP is no SSM; nor is RecurrentGemmaMlp a recurrent layer)
