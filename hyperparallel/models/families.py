@@ -68,6 +68,9 @@ class ModelFamily:
     # (transformers' masking_utils reads the restarts as a block-diagonal causal mask); else why
     # not, which the trainer gives when it refuses data.document_mask (tests/train/test_document_mask.py)
     document_mask: str | None = None
+    # why its training forward is random by design (runs over different ranks, each its own random
+    # stream, cannot give one process's losses), or None
+    random_in_training: str | None = None
     hyper_connected: bool = False  # its decoder layers are DeepSeek-V4's hyper-connected ones (MegaMHC runs them)
 
     @property
@@ -244,6 +247,12 @@ FAMILIES: dict[str, ModelFamily] = {
 
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
+# What transformers does not declare about a generic family: a training forward that is random by
+# design (ModelFamily.random_in_training)
+RANDOM_IN_TRAINING: dict[str, str] = {
+    "phimoe": "its training-time routing samples the experts (sparsemixer's Gumbel sampling)",
+}
+
 
 def family_names() -> list[str]:
     """The tuned families' names, aliases included (every text decoder-only model_type of
@@ -272,7 +281,7 @@ def get_family(name: str) -> ModelFamily:
     # (a type may share another's config class: gpt-sw3's config.json says gpt2)
     own = getattr(_exported(config), "model_type", name)
     return ModelFamily(name=name, model_types=tuple(dict.fromkeys((name, own))), config=config, model=model,
-                       check=_check_attention_heads)
+                       check=_check_attention_heads, random_in_training=RANDOM_IN_TRAINING.get(name))
 
 
 def family_for_model_type(model_type: str) -> ModelFamily | None:

@@ -40,7 +40,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "de
 
 
 class ModelSection(Section):
-    # a causal-LM model_type of transformers (llama, mixtral, qwen3_moe, ... or the alias kimi_k2);
+    # a causal-LM model_type of transformers (any in its causal-LM mapping, or a tuned family's alias);
     # auto: the model_type of model.path's config.json, or of the inline config's `model_type` key
     family: str = "auto"
     path: str | None = None  # a local directory for from_pretrained
@@ -75,7 +75,7 @@ class ModelSection(Section):
             raise ValueError("give exactly one of model.path (a local directory) or model.config (an inline config)")
         if self.family == "auto":
             raise ValueError("model.family is auto, and the inline model.config has no model_type to name the model; "
-                             "give model.config.model_type (e.g. llama) or model.family")
+                             "give model.config.model_type (as a config.json names it) or model.family")
         return self
 
 

@@ -134,13 +134,6 @@ def run_case(model_type: str, run_dir: Path, parallel: dict | None = None, *, lo
     return Cell(losses=losses, note=summary)
 
 
-# Architectures whose training forward is random by design, so that runs over different ranks
-# (each its own random stream) cannot give one process's losses
-RANDOM_IN_TRAINING = {
-    "phimoe": "its training-time routing samples the experts (sparsemixer's Gumbel sampling)",
-}
-
-
 def compare(cell: Cell, reference: Cell, model_type: str = "") -> Cell:
     """A layout's cell against the one-process losses: a failure where they are not finite, or
     differ by more than TOLERANCE."""
@@ -155,7 +148,9 @@ def compare(cell: Cell, reference: Cell, model_type: str = "") -> Cell:
         return Cell(losses=cell.losses, failed="losses are not finite")
     worst = max((abs(a - b) / abs(b) for a, b in zip(cell.losses, reference.losses, strict=True)), default=0.0)
     if worst > TOLERANCE:
-        why = RANDOM_IN_TRAINING.get(model_type)
+        from hyperparallel.models import get_family
+
+        why = get_family(model_type).random_in_training if model_type else None
         return Cell(losses=cell.losses, failed=f"losses differ from one process by {worst:.1e} (relative)"
                                                 + (f": {why}" if why else ""))
     cell.note = f"{worst:.1e}"
