@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_here(config) -> int:
     from hyperparallel.train.loop import train
-    from hyperparallel.train.plan import memory_summary, runtime_bytes
+    from hyperparallel.train.planning import memory_summary, runtime_bytes
     from hyperparallel.train.preemption import EXIT_CODES
 
     runtime = runtime_bytes(config.training.compile)  # (before the data and the model exist)
@@ -145,7 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from hyperparallel.errors import ConfigError
     from hyperparallel.train.config import load_config
-    from hyperparallel.train.plan import format_plan, plan
+    from hyperparallel.train.planning import format_plan, plan
 
     config = load_config(args.config, args.set)
     for flag in ("nproc", "nnodes", "gpus_per_node", "top"):
@@ -166,12 +166,12 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--top is how many layouts --search prints: give --search too")
     model = None
     if args.device is not None:
-        from hyperparallel.train.device_model import device_model
+        from hyperparallel.train.planning.device_model import device_model
 
         model = device_model(args.device, per_node if args.device != "cpu" else min(nproc, per_node or nproc),
                              config.device_model)
     if args.search:
-        from hyperparallel.train.plan_search import format_search, search
+        from hyperparallel.train.planning import format_search, search
 
         found = search(config, nproc, model, top=args.top or 5)
         print(json.dumps([c.to_json() for c in found]) if args.json else format_search(found, config, nproc, model))

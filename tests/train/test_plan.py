@@ -20,7 +20,8 @@ from hyperparallel.models import build_model, install_fused_loss
 from hyperparallel.models.kernels import use_kernels
 from hyperparallel.optim import OptimizerConfig, build_optimizer
 from hyperparallel.parallel import apply_recompute, shard_model
-from hyperparallel.train import plan as planning
+from hyperparallel.parallel.expert_parallel import routed_experts
+from hyperparallel.train import planning
 from hyperparallel.train.build import build_optimization, build_trained_model
 from hyperparallel.train.config import from_mapping, load_config
 from hyperparallel.train.data import MicroBatch, tokenizer_vocab_size
@@ -206,6 +207,17 @@ def test_the_command_prints_one_json_object_near_a_real_runs_peak(tmp_path):
     assert 0.8 * peak <= sizes["total"] <= 1.2 * peak
 
 
+def test_the_runtime_term_imports_all_a_run_imports_but_not_the_loop():
+    """`runtime_bytes` measures after importing what a run imports (planning/memory.py's
+    RUN_MODULES), without the loop: importing the loop afterwards loads no module but itself. (A
+    module the loop comes to import that these do not fails here: add it to RUN_MODULES.)"""
+    code = ("import sys; from hyperparallel.train.planning import format_plan, plan, runtime_bytes, search; "
+            "runtime_bytes(); before = set(sys.modules); import hyperparallel.train.loop; "
+            "print(sorted(set(sys.modules) - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "['hyperparallel.train.loop']", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "parallel.dp_shard=2"], r"parallel.dp_shard = 2 .* this run has 1; .*--nproc 2"),
     (["--nproc", "0"], r"--nproc must be at least 1, got 0"),
@@ -280,7 +292,7 @@ def test_expert_parallel_ranks_hold_their_experts_sharded_over_the_ranks_holding
     cfg = tiny(parallel={"dp_shard": 4}, training={"micro_batch": 1})
     with_ep = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"ep": 2})})
     model = planning.meta_model(cfg)
-    experts = sum(nbytes(e.parameters()) for e, _ in planning.routed_experts(model))
+    experts = sum(nbytes(e.parameters()) for e, _ in routed_experts(model))
     others = nbytes(model.parameters()) - experts
     plan = planning.plan(with_ep, 4, runtime=0)
     # experts: half on each EP rank, sharded over the 2 ranks holding the same half; the rest over 4
@@ -290,8 +302,8 @@ def test_expert_parallel_ranks_hold_their_experts_sharded_over_the_ranks_holding
 
 
 def test_ring_costs_of_a_collective():
-    from hyperparallel.train.device_model import GPUS
-    from hyperparallel.train.plan_time import Collective, spans_nodes
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.plan_time import Collective, spans_nodes
 
     h100 = GPUS["h100"]
     gather = Collective("g", "dp_shard", "all_gather", 8, 1000, 3)
@@ -304,8 +316,8 @@ def test_ring_costs_of_a_collective():
 def test_a_plan_extrapolated_from_two_depths_is_the_whole_plan():
     """What --search screens layouts with: plans of the first 2 and 3 layers carried on to the
     model's 4; sizes linear in the layers are exact, the rest near the whole plan."""
-    from hyperparallel.train.device_model import GPUS
-    from hyperparallel.train.plan_search import _extrapolated
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.plan_search import _extrapolated
 
     config = {**yaml.safe_load((ROOT / "configs/models/qwen3_moe_tiny.yaml").read_text()), "num_hidden_layers": 4}
     cfg = tiny(model={"config": config}, parallel={"dp_shard": 2, "ep": 2}, training={"micro_batch": 1})
@@ -324,8 +336,8 @@ def test_search_ranks_the_layouts_that_fit():
     from dataclasses import replace
 
     from hyperparallel.train.config import apply_overrides
-    from hyperparallel.train.device_model import GPUS
-    from hyperparallel.train.plan_search import search
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.plan_search import search
 
     cfg = tiny(training={"global_batch": 8, "micro_batch": 1})
     device = replace(GPUS["h100"], ranks_per_node=4)
@@ -359,8 +371,8 @@ def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
     from dataclasses import replace
 
     from hyperparallel.models.tiny import tiny_config_values
-    from hyperparallel.train.device_model import GPUS
-    from hyperparallel.train.plan_search import search
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.plan_search import search
 
     device = replace(GPUS["h100"], ranks_per_node=4)
     raw = {"data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 64},
@@ -375,7 +387,7 @@ def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
 
 def test_qwen3_30b_a3b_on_64_h200s_is_planned_without_launching():
     """The issue's acceptance: Qwen3-30B-A3B's shape, dp_shard=64 x ep=8, predicted on H200s."""
-    from hyperparallel.train.device_model import device_model
+    from hyperparallel.train.planning.device_model import device_model
 
     cfg = load_config(ROOT / "configs/plans/qwen3_30b_a3b.yaml")
     plan = planning.plan(cfg, 64, device_model=device_model("h200"))

@@ -116,7 +116,7 @@ def _gpu(name: str, bf16: float, fp8: float, tf32: float, mx: float, hbm: float,
         intra_node_bytes_per_s=nvlink_each_way * LINK_EFFICIENCY, intra_node_latency_s=3e-6,
         inter_node_bytes_per_s=_NIC * LINK_EFFICIENCY, inter_node_latency_s=8e-6, ranks_per_node=8,
         op_floor_s=4e-6, overlap=True, peak_bf16_flops=bf16,
-        source="datasheet peaks x stated efficiencies (hyperparallel/train/device_model.py)",
+        source="datasheet peaks x stated efficiencies (hyperparallel/train/planning/device_model.py)",
     )
 
 

@@ -31,9 +31,11 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.models.layers import config_values
 from hyperparallel.moe import GroupedExperts
 from hyperparallel.train.config import TrainConfig
-from hyperparallel.train.device_model import DeviceModel
-from hyperparallel.train.plan import Plan, meta_model, plan, runtime_bytes
-from hyperparallel.train.plan_time import StepTime
+from hyperparallel.train.planning.device_model import DeviceModel
+from hyperparallel.train.planning.memory import runtime_bytes
+from hyperparallel.train.planning.model import meta_model
+from hyperparallel.train.planning.plan_time import StepTime
+from hyperparallel.train.planning.planner import Plan, plan
 from hyperparallel.train.preflight import layout_problems
 
 HEADROOM = 0.1  # of the device's memory, kept free
@@ -193,7 +195,7 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
 
 def _depth(cfg: TrainConfig) -> int:
     from hyperparallel.train.data import tokenizer_vocab_size
-    from hyperparallel.train.plan import layer_count_key, whole_model_config
+    from hyperparallel.train.planning.model import layer_count_key, whole_model_config
 
     whole = whole_model_config(cfg, tokenizer_vocab_size(cfg.data, cfg.model.path))
     return whole[layer_count_key(cfg.model.family, whole)]

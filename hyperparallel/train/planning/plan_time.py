@@ -41,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from hyperparallel.train.device_model import DeviceModel
+from hyperparallel.train.planning.device_model import DeviceModel
 
 COLLECTIVE_STEPS = {"all_gather": lambda w: w - 1, "reduce_scatter": lambda w: w - 1,
                     "all_reduce": lambda w: 2 * (w - 1), "all_to_all": lambda w: w - 1}

@@ -1,0 +1,329 @@
+"""`hyperparallel plan`: what one rank of a training run holds in memory and sends per step, from
+its config alone, without allocating the model, for any layout and number of ranks; with a
+device model, its step time (plan_time.py). `plan` assembles the pieces beside this file: the
+fake model (model.py), one recorded micro-batch (timeline.py), the bytes held (memory.py) and
+sent (communication.py); report.py prints the result.
+
+[Note: how the plan is made]
+The model is built as the trainer builds it (the family's class from its config on the meta
+device, the experts swapped, the fused loss, recompute), its tensors then made fake (torch's
+FakeTensorMode: a shape, a dtype, a device, meta storage, no bytes). One micro-batch's forward
+and backward run on it while a dispatch mode records every tensor storage an operator makes and
+when it is freed (autograd frees them as in a real eager run), with marks at each decoder
+layer's forward and each parameter's gradient. Nothing is estimated per architecture: what
+autograd saves, what backward works with, the fused loss's chunks, autocast's bf16 copies of
+the weights and recompute's replays are whatever the code really does (on real tensors the same
+recording gives the same bytes, tested). From that timeline:
+
+- activations: the most bytes alive at once that are neither parameters nor their gradients;
+- replicated: gradients whole (all alive from the first micro-batch on when the step
+  accumulates; else as backward makes them), and with more than one rank DDP's buckets (a
+  second copy of the gradients, gradient_as_bucket_view being off);
+- sharded (`hyperparallel.fsdp`): parameter, gradient and optimizer shards from fsdp's own shard
+  geometry (`shard_ranges`, `padded_rows`); during a micro-batch the root's full parameters, a
+  layer's full parameters from its forward to its end and again in its backward, the next
+  group's all-gather buffers (prefetched), the unsharded gradients of the groups still in
+  backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole, unless
+  parallel.sync_every_micro_batch), the reduce-scatter inputs of the two groups that finished
+  last ([ranks x slot]; fsdp frees one when the next group has launched its own, and gloo works
+  on a copy of it), and every finished group's output (the gradient shard);
+- the optimizer step: gradients and state, plus Muon's Newton-Schulz temporaries and exchange
+  buffers (clipping, fsdp's or torch's, makes foreach norms only).
+
+The model run is one rank's part of the layout (`parallel.mesh.MeshShape`): with tp one TP rank's
+part of it, split by the plan the trainer runs (`split_tensor_parallel`), with cp each sequence's
+seq_len / cp tokens, with ep the first
+expert-parallel rank's experts (`keep_local_experts`), every routed row computed as a rank
+receiving its share under uniform routing does; FSDP shards over dp_shard x cp (a layer's
+experts over the ranks holding the same experts), and HSDP's replicas hold the same shards.
+
+The total is the largest sum over that timeline and the optimizer step, not the sum of each
+part's own maximum. On the CPU the trainer's peak is the process's peak resident set, so the
+plan adds a `runtime` term there: this process's resident memory after importing what the
+trainer imports (`memory.RUN_MODULES`; a measurement, not a model). Not accounted (listed in
+`Plan.unaccounted`): the dataset held in memory, the allocator's own slack (glibc keeps freed
+blocks), Inductor's smaller set of saved tensors (the plan is eager's), and MXFP8's quantized
+copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hyperparallel.errors import ConfigError
+from hyperparallel.optim import split_for_muon
+from hyperparallel.parallel.expert_parallel import routed_experts
+from hyperparallel.parallel.mesh import MeshShape
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.planning.communication import COMM_FORMULA, megamoe_exposed_s, step_collectives
+from hyperparallel.train.planning.device_model import DeviceModel
+from hyperparallel.train.planning.memory import (
+    build_transient,
+    fsdp_groups,
+    muon_exchange,
+    muon_matrices,
+    nbytes,
+    optimizer_state,
+    optimizer_step_transient,
+    runtime_bytes,
+    shard_bytes,
+    timeline_peak,
+)
+from hyperparallel.train.planning.model import fake_model, meta_model
+from hyperparallel.train.planning.plan_time import Collective, OpCosts, StepTime, predict
+from hyperparallel.train.planning.timeline import simulate
+from hyperparallel.train.preflight import layout_problems
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes one rank holds (the rank holding the most) and sends per optimizer step."""
+
+    family: str
+    n_params: int
+    world: int
+    layout: str  # replicated (one rank) | replicated (DDP) | sharded (FSDP ...)
+    rank: int  # the rank the figures are of
+    device: str
+    micro_batch: int
+    seq_len: int
+    accumulation: int
+    recompute: str
+    mixed_precision: str
+    fused_loss: bool
+    compile: str
+    optimizer_name: str
+    params: int  # this rank's parameters (its shards when sharded)
+    grads: int  # gradients that live to the optimizer step (sharded: fsdp's padded gradient shards)
+    optimizer: int  # optimizer state
+    activations: int  # the most bytes alive at once in a micro-batch's forward and backward, beyond the above
+    buffers: int  # FSDP's unsharded parameters and gradients and collective buffers, or DDP's buckets, at their peak
+    tensors: int  # all tensors at the step's peak (the largest sum over its timeline), or the build's if larger
+    runtime: int  # CPU: resident memory of the process besides tensors (measured); CUDA: 0
+    comm_bytes_per_step: int
+    # the model's build: this rank's parameters and the buffers, plus what filling them holds
+    # whole at once (the init: the largest module's own tensors; model.path: the largest block read)
+    build: int = 0
+    comm: dict[str, int] = field(default_factory=dict)
+    unaccounted: tuple[str, ...] = ()
+    mesh: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, cp, tp, ep
+    comm_by_dimension: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by mesh dimension
+    time: StepTime | None = None  # the predicted step time (with a device model)
+
+    @property
+    def total(self) -> int:
+        return self.tensors + self.runtime
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        parts = ("params", "grads", "optimizer", "activations", "buffers", "build", "tensors", "runtime")
+        data["per_rank_bytes"] = {key: data.pop(key) for key in parts} | {"total": self.total}
+        data["comm_formula"] = COMM_FORMULA
+        data["unaccounted"] = list(self.unaccounted)
+        return data
+
+
+def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: torch.device | str | None = None,
+         device_model: DeviceModel | None = None, layers: int | None = None, simulations: dict | None = None) -> Plan:
+    """The memory and communication plan of one rank of `cfg` run over `world` ranks, and with
+    `device_model` its predicted step time (plan_time.py).
+
+    `runtime`: on the CPU, the resident bytes besides tensors; None measures this process
+    (`runtime_bytes`), right in a fresh process only. `device`: where the model is simulated
+    (default: where the trainer would, a GPU when there is one). The plan is of a GPU run when
+    `device` is CUDA or `device_model` is a GPU's: its runtime term is then 0, as
+    max_memory_allocated counts tensors only. `layers`: plan the model's first layers only (what
+    `plan_search` extrapolates from); `simulations`: a cache of simulated micro-batches, shared by
+    plans of one config that differ in their layout only (their expert-parallel timelines are one
+    simulation's with every expert, its expert gradients cut to a rank's).
+    """
+    from hyperparallel.train.distributed import device_for_this_rank
+
+    if world < 1:
+        raise ConfigError(f"the number of ranks must be at least 1, got {world}")
+    problems = layout_problems(cfg, world)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    layout = MeshShape.of(cfg.parallel, world)
+    accumulation = cfg.grad_accumulation(world)
+    device = torch.device(device) if device is not None else device_for_this_rank()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    on_gpu = device.type == "cuda" or (device_model is not None and device_model.name != "cpu")
+    if on_gpu:  # (the trainer's peak there is the CUDA allocator's: tensors only)
+        runtime = 0
+    elif runtime is None:
+        runtime = runtime_bytes(cfg.training.compile)
+    sharded = layout.fsdp_enabled
+    seq_len = cfg.data.seq_len // layout.cp
+
+    if simulations is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
+        model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers)
+        timeline = simulate(model, mode, cfg, device, seq_len)
+        whole_config = _whole_config(cfg, model, layout, layers)
+    else:  # (screening: one simulation with every expert per micro-batch shape, shared by every ep)
+        key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute)
+        if key not in simulations:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
+            simulations[key] = (simulate(model, mode, cfg, device, seq_len),
+                                _whole_config(cfg, model, MeshShape(tp=layout.tp), layers))
+        timeline, whole_config = simulations[key]
+        shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
+        if shapes not in simulations:
+            simulations[shapes] = fake_model(cfg, FakeTensorMode(allow_non_fake_inputs=True), device, tp=layout.tp,
+                                             ep=layout.ep, layers=layers)
+        model = simulations[shapes]
+        if layout.ep_enabled:
+            timeline = timeline.with_gradients_of(list(model.parameters()))
+    params = list(model.parameters())
+    whole = {id(p): nbytes(p) for p in params}
+    grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
+    experts = ({id(p) for module, _ in routed_experts(model) for p in module.parameters()} if layout.ep_enabled
+               else set())
+
+    if sharded:
+        world_of = {id(p): layout.expert_shard if id(p) in experts else layout.shard_size for p in params}
+        groups = fsdp_groups(model, params, world_of, cfg)
+        per_rank = {id(p): shard_bytes(p, world_of[id(p)], cfg) for p in params}
+        matrices = muon_matrices(cfg, model, layout.shard_size)
+        candidates = []
+        for r in range(layout.shard_size):  # (an expert's shards: rank r is expert-shard rank r // ep)
+            shard = {key: sizes[r // layout.ep if key in experts else r] for key, sizes in per_rank.items()}
+            candidates.append((sum(shard.values()) + optimizer_state(cfg, model, shard), r, shard))
+        _, rank, shard = max(candidates, key=lambda c: (c[0], -c[1]))
+        params_bytes = sum(shard.values())
+        optimizer_bytes = optimizer_state(cfg, model, shard)
+        grads = sum(g.slot for g in groups if g.trainable)
+        # [Note: gloo's reduce-scatter] ProcessGroupGloo reduce-scatters a clone of its input
+        # (measured: an aten::clone of [ranks x slot] inside c10d::_reduce_scatter_base_), which
+        # the work holds until fsdp settles it (the next group's reduce-scatter): two copies on the CPU
+        copies = 1 if on_gpu else 2
+        activations, buffers, peak = timeline_peak(timeline, groups, layout.shard_size, accumulation, grads_whole,
+                                                   copies, cfg.parallel.sync_every_micro_batch, layout.hsdp_enabled)
+        muon_sent, muon_buffers = muon_exchange(matrices, rank)
+        geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
+        description = f"sharded ({describe_shape(layout)}; {geometry})"
+    else:
+        rank, shard, groups, matrices, muon_sent = 0, whole, [], [], 0
+        params_bytes, grads = sum(whole.values()), grads_whole
+        optimizer_bytes = optimizer_state(cfg, model, shard)
+        activations, _, peak = timeline_peak(timeline, None, world, accumulation, grads_whole)
+        buffers = grads_whole if layout.ddp else 0  # DDP's buckets
+        muon_buffers = 0
+        description = describe_shape(layout)
+    if not sharded:
+        peak += buffers
+    target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
+    optimizer_step = grads + optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, target)
+    optimizer_step += 0 if sharded else buffers
+    tensors = params_bytes + optimizer_bytes + max(peak, optimizer_step)
+    build = params_bytes + sum(nbytes(b) for b in model.buffers()) + build_transient(cfg, model)
+    tensors = max(tensors, build)
+
+    ranks_per_node = device_model.ranks_per_node if device_model is not None else world
+    collectives = step_collectives(cfg, layout, model, whole_config["config"], groups, grads_whole, accumulation,
+                                   muon_sent, experts, ranks_per_node)
+    comm: dict[str, int] = {}
+    by_dimension: dict[str, int] = {}
+    for c in collectives:
+        comm[c.name] = comm.get(c.name, 0) + c.sent()
+        by_dimension[c.dimension] = by_dimension.get(c.dimension, 0) + c.sent()
+    comm = {name: sent for name, sent in comm.items() if sent}
+    by_dimension = {name: sent for name, sent in by_dimension.items() if sent}
+
+    step_time = None
+    if device_model is not None:
+        step_time = _step_time(cfg, layout, model, whole_config, timeline.costs, accumulation, collectives, shard,
+                               matrices, rank, sharded, device_model)
+
+    unaccounted = []
+    if not on_gpu:
+        unaccounted += ["the dataset in memory (about 8 bytes per corpus token)",
+                        "the allocator's slack (glibc keeps freed blocks resident)"]
+    if cfg.training.compile != "none":
+        unaccounted.append(f"training.compile {cfg.training.compile}: activations are eager's "
+                           f"(a compiled layer keeps fewer)")
+    if cfg.checkpoint.async_ and not on_gpu:
+        unaccounted.append("checkpoint.async: a copy of parameters and optimizer state while a save is in flight")
+    if cfg.low_precision.enabled:
+        unaccounted.append("low_precision (MXFP8): planned as the unconverted model; MXFP8 keeps fp8 copies of "
+                           "inputs and weights instead (docs/lowp.md); its products timed at the device's MX rate")
+    if layout.tp_enabled and cfg.parallel.sequence_parallel:
+        unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
+                           "every tp rank: an overestimate)")
+    if on_gpu and device.type == "cpu":
+        unaccounted.append("attention as the CPU runs it (simulated here): where SDPA has no fused CPU kernel "
+                           "(unequal query and value head dims: DeepSeek's MLA) its math path keeps the score "
+                           "matrices a GPU's memory-efficient kernel does not (an overestimate)")
+    if layout.ep_enabled:
+        unaccounted.append("expert parallelism: routing planned uniform (each rank receives its own tokens' share); "
+                           "an imbalanced layer receives more")
+    if layout.cp_enabled:
+        unaccounted.append(f"context parallelism ({cfg.parallel.cp_mode}): the attention's exchange buffers")
+    return Plan(
+        family=cfg.model.family, n_params=whole_config["n_params"], world=world, layout=description, rank=rank,
+        device=device_model.name if device_model is not None else device.type, micro_batch=cfg.training.micro_batch,
+        seq_len=cfg.data.seq_len, accumulation=accumulation, recompute=cfg.parallel.recompute,
+        mixed_precision=cfg.training.mixed_precision, fused_loss=cfg.training.fused_loss, compile=cfg.training.compile,
+        optimizer_name=cfg.optimizer.name, params=params_bytes, grads=grads, optimizer=optimizer_bytes,
+        activations=activations, buffers=buffers, tensors=tensors, runtime=runtime,
+        comm_bytes_per_step=sum(comm.values()), build=build, comm=comm, unaccounted=tuple(unaccounted),
+        mesh=layout.dims(), comm_by_dimension=by_dimension, time=step_time,
+    )
+
+
+def _whole_config(cfg: TrainConfig, model: nn.Module, layout: MeshShape, layers: int | None) -> dict:
+    """The whole model's parameter count, HF config and training FLOPs per token (the fake model is
+    one rank's part)."""
+    from hyperparallel.models.flops import training_flops_per_token
+
+    whole = model if not layout.tp_enabled and not layout.ep_enabled and layers is None else meta_model(cfg)
+    return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config,
+            "flops_per_token": training_flops_per_token(whole, cfg.data.seq_len)}
+
+
+def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dict, costs: OpCosts, accumulation: int,
+               collectives: list[Collective], shard: dict[int, int], matrices, rank: int, sharded: bool,
+               device: DeviceModel) -> StepTime:
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    shard_bytes = sum(shard[id(q)] for q in trainable)
+    state = optimizer_state(cfg, model, shard)
+    moved = 2 * shard_bytes + 3 * shard_bytes + 2 * state  # parameters r/w; gradients read, clipped (r/w); state r/w
+    ns_flops = 0.0
+    if cfg.optimizer.name == "muon":  # Newton-Schulz on the matrices this rank orthogonalizes
+        owners = {id(q): owner for q, _, owner in matrices}  # (fsdp's row-split 2-D matrices: one owner each)
+        for _, q in split_for_muon(model)[0]:
+            small, large = sorted(q.shape[-2:])
+            per_matrix = cfg.optimizer.ns_steps * (4 * small * small * large + 2 * small**3)
+            if q.dim() == 2:
+                ns_flops += per_matrix if owners.get(id(q), rank) == rank else 0
+            else:  # a stack (the experts): each rank its shard's matrices
+                ns_flops += per_matrix * (q.numel() // (small * large)) * shard[id(q)] / max(nbytes(q), 1)
+    flops_per_token = whole["flops_per_token"]
+    # (on the CPU nothing overlaps in the model: MegaMoE's all-to-alls count whole, as critical)
+    megamoe = cfg.moe.implementation == "megamoe" and device.overlap
+    moe_exposed = megamoe_exposed_s(cfg, layout, model, device) if megamoe else 0.0
+    return predict(device=device, ops=costs, accumulation=accumulation, collectives=collectives,
+                   optimizer_bytes_moved=moved, optimizer_flops=ns_flops, optimizer_ops=2 * len(trainable),
+                   attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
+                   tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
+                   world=layout.world)
+
+
+def describe_shape(shape: MeshShape) -> str:
+    """The plan's name for a layout: `replicated`, `replicated (DDP)`, or its dimensions above 1."""
+    if not shape.fsdp_enabled:
+        return "replicated (DDP)" if shape.ddp else "replicated"
+    return " x ".join(f"{name} {size}" for name, size in shape.dims().items() if size > 1)
+
+
+def plan_total_bytes(cfg: TrainConfig, world: int, *, runtime: int | None = None) -> int:
+    """The plan's total for one rank: what the trainer's peak_mem_bytes is compared with. A
+    trainer passes `runtime` measured at its start (`runtime_bytes(cfg.training.compile)`)."""
+    return plan(cfg, world, runtime=runtime).total

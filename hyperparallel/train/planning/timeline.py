@@ -1,0 +1,161 @@
+"""One micro-batch's forward and backward, recorded: every tensor storage an operator makes and
+when it is freed, with marks at each decoder layer's forward and each parameter's gradient, and
+every operator's FLOPs and bytes (plan_time.py). Run on the fake model (model.py) or, for the
+tests, on real tensors, it gives the same bytes ([Note: how the plan is made], planner.py);
+memory.py reads the bytes alive at each point off it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hyperparallel.models import fused_loss
+from hyperparallel.models.layers import decoder_layers
+from hyperparallel.train.build import build_balancer
+from hyperparallel.train.config import TrainConfig
+from hyperparallel.train.planning.memory import nbytes, timeline_peak
+from hyperparallel.train.planning.plan_time import OpCosts, op_cost
+
+
+class _Recorder(TorchDispatchMode):
+    """Every storage an operator makes, in order, with when it is freed: ("alloc", serial, bytes),
+    ("free", serial), and the marks put in between: ("mark", kind, index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple] = []
+        self.live: dict[int, int] = {}  # storage address -> serial
+        self.serials = 0
+        self.costs = OpCosts()  # every operator's FLOPs and bytes, for the step-time prediction
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.costs.add(*cost)
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, inputs)
+        return out
+
+    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live or key in inputs:  # a view (of a parameter, say), or an op that returns its input
+            return
+        serial = self.serials
+        self.serials += 1
+        self.live[key] = serial
+        self.events.append(("alloc", serial, storage.nbytes()))
+        weakref.finalize(storage, self._freed, key, serial)
+
+    def _freed(self, key: int, serial: int) -> None:
+        if self.live.get(key) == serial:
+            del self.live[key]
+        self.events.append(("free", serial))
+
+    def mark(self, kind: str, index: int | None = None) -> None:
+        self.events.append(("mark", kind, index))
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        return self.live.get(t.untyped_storage()._cdata)
+
+
+@dataclass
+class Timeline:
+    """One micro-batch's storages and marks, in order (`_Recorder.events`)."""
+
+    events: list[tuple]
+    grad_serial: dict[int, int]  # serial of a storage that ended as a parameter's .grad -> the parameter's index
+    n_layers: int
+    costs: OpCosts = field(default_factory=OpCosts)  # the micro-batch's operators (plan_time.py)
+
+    def activations(self) -> int:
+        """The most bytes alive at once that are not parameters' gradients."""
+        return timeline_peak(self, None, 1, 1, 0)[0]
+
+    def with_gradients_of(self, params: list[torch.Tensor]) -> Timeline:
+        """This timeline with each parameter's gradient the size of `params[j]` (the same model's
+        parameters with fewer experts: `plan_search` screens expert-parallel layouts on the
+        timeline of one simulation with every expert, its expert gradients cut to a rank's)."""
+        size = {serial: nbytes(params[j]) for serial, j in self.grad_serial.items()}
+        events = [("alloc", e[1], size[e[1]]) if e[0] == "alloc" and e[1] in size else e for e in self.events]
+        return Timeline(events, self.grad_serial, self.n_layers, self.costs)
+
+
+@contextlib.contextmanager
+def _masks_as_on_real_tensors():
+    """[Note: fake tensors are no trace here]
+    transformers takes a FakeTensor for a trace (torch.compile's): it then keeps the values of
+    the position ids it cannot read as a packed-sequence mask and builds a whole
+    [batch, 1, seq, seq] causal mask, with which SDPA also repeats the key/value heads. On the
+    trainer's real tensors (position ids 0..seq-1 in every row) it finds one sequence per row and
+    passes is_causal, no mask. The plan is of the real run, so while it runs transformers' mask
+    code asks only whether Python is tracing, and finds no packed sequences, as it would."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    patches = {"is_tracing": lambda original: (lambda tensor=None: original(None)),
+               "find_packed_sequence_indices": lambda original: (lambda position_ids: None)}
+    saved = {name: getattr(masking_utils, name) for name in patches if hasattr(masking_utils, name)}
+    if len(saved) < len(patches):  # another transformers: plan with its mask as it makes one (more bytes)
+        yield
+        return
+    for name, original in saved.items():
+        setattr(masking_utils, name, patches[name](original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(masking_utils, name, original)
+
+
+def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None) -> Timeline:
+    """One micro-batch's forward and backward on `mode`'s fake tensors, recorded (a real model
+    with a null context for `mode` is recorded the same way, on real tensors). `seq_len`: the
+    tokens of each sequence this rank holds (context parallelism's part; default the whole)."""
+    layers = list(decoder_layers(model))
+    params = list(model.parameters())
+    recorder = _Recorder()
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: recorder.mark("forward", i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: recorder.mark("forward_done", i)))
+    for j, p in enumerate(params):
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, j=j: recorder.mark("grad", j)))
+    bf16 = cfg.training.mixed_precision == "bf16"
+    balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
+    try:
+        with mode, recorder, _masks_as_on_real_tensors():
+            ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
+            with fused_loss(model):
+                with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                    loss = model(input_ids=ids, labels=ids).loss
+                aux = balancer.aux_loss() if balancer is not None else None
+                if aux is not None:
+                    loss = loss + aux
+                recorder.mark("backward")
+                loss.backward()
+            if balancer is not None:
+                balancer.after_backward()
+            recorder.mark("end")
+            grad_serial = {recorder.serial_of(p.grad): j for j, p in enumerate(params) if p.grad is not None}
+            del loss, ids
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p in params:
+            p.grad = None
+    grad_serial.pop(None, None)
+    return Timeline(recorder.events, grad_serial, len(layers), recorder.costs)
