@@ -1,14 +1,16 @@
 """A group's flat communication buffers, the views its copies use, and the two collectives.
 
-All of a group's parameters share one flat layout in which every rank has a slot of the same
-padded length (`FlatLayout`). The all-gather copies the local shards into this rank's slot and,
-once every rank's slot has arrived, the slots' valid elements into the full parameters; the
-reduce-scatter's input is every gradient, zero-padded, in the same [world, slot] layout.
+Both collectives move a [world, slot] buffer in which every rank has a slot of the same padded
+length. The all-gather's is bytes (`GatherViews`): this rank's pieces (gather.py: each
+parameter's values in its full copy's dtype, or a codec's encoding of its shard) go into its
+slot and, once every rank's slot has arrived, every rank's parts into the full parameters (or
+the codec's pieces). The reduce-scatter's is the reduce dtype's (`FlatLayout`, `ReduceViews`):
+every gradient, zero-padded.
 
 [Note: views made once per group] Every view those copies read or write is made once per group,
 not per collective: the buffers are kept (`CommBuffer`: their bytes freed between uses, the
 tensors and their views kept), and a parameter's elements on a run of ranks holding equal
-shards (`param.Run`) are one strided view, so the copies are one foreach call over a list built
+shards (`gather.Run`) are one strided view, so the copies are one foreach call over a list built
 once, a few entries per parameter whatever the number of ranks. What is made per call is what
 must be: the gradients' reshapes (autograd gives new tensors) and the shards' `.grad` views of
 a fresh reduce-scatter output (the optimizer keeps them until the next step). The views are made
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hyperparallel import traffic
+from hyperparallel.fsdp.gather import Piece
 from hyperparallel.fsdp.param import ShardedParam
 
 
@@ -52,17 +56,6 @@ class FlatLayout:
                     data[-1].append(ranks[:, base: base + run.numel].view(run.shape))
                 if run.numel < p.slot_numel:
                     padding.append(ranks[:, base + run.numel: base + p.slot_numel])
-        return data, padding
-
-    def local_views(self, buffer: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of this rank's [slot] buffer: each parameter's elements, shaped like its shard,
-        and every padding piece."""
-        data, padding = [], []
-        for p, base in zip(self.params, self.bases, strict=True):
-            numel = p.rank_numels[self.rank]
-            data.append(buffer[base: base + numel].view(p.shard.shape))
-            if numel < p.slot_numel:
-                padding.append(buffer[base + numel: base + p.slot_numel])
         return data, padding
 
     def local_places(self) -> list[tuple[torch.Size, tuple[int, ...], int]]:
@@ -100,33 +93,47 @@ class CommBuffer:
 
 
 class GatherViews:
-    """An all-gather's buffers and the views its copies use ([Note: views made once per group]):
-    the shards go into `local`'s views, shaped like the shards; `gathered`'s views go out into
-    the full parameters' run views (`ShardedParam.full_runs`), in the same order."""
+    """An all-gather's byte buffers and the views its copies use ([Note: views made once per
+    group]): per piece (gather.py), this rank's part in `local`, flat in the piece's dtype, and
+    every rank's parts in `gathered`, one view per run of ranks holding equal parts, in the
+    pieces' order. Pieces start on 16-byte boundaries, so any dtype's view of them is aligned."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
-        self.key = (dtype, device)
-        self.local = CommBuffer((layout.slot,), dtype, device)
-        self.gathered = CommBuffer((layout.world, layout.slot), dtype, device)
-        self.local_data, self.local_padding = layout.local_views(self.local.tensor)
-        data, _ = layout.rank_views(self.gathered.tensor)  # (the padding is never read)
-        self.gathered_data = [view for views in data for view in views]
+    def __init__(self, pieces: list[Piece], world: int, rank: int, device: torch.device):
+        self.pieces = pieces
+        slot = sum(piece.slot_nbytes for piece in pieces)
+        self.local = CommBuffer((slot,), torch.uint8, device)
+        self.gathered = CommBuffer((world, slot), torch.uint8, device)
+        self.local_data: list[torch.Tensor] = []
+        self.local_padding: list[torch.Tensor] = []
+        self.gathered_data: list[torch.Tensor] = []
+        base = 0
+        for piece in pieces:
+            size, nbytes = piece.itemsize, piece.rank_numels[rank] * piece.itemsize
+            self.local_data.append(self.local.tensor[base: base + nbytes].view(piece.dtype))
+            if nbytes < piece.slot_nbytes:
+                self.local_padding.append(self.local.tensor[base + nbytes: base + piece.slot_nbytes])
+            for run in piece.runs:  # (the padding is never read)
+                if run.numel:
+                    ranks = self.gathered.tensor[run.first: run.first + run.count, base: base + run.numel * size]
+                    self.gathered_data.append(ranks.view(piece.dtype).view(run.shape))
+            base += piece.slot_nbytes
 
     @torch.no_grad()
-    def copy_in(self, shards: list[torch.Tensor]) -> None:
-        """This rank's shards into its slot (cast to the buffers' dtype); the gathered buffer's
-        bytes allocated for the all-gather to fill."""
+    def copy_in(self, sources: list[torch.Tensor]) -> None:
+        """This rank's part of every piece (flat; cast to the piece's dtype) into its slot; the
+        gathered buffer's bytes allocated for the all-gather to fill."""
         self.local.allocate()
         self.gathered.allocate()
-        torch._foreach_copy_(self.local_data, shards)
+        torch._foreach_copy_(self.local_data, sources)
         if self.local_padding:  # never read, but never uninitialized bytes on the wire
             torch._foreach_zero_(self.local_padding)
 
     @torch.no_grad()
-    def copy_out(self, full_runs: list[torch.Tensor]) -> None:
-        """Every rank's elements into the full parameters' run views; the buffers' bytes freed."""
+    def copy_out(self, destinations: list[torch.Tensor]) -> None:
+        """Every rank's parts into the destinations' run views (a parameter's `full_runs`, or a
+        codec's pieces); the buffers' bytes freed."""
         self.local.free()
-        torch._foreach_copy_(full_runs, self.gathered_data)
+        torch._foreach_copy_(destinations, self.gathered_data)
         self.gathered.free()
 
     def free(self) -> None:
@@ -187,16 +194,19 @@ class ReduceViews:
         return [out.as_strided(shape, stride, offset) for shape, stride, offset in self.out_places]
 
 
-def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group):
+def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group, dimension: str):
+    traffic.reduce_scatter(dimension, flat, group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
     return fn(out, flat, group=group, async_op=True)
 
 
-def all_reduce(tensor: torch.Tensor, group):
+def all_reduce(tensor: torch.Tensor, group, dimension: str):
     """Sum `tensor` over `group` in place (HSDP: a reduce-scatter's output over the replicas)."""
+    traffic.all_reduce(dimension, tensor, group)
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
-def all_gather(gathered: torch.Tensor, local: torch.Tensor, group):
+def all_gather(gathered: torch.Tensor, local: torch.Tensor, group, dimension: str):
+    traffic.all_gather(dimension, local, group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(gathered, local, group=group, async_op=True)

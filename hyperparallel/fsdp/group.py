@@ -43,12 +43,20 @@ from hyperparallel.fsdp.collectives import (
     all_reduce,
     reduce_scatter,
 )
+from hyperparallel.fsdp.gather import PURPOSES, Piece
 from hyperparallel.fsdp.param import MixedPrecision, ShardedParam
 
 if TYPE_CHECKING:
     from hyperparallel.fsdp.schedule import PrefetchSchedule
 
 _GROUP = "_hp_fsdp_group"  # the attribute of a sharded module that holds its FSDPGroup
+# the mesh dimensions a group's collectives run over, as the traffic counter names them
+SHARD_DIMENSION, REPLICA_DIMENSION = "dp_shard", "dp_replicate"
+
+
+def _run_views(flat: torch.Tensor, piece: Piece) -> list[torch.Tensor]:
+    """Views of a whole piece, one per run of ranks holding elements, that its gathered parts go into."""
+    return [flat[run.start: run.start + run.count * run.numel].view(run.shape) for run in piece.runs if run.numel]
 
 
 class GroupState(enum.Enum):
@@ -112,15 +120,15 @@ class FSDPGroup:
         self.gradient_sync = True  # a user setting (set_requires_gradient_sync), not lifecycle state
         self.params: list[ShardedParam] = []
         self.state = GroupState.SHARDED
-        self._gather = None  # the work of a launched all-gather: a prefetch in flight
+        self._gather = None  # (work, views, entries) of a launched all-gather: a prefetch in flight
         self._reduce = None  # (work, out) of a launched reduce-scatter
         self._all_reduce = None  # (work, out) of a launched all-reduce across the replicas (HSDP)
-        self._gather_layout: FlatLayout | None = None
         self._reduce_layout: FlatLayout | None = None  # over the trainable parameters only
-        self._gather_views: GatherViews | None = None  # made on first use
+        # per set of things gathered together ([Note: what a gather carries]), made on first use
+        self._gather_views: dict[tuple, GatherViews] = {}
+        self._decoded: set[str] = set()  # the purposes whose codec pieces are here
+        self._has_codecs = False
         self._reduce_views: ReduceViews | None = None
-        self._shards: list[nn.Parameter] = []  # the copy-in's sources, in the layout's order
-        self._copy_out: list[torch.Tensor] = []  # the full parameters' run views, in the layout's order
         # Per backward pass, not lifecycle: the end-of-backward callback must be queued once per
         # pass, on the first gradient, whichever state the group is in by then (a group can be
         # done with its gradients, or still gathered, when the callback runs).
@@ -153,44 +161,103 @@ class FSDPGroup:
             param._hp_replaced_by_shard = True  # an optimizer still holding it was built too early
             if sharded.full.requires_grad:
                 sharded.full.register_post_accumulate_grad_hook(self._on_grad)
-        self._gather_layout = FlatLayout(self.params, self.world, self.rank)
-        self._shards = [p.shard for p in self.params]
         # Which parameters get gradients is fixed here, as is the count _on_grad waits for.
+        self._has_codecs = any(p.codec is not None for p in self.params)
         trainable = [p for p in self.params if p.full.requires_grad]
         self._reduce_layout = FlatLayout(trainable, self.world, self.rank) if trainable else None
 
     # -------------------------------------------------------------------------- all-gather
 
-    def start_unshard(self) -> None:
-        """Launch this group's all-gather without waiting for it (a prefetch); unshard() finishes it."""
-        if self.is_unsharded or self._gather is not None:
+    # [Note: what a gather carries] A parameter without a codec is gathered as its values (in its
+    # full copy's dtype), once per unshard: forward and backward use the same full Parameter. A
+    # parameter with a codec (gather.py; MXFP8 weights) is gathered as the pieces a purpose needs:
+    # "forward" when forward gathers (and "backward" too for a group that is not freed after
+    # forward, the root), "backward" when backward gathers it again, and "forward" once more if a
+    # recompute runs the module's forward inside backward. Each purpose's pieces stay until the
+    # group frees its full parameters.
+
+    def _forward_purposes(self) -> tuple[str, ...]:
+        root = self.schedule is not None and self.schedule.root is self
+        return ("forward",) if self.reshard_after_forward and not root else PURPOSES
+
+    def _entries(self, purposes: tuple[str, ...], values: bool) -> tuple[tuple[int, str | None], ...]:
+        """(parameter's index, purpose) of everything one gather carries: its values (None), if
+        `values`, for a parameter without a codec; each purpose's pieces for one with a codec."""
+        entries = []
+        for i, p in enumerate(self.params):
+            if p.codec is None:
+                if values:
+                    entries.append((i, None))
+            else:
+                entries += [(i, purpose) for purpose in purposes if purpose not in self._decoded]
+        return tuple(entries)
+
+    def start_unshard(self, purposes: tuple[str, ...] | None = None, values: bool = True) -> None:
+        """Launch an all-gather without waiting for it (a prefetch); unshard() finishes it.
+        `purposes`: what the codecs' parameters are gathered for (default: a forward's)."""
+        if self._gather is not None or (values and self.is_unsharded):
             return
-        ref = self.params[0].full  # gathered in the full parameters' (compute) dtype
-        views = self._gather_views
-        if views is None or views.key != (ref.dtype, ref.device):
-            views = self._gather_views = GatherViews(self._gather_layout, ref.dtype, ref.device)
-        views.copy_in(self._shards)
-        for p in self.params:
-            p.sent_version = (p.shard._version, versions.generation(p.shard))
-        self._gather = all_gather(views.gathered.flat, views.local.tensor, self.group)
+        purposes = purposes or self._forward_purposes()
+        entries = self._entries(purposes, values)
+        if not entries:
+            return
+        views = self._gather_views.get(entries)
+        if views is None:
+            pieces = [piece for i, purpose in entries for piece in self.params[i].pieces(purpose)]
+            views = self._gather_views[entries] = GatherViews(pieces, self.world, self.rank,
+                                                              self.params[0].shard.device)
+        sources = []
+        for i, purpose in entries:
+            p = self.params[i]
+            if purpose is None:
+                sources.append(p.shard.view(-1))
+                p.sent_version = (p.shard._version, versions.generation(p.shard))
+            else:
+                sources += p.codec.encode(purpose, p.shard.detach())
+        views.copy_in(sources)
+        self._gather = (all_gather(views.gathered.flat, views.local.tensor, self.group, SHARD_DIMENSION), views,
+                        entries, purposes)
 
     def unshard(self, for_backward: bool = False) -> None:
-        """Fill the full parameters and put them in the module (a no-op if they are there)."""
+        """Fill the full parameters and put them in the module (a no-op if they are there, but for
+        a codec's pieces the purpose needs: [Note: what a gather carries])."""
+        purposes = ("backward",) if for_backward else self._forward_purposes()
         if self.is_unsharded:
             if for_backward and self.state is GroupState.UNSHARDED:
                 self._become(GroupState.UNSHARDED_FOR_BACKWARD)
+            if self._has_codecs and not self._decoded >= set(purposes):
+                self.drop_prefetch()
+                self.start_unshard(purposes, values=False)
+                self._finish_gather()
             return
-        self.start_unshard()
-        work, views = self._gather, self._gather_views
+        if self._gather is not None and self._has_codecs and not set(self._gather[3]) >= set(purposes):
+            self.drop_prefetch()  # prefetched for another purpose
+        self.start_unshard(purposes)
+        self._finish_gather()
+        for p in self.params:
+            p.put(p.full)
+        self._become(GroupState.UNSHARDED_FOR_BACKWARD if for_backward else GroupState.UNSHARDED)
+
+    def _finish_gather(self) -> None:
+        """Wait for the launched all-gather and copy what it brought where it goes."""
+        if self._gather is None:  # (nothing to gather: a group of codec parameters already decoded)
+            return
+        work, views, entries, _ = self._gather
         self._gather = None
         work.wait()
-        same, moved = [], False
-        for p in self.params:
+        destinations, decoded, same = [], [], []
+        for i, purpose in entries:
+            p = self.params[i]
+            if purpose is not None:
+                specs = p.pieces(purpose)
+                pieces = [torch.empty(spec.numel, dtype=spec.dtype, device=p.shard.device) for spec in specs]
+                destinations += [view for piece, spec in zip(pieces, specs, strict=True) for view in _run_views(piece, spec)]
+                decoded.append((p, purpose, pieces))
+                continue
             full = p.full
             storage = full.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(p.full_nbytes)
-            moved |= storage._cdata != p._full_storage
             # Gathering the same values again (for backward, or the next micro-batch) must not look
             # like an in-place change to autograd: saved tensors of an earlier forward refer to this
             # storage and are meant to see them. New values (after an optimizer step or a
@@ -198,28 +265,34 @@ class FSDPGroup:
             # weight copies) start over.
             if p.sent_version == p.gathered_version:
                 same.append(full)
-        if moved or not self._copy_out:
-            self._copy_out = [view for p in self.params for view in p.full_runs()]
+            destinations += p.full_runs()
         keep_versions = torch.autograd._unsafe_preserve_version_counter(tuple(same)) if same else nullcontext()
         with keep_versions:
-            views.copy_out(self._copy_out)
-        for p in self.params:
-            if p.sent_version != p.gathered_version:
-                versions.bump(p.full)
-            p.gathered_version = p.sent_version
-            p.put(p.full)
-        self._become(GroupState.UNSHARDED_FOR_BACKWARD if for_backward else GroupState.UNSHARDED)
+            views.copy_out(destinations)
+        for i, purpose in entries:
+            p = self.params[i]
+            if purpose is None:
+                if p.sent_version != p.gathered_version:
+                    versions.bump(p.full)
+                p.gathered_version = p.sent_version
+        for p, purpose, pieces in decoded:
+            p.codec.decoded(purpose, p.full.shape, pieces)
+            self._decoded.add(purpose)
 
     def drop_prefetch(self) -> None:
         """Forget an all-gather that was prefetched but not used: the shards may change before the next use."""
         if self._gather is not None:
-            self._gather.wait()
+            work, views, _, _ = self._gather
             self._gather = None
-            self._gather_views.free()
+            work.wait()
+            views.free()
 
     def _free_full(self) -> None:
         for p in self.params:
             p.full.untyped_storage().resize_(0)
+            if p.codec is not None:
+                p.codec.release()
+        self._decoded.clear()
 
     def free_after_forward(self) -> None:
         """Free the full parameters' storage but leave them in the module: autograd saved them,
@@ -294,7 +367,7 @@ class FSDPGroup:
         flat = views.copy_in(grads)
         # (a fresh output every time: the shards' grads are views of it until the optimizer is done)
         out = torch.empty(layout.slot, dtype=reduce_dtype, device=ref.device)
-        self._reduce = (reduce_scatter(out, flat, self.group), out)
+        self._reduce = (reduce_scatter(out, flat, self.group, SHARD_DIMENSION), out)
         if self.schedule is not None:
             self.schedule.chain_reduce(self)
 
@@ -311,7 +384,7 @@ class FSDPGroup:
         self._reduce_views.flat.free()
         out.div_(self.gradient_divide_factor)
         if self.replicate_group is not None:
-            self._all_reduce = (all_reduce(out, self.replicate_group), out)
+            self._all_reduce = (all_reduce(out, self.replicate_group, REPLICA_DIMENSION), out)
         else:
             self._land_grads(out)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperparallel.fsdp.gather import GatherCodec, Piece, Run, runs_of
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
 
 # The shard tag: on a Parameter that holds a part of a larger tensor along dim 0, that part's place
@@ -36,6 +37,32 @@ def shard_info(param: nn.Parameter) -> ShardInfo:
 def set_shard_info(param: nn.Parameter, info: ShardInfo) -> None:
     """Tag `param` as rows [info.offset, info.offset + info.length) of a tensor of info.global_shape."""
     setattr(param, SHARD_INFO_ATTRIBUTE, info)
+
+
+# Two more tags a parameter may carry before fully_shard, set by the packages that know how the
+# parameter is read (fsdp does not): that its full copy keeps its own dtype whatever the group's
+# MixedPrecision says, and a codec that gathers it in another form (gather.py).
+_KEEP_DTYPE_ATTRIBUTE = "_hp_keep_dtype"
+_CODEC_ATTRIBUTE = "_hp_gather_codec"
+
+
+def keep_param_dtype(param: nn.Parameter) -> None:
+    """Gather `param` in its own dtype, not MixedPrecision's param_dtype: for a parameter the model
+    reads in elementwise operations or on purpose in float32 (a norm's weight, a router's)."""
+    setattr(param, _KEEP_DTYPE_ATTRIBUTE, True)
+
+
+def keeps_dtype(param: nn.Parameter) -> bool:
+    return getattr(param, _KEEP_DTYPE_ATTRIBUTE, False)
+
+
+def set_gather_codec(param: nn.Parameter, codec: GatherCodec) -> None:
+    """Gather `param` as what `codec` encodes from each rank's shard (gather.py) instead of its values."""
+    setattr(param, _CODEC_ATTRIBUTE, codec)
+
+
+def gather_codec(param: nn.Parameter) -> GatherCodec | None:
+    return getattr(param, _CODEC_ATTRIBUTE, None)
 
 
 # MixedPrecision lives here rather than in api.py: it decides the dtype of a sharded parameter's
@@ -79,6 +106,8 @@ class ShardedParam:
     placement: ShardPlacement
     rank_numels: list[int]  # elements of every rank's shard, rank 0 first: they tile the flattened parameter
     full_nbytes: int  # the full parameter's storage when allocated
+    # gathers the parameter as what it encodes (gather.py); None: as its values, in full's dtype
+    codec: GatherCodec | None = None
     accumulated: torch.Tensor | None = None  # full gradient kept locally while sync is off
     # the shard's (_version, generation) when its rows last went into an all-gather, and when the
     # full parameter was last filled: equal means the gather brings the same values again
@@ -116,11 +145,26 @@ class ShardedParam:
         shard._hp_shard_placement = placement
         # the full parameter starts without storage (never allocated whole here; the group's
         # all-gather gives it its bytes, [Note: views of a freed storage])
-        empty = torch.empty(0, dtype=param_dtype or param.dtype, device=local.device)
+        full_dtype = param.dtype if keeps_dtype(param) else (param_dtype or param.dtype)
+        empty = torch.empty(0, dtype=full_dtype, device=local.device)
         full = nn.Parameter(empty.set_(empty.untyped_storage(), 0, shape), requires_grad=param.requires_grad)
         row_numel = full_2d.shape[1]
+        # a codec only for a parameter held in one place, whose ranks' rows it can encode apart
+        codec = gather_codec(param) if len(places) == 1 else None
+        if codec is not None and not codec.fits(shape, placement.ranges):
+            codec = None
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
-                   [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size())
+                   [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size(),
+                   codec=codec)
+
+    def pieces(self, purpose: str | None) -> list[Piece]:
+        """What this parameter sends in an all-gather: its values (purpose None), or its codec's
+        pieces for `purpose`, every rank's element count from its rows."""
+        if purpose is None:
+            return [Piece(self.full.dtype, tuple(self.rank_numels))]
+        rows = [length for _, length in self.placement.ranges]
+        return [Piece(dtype, tuple(numel_of_rows(r) for r in rows))
+                for dtype, numel_of_rows in self.codec.pieces(purpose, self.full.shape)]
 
     def put(self, param: nn.Parameter) -> None:
         for owner, name in self.places:
@@ -156,35 +200,3 @@ class ShardedParam:
                                for run in self.runs if run.numel]
             self._full_storage = storage._cdata
         return self._full_runs
-
-
-@dataclass(frozen=True)
-class Run:
-    """Consecutive ranks that hold the same number of one parameter's elements. In a [world, slot]
-    communication buffer their pieces form one strided [count, numel] view; in the flattened
-    parameter, one contiguous block. A parameter has one run when its rows divide evenly, and
-    otherwise at most three that hold elements (the longer shards, shorter ones, a last short
-    one; tests/fsdp/test_views.py) and perhaps one of empty shards, whatever the number of
-    ranks: what the group's copies are counted in."""
-
-    first: int  # the first rank of the run
-    count: int  # ranks in the run
-    numel: int  # elements each of them holds
-    start: int  # where the first rank's elements begin in the flattened parameter
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Of the run's views in the copies: [ranks, elements], or [elements] for one rank."""
-        return (self.numel,) if self.count == 1 else (self.count, self.numel)
-
-
-def runs_of(rank_numels: list[int]) -> list[Run]:
-    runs, start, rank = [], 0, 0
-    while rank < len(rank_numels):
-        numel, count = rank_numels[rank], 1
-        while rank + count < len(rank_numels) and rank_numels[rank + count] == numel:
-            count += 1
-        runs.append(Run(rank, count, numel, start))
-        start += count * numel
-        rank += count
-    return runs

@@ -9,7 +9,8 @@ X's row and column copies come from one `quantize_dual` pass, as do dY's. Forwar
 backward only X's column-wise copy (when the weight needs a gradient) and W's column-wise copy.
 W's two copies are made once per weight version (`hyperparallel.versions.key`: its `_version`
 and its generation, which optimizer steps and FSDP gathers of new values bump) and reused across
-micro-batches and recompute.
+micro-batches and recompute; or, under FSDP, gathered as MX data (`self.gathered`, lowp/gather.py):
+the row-wise copy for forward, the column-wise one when backward gathers the weight again.
 Every product runs in the compute dtype (`lowp.dtypes.compute_dtype`: torch.autocast's when it is
 on, else the input's), on operands dequantized to it (docs/mx.md: exact, but for two corners):
 bf16 products for a bf16 model or under bf16 autocast, as nn.Linear's. The output comes back in
@@ -26,6 +27,7 @@ from torch import nn
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.lowp.dtypes import compute_dtype
+from hyperparallel.lowp.gather import MXWeightGather
 from hyperparallel.mx.tensor import MXTensor
 
 
@@ -35,8 +37,8 @@ def _mx(data: torch.Tensor, scale: torch.Tensor, axis: int, mode: str) -> MXTens
 
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, w_row_data, w_row_scale, w_col_data, w_col_scale, mode, wgrad, save_input,
-                dtype):
+    def forward(ctx, x, weight, bias, w_row_data, w_row_scale, w_col_data, w_col_scale, gathered, mode, wgrad,
+                save_input, dtype):
         needs_wgrad = ctx.needs_input_grad[1]
         keep_columnwise = needs_wgrad and wgrad == "mxfp8" and save_input == "columnwise"
         if keep_columnwise:
@@ -47,6 +49,8 @@ class _MXLinearFunction(torch.autograd.Function):
         y = mx.mx_mm(x_row, w_row.t(), out_dtype=dtype, bias=bias)
         saved_input = (x_col.data, x_col.scale) if keep_columnwise else ((x, x) if needs_wgrad else (None, None))
         ctx.save_for_backward(w_col_data, w_col_scale, *saved_input)
+        # without a column-wise copy here, FSDP gathers it for backward (MXWeightGather)
+        ctx.gathered = gathered if w_col_data is None else None
         ctx.keep_columnwise, ctx.mode, ctx.wgrad = keep_columnwise, mode, wgrad
         ctx.x_dtype, ctx.w_dtype, ctx.dtype, ctx.has_bias = x.dtype, weight.dtype, dtype, bias is not None
         return y
@@ -64,7 +68,8 @@ class _MXLinearFunction(torch.autograd.Function):
             dy_row = mx.quantize(dy, axis=1, scale_mode=mode)
         dx = dw = dbias = None
         if needs_dgrad:
-            dx = mx.mx_mm(dy_row, _mx(w_col_data, w_col_scale, 0, mode), out_dtype=ctx.dtype).to(ctx.x_dtype)
+            w_col = ctx.gathered.copies["backward"] if ctx.gathered is not None else _mx(w_col_data, w_col_scale, 0, mode)
+            dx = mx.mx_mm(dy_row, w_col, out_dtype=ctx.dtype).to(ctx.x_dtype)
         if mx_wgrad:
             if ctx.keep_columnwise:
                 x_col = _mx(saved_a, saved_b, 0, mode)
@@ -75,7 +80,7 @@ class _MXLinearFunction(torch.autograd.Function):
             dw = (dy.t() @ saved_a.to(ctx.dtype)).to(ctx.w_dtype)
         if needs_dbias and ctx.has_bias:
             dbias = dy.float().sum(0).to(ctx.w_dtype)
-        return dx, dw, dbias, None, None, None, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None, None, None, None
 
 
 class MXLinear(nn.Module):
@@ -88,6 +93,8 @@ class MXLinear(nn.Module):
         self.weight: nn.Parameter
         self.bias: nn.Parameter | None
         self._weight_copies: tuple | None = None  # (version, data_ptr, row data, row scale, col data, col scale)
+        # the weight's MX copies when FSDP gathers them as MX data (fsdp attaches it: lowp/gather.py)
+        self.gathered = MXWeightGather(config.scale_mode)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: LowPrecisionConfig) -> MXLinear:
@@ -96,7 +103,13 @@ class MXLinear(nn.Module):
         module.bias = linear.bias
         return module
 
-    def _quantized_weight(self) -> tuple[torch.Tensor, ...]:
+    def _quantized_weight(self) -> tuple[torch.Tensor | None, ...]:
+        """W's row-wise and column-wise MX copies (data, scale, data, scale): FSDP's gathered ones
+        (the column-wise then arrives for backward: None here), or quantized from the weight."""
+        row = self.gathered.copies.get("forward")
+        if row is not None:
+            col = self.gathered.copies.get("backward")
+            return row.data, row.scale, *((col.data, col.scale) if col is not None else (None, None))
         w = self.weight
         if torch.compiler.is_compiling():  # a traced graph quantizes anew; no Python-side cache
             row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
@@ -112,8 +125,8 @@ class MXLinear(nn.Module):
         shape = x.shape
         x2d = x.reshape(-1, self.in_features).contiguous()
         c = self.config
-        y = _MXLinearFunction.apply(x2d, self.weight, self.bias, *self._quantized_weight(), c.scale_mode, c.wgrad,
-                                    c.save_input, compute_dtype(x2d))
+        y = _MXLinearFunction.apply(x2d, self.weight, self.bias, *self._quantized_weight(), self.gathered,
+                                    c.scale_mode, c.wgrad, c.save_input, compute_dtype(x2d))
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hyperparallel import traffic
 from hyperparallel.fsdp import ShardPlacement
 
 # What orthogonalize returns, so the dtype the updates travel in: a rank that owns no matrix
@@ -155,6 +156,7 @@ class _Exchange:
         # casting before sending gives the same bits for half the bytes.
         send = _packed([ours[k].direction for k in self.send_order], sum(self.send_counts), DIRECTION_DTYPE, device)
         recv = torch.empty(sum(self.recv_counts), dtype=DIRECTION_DTYPE, device=device)
+        traffic.all_to_all("dp_shard", send, self.send_counts, self.group)
         dist.all_to_all_single(recv, send, self.recv_counts, self.send_counts, group=self.group)
         wholes_flat = torch.empty(sum(self.whole_sizes), dtype=DIRECTION_DTYPE, device=device)
         if self.mine:
@@ -171,6 +173,7 @@ class _Exchange:
         send = _packed([rows for rows_of in by_target for rows in rows_of], sum(self.update_send_counts),
                        UPDATE_DTYPE, device)
         recv = torch.empty(sum(self.update_recv_counts), dtype=UPDATE_DTYPE, device=device)
+        traffic.all_to_all("dp_shard", send, self.update_send_counts, self.group)
         dist.all_to_all_single(recv, send, self.update_recv_counts, self.update_send_counts, group=self.group)
         updates: list[Tensor] = [torch.empty(0)] * len(ours)
         for k, piece in zip(self.update_order, recv.split_with_sizes(self.update_recv_sizes), strict=True):

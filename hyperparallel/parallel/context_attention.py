@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hyperparallel import traffic
 from hyperparallel.errors import ConfigError, ShapeError
 from hyperparallel.parallel.recompute import nothing_kept
 
@@ -118,6 +119,7 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()  # all_to_all_single splits the flat storage; a gradient may arrive strided
     out = torch.empty_like(x)
+    traffic.all_to_all("cp", x, None, group)
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -188,6 +190,7 @@ class _Ring:
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
         """Start sending `send` to the next rank and receiving the previous rank's into `recv`."""
+        traffic.send("cp", send)
         ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
         return dist.batch_isend_irecv(ops)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from hyperparallel.fsdp import fully_shard
+from hyperparallel.fsdp import MixedPrecision, fully_shard
 from hyperparallel.models.layers import decoder_layers
 from hyperparallel.parallel.expert_parallel import ExpertLayout, expert_modules
 
 
 def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group: dist.ProcessGroup | None = None,
-                replicate_group: dist.ProcessGroup | None = None, experts: ExpertLayout | None = None, device=None) -> nn.Module:
+                replicate_group: dist.ProcessGroup | None = None, experts: ExpertLayout | None = None, device=None,
+                mp_policy: MixedPrecision | None = None) -> nn.Module:
     """Shard each decoder layer, then the root, over `process_group` (default: every rank), and
     replicate the shards over `replicate_group` (HSDP; None: no replicas).
 
@@ -22,8 +23,9 @@ def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, pr
     gradients then already sum the tokens of its whole EP group, so they are reduced over the
     ranks holding the same experts (and their replicas) and divided by every data-parallel rank
     (a mean over the world's tokens, `experts.world`).
-    `device`: where the shards of a model built on the meta device get their memory."""
-    options = {"geometry": geometry, "align": align, "device": device}
+    `device`: where the shards of a model built on the meta device get their memory.
+    `mp_policy`: the dtypes of the gathers and the reductions (parallel/mixed_precision.py)."""
+    options = {"geometry": geometry, "align": align, "device": device, "mp_policy": mp_policy}
     for layer in decoder_layers(model):
         if experts is not None:
             for module in expert_modules(layer):

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperparallel import traffic
+
 
 class _Bucket:
     """The partial gradients of one dtype and device: the buffer and its views, made once."""
@@ -56,6 +58,7 @@ class _Bucket:
             torch._foreach_copy_(into, sources)
         if zeros:
             torch._foreach_zero_(zeros)
+        traffic.all_reduce("tp", self.buffer, group)
         dist.all_reduce(self.buffer, group=group)
         if into:
             torch._foreach_copy_(sources, into)

@@ -28,23 +28,28 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from hyperparallel import traffic
+
 SEQUENCE_DIM = 1
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
     # torch 2.13 renamed the tensor collectives (the old names warn); torch.compile's functional
     # collectives trace the old names, which is what a compiled layer calls
+    traffic.all_gather("tp", x, group)
     single = getattr(dist, "all_gather_single", None)
     (dist.all_gather_into_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
 
 
 def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    traffic.reduce_scatter("tp", x, group)
     single = getattr(dist, "reduce_scatter_single", None)
     (dist.reduce_scatter_tensor if single is None or torch.compiler.is_compiling() else single)(out, x, group=group)
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous().clone()
+    traffic.all_reduce("tp", x, group)
     dist.all_reduce(x, group=group)
     return x
 

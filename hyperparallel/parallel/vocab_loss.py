@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hyperparallel import traffic
 from hyperparallel.models.loss import IGNORE_INDEX
 from hyperparallel.parallel.tp_collectives import gather_last_dim
 
@@ -38,9 +39,11 @@ class VocabShard:
         mine = counted & (local >= 0) & (local < columns)
         safe = torch.where(mine, local, 0).unsqueeze(1)
         peak = logits.amax(dim=1, keepdim=True)
+        traffic.all_reduce("tp", peak, self.group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
         exp = (logits - peak).exp_()
         sums_and_picked = torch.stack([exp.sum(dim=1), torch.where(mine, logits.gather(1, safe).squeeze(1), 0.0)])
+        traffic.all_reduce("tp", sums_and_picked, self.group)
         dist.all_reduce(sums_and_picked, group=self.group)
         sums, picked = sums_and_picked[0].unsqueeze(1), sums_and_picked[1]
         lse = sums.log() + peak

@@ -214,3 +214,10 @@ def compile_phase(cfg: TrainConfig, first_step: int) -> str | None:
     if cfg.training.compile == "none":
         return None
     return f"compiling the decoder layers ({cfg.training.compile}) in step {first_step + 1}"
+
+
+def describe_traffic(comm: dict) -> str:
+    """The first step's bytes sent through collectives (the busiest rank's), by mesh dimension and kind."""
+    parts = ", ".join(f"{key} {nbytes / 2**20:.2f}" for key, nbytes in comm["by_dimension_and_kind"].items())
+    return (f"sent per step by rank {comm['rank']}: {comm['total'] / 2**20:.2f} MiB"
+            + (f" ({parts} MiB)" if parts else ""))

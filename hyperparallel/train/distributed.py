@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hyperparallel import errors
 from hyperparallel.errors import ConfigError, HyperparallelError
+from hyperparallel.traffic import Traffic
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,20 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(mine)
     return mine.tolist()
+
+
+def traffic_over_ranks(counted: Traffic) -> dict:
+    """The bytes each rank sent in a counted step (`hyperparallel.traffic`), as the rank that sent
+    the most counted them (by mesh dimension and kind: what `hyperparallel plan` predicts for
+    it), with the mean over ranks; the same on every rank. Once per run: an object all-gather."""
+    mine = counted.to_json()
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    busiest = max(range(len(everyone)), key=lambda r: everyone[r]["total"])
+    return {"rank": busiest, **everyone[busiest],
+            "mean_total": sum(t["total"] for t in everyone) / len(everyone)}
 
 
 # ------------------------------------------------------------------------------ every step

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from hyperparallel import traffic
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
@@ -22,7 +24,7 @@ from hyperparallel.train import checkpointing, elastic, preflight, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
-from hyperparallel.train.console import Console, announce, compile_phase, data_phase, model_phase
+from hyperparallel.train.console import Console, announce, compile_phase, data_phase, describe_traffic, model_phase
 from hyperparallel.train.distributed import (
     agree,
     background_group,
@@ -32,6 +34,7 @@ from hyperparallel.train.distributed import (
     joined,
     max_restarts,
     restart_count,
+    traffic_over_ranks,
 )
 from hyperparallel.train.evaluate import Evaluator
 from hyperparallel.train.metrics import LogWindow, MetricsLog, peak_memory_bytes
@@ -173,7 +176,7 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
                                 background_group=background_group(timeout_s) if cfg.checkpoint.async_ else None)
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     flops_per_step = built.flops_per_token * tokens_per_step
-    first_loss = last_loss = stopped_by = None
+    first_loss = last_loss = stopped_by = comm = None
     last = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     window = LogWindow()
     launched = elastic.launched_by_hyperparallel()  # (then the launcher announces a stop, and forwards it)
@@ -187,13 +190,17 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
         try:
             for step in range(start, last):
                 t0 = time.perf_counter()
-                with tracer.step(step):
+                # the first step's collectives counted where they are issued (hyperparallel.traffic)
+                with tracer.step(step), traffic.counting() if step == start else nullcontext() as counted:
                     result = step_fn(batches.micro_batches(step))
                 if rt.device.type == "cuda" and logged(step + 1, start, last, cfg.logging.every):
                     # every stream's work done before a logged step's time is read (the loss read
                     # already waits for the current stream's: docs/train.md "Host reads")
                     torch.cuda.synchronize(rt.device)
                 agreed = agree(result.loss, time.perf_counter() - t0, stop.requested is not None)
+                if counted is not None:
+                    comm = traffic_over_ranks(counted)
+                    log.print(describe_traffic(comm))
                 tracer.after_step(step)
                 first_loss = agreed.loss if first_loss is None else first_loss
                 last_loss = agreed.loss
@@ -203,6 +210,8 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
                 if logged(done, start, last, cfg.logging.every) or agreed.stop:
                     record = window.take(done, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                                          world=rt.world, peak_tflops=peak.tflops, peak_mem_bytes=peak_memory_bytes(rt.device))
+                    if counted is not None:  # (the first step's record: always written)
+                        record["comm_bytes"] = comm
                 log.step(done, record)
                 if evaluate is not None and not agreed.stop and (done == last or (
                         cfg.training.eval_every and done % cfg.training.eval_every == 0)):
@@ -231,7 +240,8 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
     if rt.is_main:
         elastic.write_result({"stopped_by": stopped_by, "run_dir": str(run_dir_path)})
     return {"run_dir": str(run_dir_path), "first_step": start, "steps": cfg.training.steps, "first_loss": first_loss,
-            "last_loss": last_loss, "records": log.records, "stopped_by": stopped_by, "data": dataset.stats}
+            "last_loss": last_loss, "records": log.records, "stopped_by": stopped_by, "data": dataset.stats,
+            "comm_bytes": comm}
 
 
 def _log_saved(log: MetricsLog, path: Path | None) -> None:

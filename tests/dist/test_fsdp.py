@@ -250,10 +250,10 @@ def run_schedule(rank: int, world: int) -> list[tuple[str, str]]:
     log: list[tuple[str, str]] = []
     launch, reduce = FSDPGroup.start_unshard, FSDPGroup._start_reduce
 
-    def logged_launch(group):
+    def logged_launch(group, *args, **kwargs):
         if not group.is_unsharded and group._gather is None:
             log.append(("all-gather", names[id(group)]))
-        launch(group)
+        launch(group, *args, **kwargs)
 
     def logged_reduce(group):
         log.append(("reduce-scatter", names[id(group)]))

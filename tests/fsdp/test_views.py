@@ -27,25 +27,37 @@ def values(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for shape in SHAPES]
 
 
-def shard(world: int, rank: int, geometry: str, align: int) -> list[ShardedParam]:
-    return [ShardedParam.of([], nn.Parameter(v), None, rank, world, geometry, align, None) for v in values(0)]
+def shard(world: int, rank: int, geometry: str, align: int, param_dtype=None) -> list[ShardedParam]:
+    return [ShardedParam.of([], nn.Parameter(v), None, rank, world, geometry, align, param_dtype) for v in values(0)]
 
 
+def gather_views(params: list[ShardedParam], world: int, rank: int) -> GatherViews:
+    return GatherViews([piece for p in params for piece in p.pieces(None)], world, rank, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["own dtype", "bf16"])
 @pytest.mark.parametrize(("world", "geometry", "align"), LAYOUTS)
-def test_gathered_views_fill_every_full_parameter(world, geometry, align):
+def test_gathered_views_fill_every_full_parameter(world, geometry, align, param_dtype):
+    """Every parameter's values, in its full copy's dtype (bf16 for every other one under bf16:
+    one byte buffer carries pieces of two dtypes)."""
     ranks = [shard(world, r, geometry, align) for r in range(world)]
-    views = [GatherViews(FlatLayout(params, world, r), torch.float32, torch.device("cpu"))
-             for r, params in enumerate(ranks)]
+    if param_dtype is not None:  # (as fully_shard's MixedPrecision would make them, every other one kept)
+        for params in ranks:
+            for p in params[::2]:
+                p.full.data = p.full.data.to(param_dtype)
+                p.full_nbytes = p.full.numel() * p.full.element_size()
+    views = [gather_views(params, world, r) for r, params in enumerate(ranks)]
     for v, params in zip(views, ranks, strict=True):
-        v.copy_in([p.shard for p in params])
+        v.copy_in([p.shard.view(-1) for p in params])
     slots = torch.stack([v.local.tensor for v in views])
     for r, v in enumerate(views):  # the all-gather, every rank's slot to every rank
         v.gathered.tensor.copy_(slots)
         for p in ranks[r]:
             p.full.untyped_storage().resize_(p.full_nbytes)
         v.copy_out([run for p in ranks[r] for run in p.full_runs()])
-        for p, want in zip(ranks[r], values(0), strict=True):
-            torch.testing.assert_close(p.full.detach(), want, rtol=0, atol=0)
+        for i, (p, want) in enumerate(zip(ranks[r], values(0), strict=True)):
+            assert p.full.dtype == (param_dtype if param_dtype is not None and i % 2 == 0 else want.dtype)
+            torch.testing.assert_close(p.full.detach(), want.to(p.full.dtype), rtol=0, atol=0)
         assert v.local.tensor.untyped_storage().nbytes() == v.gathered.tensor.untyped_storage().nbytes() == 0
 
 
@@ -69,10 +81,10 @@ def test_reduce_views_sum_each_rank_rows(world, geometry, align):
 
 def test_padding_travels_as_zeros():
     params = shard(4, 3, "chunk", 1)  # rank 3 of 4 holds none of 3 rows, one of 5
-    views = GatherViews(FlatLayout(params, 4, 3), torch.float32, torch.device("cpu"))
-    views.local.tensor.fill_(float("nan"))
-    views.copy_in([p.shard for p in params])
-    assert not views.local.tensor.isnan().any()
+    views = gather_views(params, 4, 3)
+    views.local.tensor.fill_(255)  # (as bytes: float32 NaNs)
+    views.copy_in([p.shard.view(-1) for p in params])
+    assert not views.local.tensor.view(torch.float32).isnan().any()
 
 
 @pytest.mark.parametrize("geometry", ["chunk", "balanced"])
@@ -104,12 +116,13 @@ def test_a_group_makes_its_views_once_and_frees_its_buffers_between_collectives(
     made = None
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
-        now = (group._gather_views, group._reduce_views, list(group._copy_out))
+        (gather,) = group._gather_views.values()  # (one kind of gather: every parameter's values)
+        now = (gather, group._reduce_views, [run for p in group.params for run in p.full_runs()])
         if made is not None:
             assert now[0] is made[0] and now[1] is made[1]
             assert all(a is b for a, b in zip(now[2], made[2], strict=True))
         made = now
-        for buffer in (group._gather_views.local, group._gather_views.gathered, group._reduce_views.flat):
+        for buffer in (gather.local, gather.gathered, group._reduce_views.flat):
             assert buffer.tensor.untyped_storage().nbytes() == 0
         model.zero_grad()
 

@@ -1,0 +1,80 @@
+"""Which parameters a bf16 step computes from bf16 copies, and which FSDP gathers in what form.
+
+[Note: bf16 parameters] Under `training.mixed_precision: bf16` the products run under
+torch.autocast(bfloat16), which casts a float32 weight to bf16 as the product reads it. So FSDP
+gathers those weights in bf16 (fsdp's MixedPrecision param_dtype): the same values autocast
+would make, half the bytes. The products' parameters are the Linears' and Conv1D's weights and
+biases, the embeddings' tables and the experts' 3-D weights. Every other parameter keeps
+float32 in its gathered copy (`fsdp.keep_param_dtype`): the norms' weights and the routers', and
+whatever else a model reads in elementwise operations (attention sinks, DeepSeek-V4's
+hyper-connection weights), which autocast leaves in float32 and which some models read in float32
+on purpose (DeepSeek-V3's and Qwen3-MoE's routers compute their logits in float32; DeepSeek-V3's
+report keeps the gating and the norms in higher precision for the same reason). They are a few
+hundredths of a percent of a large model's weights (Qwen3-30B-A3B: 0.04%), so the gathered bytes
+are 0.5002x float32's there; at the tests' tiny sizes, a few tenths of a percent more.
+
+The embedding is the one product autocast does not cast (a lookup, not a product): gathered in
+bf16, its rows start the residual stream in bf16, as in PyTorch FSDP2 with
+MixedPrecisionPolicy(param_dtype=bf16) and in the anchors' recipes. Its output is cast to bf16 on
+every layout (`cast_embedding_outputs`), so one process, DDP and FSDP compute the same forward.
+
+Gradients reduce in `parallel.reduce_dtype` (float32 by default) and land in the float32 shards,
+which the optimizer updates; a parameter's full gradient before the reduction is in its gathered
+dtype (bf16 for the products), as in FSDP2.
+
+MXFP8 layers (`lowp.MXLinear`, and MXFP8 experts' gate_up and down weights) gather their weights
+as MX data instead (`attach_mx_gather`, lowp/gather.py): FP8 elements and E8M0 scales, 1.03
+bytes per element, quantized by each rank from its float32 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperparallel.fsdp import keep_param_dtype, set_gather_codec
+from hyperparallel.lowp import MXLinear
+from hyperparallel.lowp.conversion import is_experts, is_mx_experts
+
+
+def _is_product(module: nn.Module) -> bool:
+    """A module whose parameters feed matrix products (or, for an embedding, a lookup of rows)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, nn.Embedding, MXLinear, Conv1D)) or is_experts(module)
+
+
+def keep_float32_outside_products(model: nn.Module) -> list[str]:
+    """Tag every parameter that is not a product's to be gathered in its own dtype ([Note: bf16
+    parameters]); returns their names. Call before sharding."""
+    product = {id(p) for m in model.modules() if _is_product(m) for p in m.parameters(recurse=False)}
+    kept = []
+    for name, p in model.named_parameters():
+        if id(p) not in product:
+            keep_param_dtype(p)
+            kept.append(name)
+    return kept
+
+
+def cast_embedding_outputs(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every embedding's output in `dtype`: what an embedding gathered in `dtype` gives, on layouts
+    that hold it in float32 (one process, DDP), so that every layout computes the same forward."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.register_forward_hook(lambda mod, args, out: out.to(dtype) if out.is_floating_point() else out)
+
+
+def attach_mx_gather(model: nn.Module) -> int:
+    """Let FSDP gather every MXLinear's weight and MXFP8 experts' two weights as MX data
+    (lowp/gather.py); returns how many weights. Call before sharding; FSDP falls back to the
+    values for a weight whose shards would split a block (give fsdp an `align` of 32 rows)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, MXLinear):
+            set_gather_codec(module.weight, module.gathered)
+            count += 1
+        elif is_mx_experts(module) and module.recipe.save_weight_copy:
+            for name, codec in module.recipe.gathered.items():
+                set_gather_codec(getattr(module, name), codec)
+                count += 1
+    return count

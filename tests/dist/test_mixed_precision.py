@@ -1,0 +1,190 @@
+"""Communication in the step's precision (parallel/mixed_precision.py, fsdp/gather.py,
+lowp/gather.py): bf16 FSDP traffic against PyTorch FSDP2 with the same MixedPrecisionPolicy,
+MXLinear weights gathered as MX data bitwise equal to gathering the values and quantizing after,
+and the bytes the traffic counter sees for each."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyperparallel import traffic
+
+STEPS = 5
+
+
+def tiny_qwen3() -> nn.Module:
+    """A Qwen3 whose rows divide by neither 2 nor 4 ranks evenly (uneven and, at 4 ranks, short shards)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=99, hidden_size=60, intermediate_size=78, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config)
+
+
+def batches(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 99, (2, 24), generator=g)
+
+
+def train(model: nn.Module, rank: int, world: int) -> tuple[list[float], traffic.Traffic]:
+    """Five AdamW steps under bf16 autocast; the mean loss over ranks per step, and the first step's traffic."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, counted = [], None
+    for step in range(STEPS):
+        ids = batches(rank, step)
+        with traffic.counting() as now, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        counted = counted or now
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses, counted
+
+
+def ours(rank: int, world: int, param_dtype: torch.dtype | None,
+         reduce_dtype: torch.dtype = torch.float32) -> tuple[list[float], traffic.Traffic]:
+    from hyperparallel.fsdp import MixedPrecision
+    from hyperparallel.parallel.fsdp_plan import shard_model
+    from hyperparallel.parallel.mixed_precision import cast_embedding_outputs, keep_float32_outside_products
+
+    model = tiny_qwen3()
+    if param_dtype is not None:
+        keep_float32_outside_products(model)
+        cast_embedding_outputs(model, param_dtype)
+    shard_model(model, mp_policy=MixedPrecision(param_dtype, reduce_dtype))
+    return train(model, rank, world)
+
+
+def fsdp2(rank: int, world: int) -> list[float]:
+    """PyTorch FSDP2 with MixedPrecisionPolicy(bf16, fp32) on every layer and the root, and the
+    norms (the parameters outside products) wrapped with a float32 policy of their own that
+    leaves their inputs as they come (bf16 residuals: the norm then runs as in the layer)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = tiny_qwen3()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.model.layers:
+        for name, module in layer.named_modules():
+            if name.endswith("norm"):
+                fully_shard(module, mp_policy=fp32)
+        fully_shard(layer, mp_policy=bf16)
+    fully_shard(model.model.norm, mp_policy=fp32)
+    fully_shard(model, mp_policy=bf16)
+    return train(model, rank, world)[0]
+
+
+class MXLayers(nn.Module):
+    """Two MXFP8 Linears of 160 and 96 rows (with 32-row shards, uneven and, at 4 ranks, empty
+    ones) and 5 MXFP8 experts (uneven shards of whole experts), each a group freed after forward,
+    as a decoder layer is, under a root with a norm."""
+
+    def __init__(self):
+        super().__init__()
+        from hyperparallel.moe import GroupedExperts
+
+        torch.manual_seed(1)
+        self.norm, self.up, self.down = nn.LayerNorm(64), nn.Linear(64, 160), nn.Linear(160, 96, bias=False)
+        self.experts = GroupedExperts(5, 96, 64, nn.SiLU())
+        with torch.no_grad():
+            for w in (self.experts.gate_up_proj, self.experts.down_proj):
+                w.normal_(0, 0.1)
+        self.route = torch.arange(16 * 2).remainder(5).view(16, 2)  # every expert some rows
+
+    def forward(self, x):
+        h = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return self.experts(h, self.route, torch.full((16, 2), 0.5))
+
+
+def mx_run(rank: int, world: int, codec: bool) -> dict:
+    """Two steps of MXLayers under FSDP (align 32), bf16 autocast: outputs, shard gradients, traffic."""
+    from hyperparallel.fsdp import fully_shard
+    from hyperparallel.lowp import LowPrecisionConfig, convert
+    from hyperparallel.parallel.mixed_precision import attach_mx_gather
+
+    model = MXLayers()
+    convert(model, LowPrecisionConfig(enabled=True))
+    if codec:
+        assert attach_mx_gather(model) == 4  # two Linears' weights, the experts' two
+    for module in (model.up, model.down, model.experts):
+        fully_shard(module, align=32)
+    fully_shard(model, align=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs, grads, counted = [], [], None
+    for step in range(2):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+        with traffic.counting() as now, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+            y.float().square().mean().backward()
+        counted = counted or now
+        outputs.append(y.detach())
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"outputs": outputs, "grads": grads, "traffic": counted.sent}
+
+
+def on_ranks(rank: int, world: int, out_dir: str) -> dict:
+    fp32_losses, fp32_traffic = ours(rank, world, None)
+    bf16_losses, bf16_traffic = ours(rank, world, torch.bfloat16)
+    bf16_reduce_losses, bf16_reduce_traffic = ours(rank, world, torch.bfloat16, torch.bfloat16)
+    return {"ours": bf16_losses, "fsdp2": fsdp2(rank, world), "fp32": fp32_losses, "bf16_reduce": bf16_reduce_losses,
+            "traffic": {"fp32": fp32_traffic.sent, "bf16": bf16_traffic.sent, "bf16_reduce": bf16_reduce_traffic.sent},
+            "mx": mx_run(rank, world, codec=True), "values": mx_run(rank, world, codec=False)}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def spawned(request) -> list[dict]:
+    return request.getfixturevalue(f"spawn_{request.param}")["mixed_precision"]
+
+
+def test_bf16_training_equals_pytorch_fsdp2_with_the_same_policy(spawned):
+    ours_, theirs = spawned[0]["ours"], spawned[0]["fsdp2"]
+    # Measured: equal to the bit at 2 and 4 ranks (the same bf16 products, the same float32
+    # reductions of bf16 gradients); 1e-5 relative is the issue's bound.
+    torch.testing.assert_close(torch.tensor(ours_), torch.tensor(theirs), rtol=1e-5, atol=0)
+
+
+def test_bf16_gathers_half_the_bytes_of_float32(spawned):
+    counted = spawned[0]["traffic"]
+    fp32, bf16 = counted["fp32"][("dp_shard", "all_gather")], counted["bf16"][("dp_shard", "all_gather")]
+    # every product's weight in bf16; the norms (kept float32) are 0.6% of this tiny model
+    assert 0.5 <= bf16 / fp32 < 0.505
+    # gradients still reduce in float32
+    assert counted["bf16"][("dp_shard", "reduce_scatter")] == counted["fp32"][("dp_shard", "reduce_scatter")]
+
+
+def test_gradients_reduce_in_bf16_when_asked(spawned):
+    counted = spawned[0]["traffic"]
+    fp32_reduce = counted["bf16"][("dp_shard", "reduce_scatter")]
+    assert counted["bf16_reduce"][("dp_shard", "reduce_scatter")] == fp32_reduce // 2
+    # the same training up to the gradients' rounding to bf16 in the sum (measured 1e-4 to 3e-4 over 5 steps)
+    torch.testing.assert_close(torch.tensor(spawned[0]["bf16_reduce"]), torch.tensor(spawned[0]["ours"]),
+                               rtol=1e-2, atol=0)
+
+
+def test_mx_gather_is_bitwise_equal_to_gathering_values_and_quantizing_after(spawned):
+    for results in spawned:
+        mx, values = results["mx"], results["values"]
+        for got, want in zip(mx["outputs"], values["outputs"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for got, want in zip(mx["grads"], values["grads"], strict=True):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_mx_gather_moves_about_a_quarter_of_float32s_bytes(spawned):
+    mx, values = spawned[0]["mx"]["traffic"], spawned[0]["values"]["traffic"]
+    ratio = mx[("dp_shard", "all_gather")] / values[("dp_shard", "all_gather")]
+    # the weights as FP8 + E8M0 (1.03 bytes per element, forward and backward gathering one copy
+    # each) against float32 (4 + 4); the bias and the norm (float32 values) are 0.4% of the elements
+    assert ratio < 0.27
