@@ -2,7 +2,7 @@
 
 The "depends on" column of the doc's package table is read as the rule: a package (or top-level
 module) of hyperparallel may import, at module level or inside a function, only the packages that
-its row names in backticks, and the shared modules every layer uses (`errors`, `versions`,
+its row names in backticks, and the shared modules every layer uses (`errors`, `versions`, `traffic`,
 `lazy_exports`, `schema`, the package's `__version__`). "all of the above" (the trainer) may import every
 package listed above its row. "`X` only in F.py" lets only the row's file F.py (its path in the
 package) import X. So the doc and the code cannot drift apart: an import the doc does
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hyperparallel"
-SHARED = {"errors", "versions", "lazy_exports", "schema", "__init__", "__main__", "__version__"}
+SHARED = {"errors", "versions", "traffic", "lazy_exports", "schema", "__init__", "__main__", "__version__"}
 
 
 def allowed_imports(doc: str) -> dict[str, set[str]]:
@@ -54,6 +54,15 @@ def _rules(doc: str) -> tuple[dict[str, set[str]], dict[str, dict[str, str]]]:
 def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """(line, the hyperparallel name imported: its first part below the package) of every import
     in the file under `root` (which holds the package), relative ones resolved."""
+    found = [(line, name.split(".")[1]) for line, name in modules_imported(path, root)
+             if name.startswith("hyperparallel.")]
+    return list(dict.fromkeys(found))  # (`from M import a, b`: one import of M's package)
+
+
+def modules_imported(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, the module's whole dotted name) of every import in the file under `root`, relative
+    ones resolved; `from M import a` imports M.a where a is a module of package M (always below
+    `hyperparallel` itself: `from hyperparallel import moe` imports the package moe), else M."""
     tree = ast.parse(path.read_text(), filename=str(path))
     here = path.relative_to(root).with_suffix("").parts  # ("hyperparallel", "moe", "router")
     if here[-1] == "__init__":
@@ -68,14 +77,12 @@ def imports_of(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
                 module = ".".join(base + ((node.module,) if node.module else ()))
             else:
                 module = node.module or ""
-            # `from hyperparallel import moe` imports the package moe
-            names = [f"{module}.{alias.name}" for alias in node.names] if module == "hyperparallel" else [module]
+            folder = root.joinpath(*module.split("."))
+            names = [f"{module}.{alias.name}" if module == "hyperparallel" or (folder / f"{alias.name}.py").is_file()
+                     or (folder / alias.name / "__init__.py").is_file() else module for alias in node.names]
         else:
             continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "hyperparallel" and len(parts) > 1:
-                found.append((node.lineno, parts[1]))
+        found.extend((node.lineno, name) for name in names)
     return found
 
 
@@ -112,6 +119,29 @@ def test_every_import_between_packages_is_one_the_architecture_table_allows():
     assert not unknown, f"rows naming no package of hyperparallel: {unknown}"
     assert only_in(doc)["kernels"] == {"mx": "aot.py"}
     assert violations(rules, files=only_in(doc)) == []
+
+
+def loop_imports(package: Path = PACKAGE) -> list[str]:
+    """Every import of the trainer's loop in the planning package under `package`."""
+    loop = "hyperparallel.train.loop"
+    return [f"{path.relative_to(package.parent)}:{line}: imports {name}"
+            for path in sorted((package / "train" / "planning").rglob("*.py"))
+            for line, name in modules_imported(path, package.parent) if name == loop or name.startswith(f"{loop}.")]
+
+
+def test_the_planning_package_never_imports_the_training_loop(tmp_path):
+    """`hyperparallel plan` and a finished run's memory summary use the planning package, which
+    measures what a run imports without importing the loop (planning/memory.py, RUN_MODULES;
+    tests/train/test_plan.py checks that they are all a run imports). The check bites: each way
+    of naming the loop, absolute or relative, is found."""
+    assert loop_imports() == []
+    planning = tmp_path / "hyperparallel" / "train" / "planning"
+    planning.mkdir(parents=True)
+    (planning.parent / "loop.py").write_text("")
+    (planning / "memory.py").write_text("import hyperparallel.train.loop\nfrom hyperparallel.train import loop\n\n\n"
+                                        "def f():\n    from ..loop import train\n")
+    assert loop_imports(tmp_path / "hyperparallel") == [
+        f"hyperparallel/train/planning/memory.py:{line}: imports hyperparallel.train.loop" for line in (1, 2, 6)]
 
 
 def test_the_check_finds_an_import_the_table_does_not_allow(tmp_path):

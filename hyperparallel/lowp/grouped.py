@@ -16,6 +16,12 @@ there. Every product runs in the rows' dtype (the compute dtype: autocast's when
 operands dequantized to it (docs/mx.md); outputs and input grads come back in it, weight grads in
 the weight's. Nothing is read back to the host.
 
+Received MX rows: under expert parallelism the rows may arrive already quantized along K
+(`moe.dispatch: mx`, hyperparallel.moe.exchange's [Note: MX dispatch]): the first projection then
+takes them as its forward operand instead of quantizing x again (`quantized=`), bit for bit what
+it would have made of them, and x (their values) serves the input's way back and the weight
+gradient.
+
 Weight copies: W's two MX copies (along K for forward, along N for dgrad) are made once per
 weight version (`hyperparallel.versions.key`) and reused across micro-batches, backward and
 recompute, as MXLinear's are. With save_weight_copy=False nothing is kept: forward quantizes W
@@ -33,6 +39,7 @@ from torch import nn
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.lowp.dtypes import compute_dtype
+from hyperparallel.lowp.gather import MXWeightGather
 from hyperparallel.mx.grouped_products import grouped_weight_grad_mm
 from hyperparallel.mx.tensor import MXTensor
 
@@ -59,22 +66,32 @@ def _quantize_weight(weight: torch.Tensor, r: _Recipe, along_n: bool) -> tuple[M
     return along_k, mx.quantize(weight, 1, scale_mode=r.scale_mode, backend=r.backend) if along_n else None
 
 
+def _quantize_rows(x: torch.Tensor, r: _Recipe) -> MXTensor:
+    """x [M, K] blocked along K: the forward product's operand."""
+    return mx.quantize(x, 1, scale_mode=r.scale_mode, backend=r.backend)
+
+
 def _project(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool, saved: list,
-             keep_input: bool = True):
+             keep_input: bool = True, quantized: MXTensor | None = None):
     """The forward product of one projection; what its backward needs goes onto `saved` and ctx.
 
-    `copies`: W's (along K, along N or None) MX copies. With keep_input=False the caller keeps
-    what the input can be rebuilt from instead."""
+    `copies`: W's (along K, along N) MX copies; along N None (backward quantizes the weight) or a
+    function that gives it in backward (FSDP gathers it then: MXWeightGather). With keep_input=False the caller keeps
+    what the input can be rebuilt from instead. `quantized`: x's rows along K, made already (the
+    MX rows an MX dispatch delivered; x holds their values)."""
     need_dgrad = grad_enabled and ctx.needs_input_grad[0]
     need_wgrad = grad_enabled and ctx.needs_input_grad[1]
     along_k, along_n = copies
     w_kn = replace(along_k, data=along_k.data.transpose(1, 2), scale=along_k.scale.transpose(1, 2), axis=1)
-    x_rows = mx.quantize(x, 1, scale_mode=r.scale_mode, backend=r.backend)
+    x_rows = quantized if quantized is not None else _quantize_rows(x, r)
     y = mx.mx_grouped_mm(x_rows, w_kn, offsets, x.dtype, backend=r.backend)
     ctx.dgrad_from = ctx.wgrad_from = None  # what backward finds in `saved`, in this order
     if need_dgrad:
-        ctx.dgrad_from = "mx" if along_n is not None else "weight"
-        saved += [along_n.data, along_n.scale] if along_n is not None else [weight]
+        if callable(along_n):
+            ctx.dgrad_from, ctx.along_n = "later", along_n
+        else:
+            ctx.dgrad_from = "mx" if along_n is not None else "weight"
+            saved += [along_n.data, along_n.scale] if along_n is not None else [weight]
     if need_wgrad:
         columnwise = r.wgrad == "mxfp8" and r.save_input == "columnwise" and keep_input
         ctx.wgrad_from = "mx" if columnwise else ("input" if keep_input else "rebuilt")
@@ -99,7 +116,9 @@ def _project_dgrad(ctx, dy, offsets, saved: list):
     r = ctx.recipe
     if ctx.dgrad_from is None:
         return None, saved
-    if ctx.dgrad_from == "mx":
+    if ctx.dgrad_from == "later":
+        w_n = ctx.along_n()
+    elif ctx.dgrad_from == "mx":
         w_n, saved = MXTensor(saved[0], saved[1], 1, r.scale_mode), saved[2:]
     else:
         w_n, saved = mx.quantize(saved[0], 1, scale_mode=r.scale_mode, backend=r.backend), saved[1:]
@@ -125,14 +144,15 @@ def _project_wgrad(ctx, dy, offsets, saved: list, x=None):
 
 
 class _MXGroupedLinear(torch.autograd.Function):
-    """x [M, K] (rows sorted by expert, `offsets` their cumulative ends) x W [E, N, K] -> [M, N]."""
+    """x [M, K] (rows sorted by expert, `offsets` their cumulative ends) x W [E, N, K] -> [M, N]
+    (`quantized`: x's rows along K where they arrived quantized)."""
 
     @staticmethod
-    def forward(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool):
+    def forward(ctx, x, weight, copies, offsets, r: _Recipe, grad_enabled: bool, quantized: MXTensor | None = None):
         # Function.forward always runs without grad; `grad_enabled` says whether a graph is built,
         # so that inference makes no copies for backward.
         saved = [offsets]
-        y = _project(ctx, x, weight, copies, offsets, r, grad_enabled, saved)
+        y = _project(ctx, x, weight, copies, offsets, r, grad_enabled, saved, quantized=quantized)
         ctx.save_for_backward(*saved)
         return y
 
@@ -140,7 +160,7 @@ class _MXGroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         offsets, *saved = ctx.saved_tensors  # unpacked once: checkpointing allows no more
         dx, dw = _project_backward(ctx, dy, offsets, saved)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def gated(gate_up: torch.Tensor, act_fn: nn.Module, limit: float | None = None) -> torch.Tensor:
@@ -204,6 +224,8 @@ class MXExpertsRecipe:
         self.save_weight_copy = save_weight_copy
         self.backend = backend
         self._copies: dict[str, tuple[tuple, MXTensor, MXTensor | None]] = {}  # projection -> (key, along K, along N)
+        # each weight's MX copies when FSDP gathers them as MX data (parallel attaches these: lowp/gather.py)
+        self.gathered = {name: MXWeightGather(config.scale_mode) for name in ("gate_up_proj", "down_proj")}
 
     def _recipe(self) -> _Recipe:
         c = self.config
@@ -219,7 +241,13 @@ class MXExpertsRecipe:
         # to it: bf16 products for a bf16 model or under bf16 autocast
         return compute_dtype(hidden_states)
 
-    def weight_copies(self, name: str, weight: torch.Tensor, need_along_n: bool) -> tuple[MXTensor, MXTensor | None]:
+    def weight_copies(self, name: str, weight: torch.Tensor, need_along_n: bool):
+        """W's MX copies (along K, along N): FSDP's gathered ones (along N then arrives for
+        backward: a function that gives it there), or quantized from the weight."""
+        gathered = self.gathered[name]
+        if "forward" in gathered.copies:
+            along_n = gathered.copies.get("backward")
+            return gathered.copies["forward"], along_n or (lambda: gathered.copies["backward"])
         r = self._recipe()
         if not self.save_weight_copy:
             return _quantize_weight(weight.detach(), r, along_n=False)
@@ -233,12 +261,20 @@ class MXExpertsRecipe:
             self._copies[name] = cached
         return cached[1], cached[2]
 
-    def products(self, experts: nn.Module, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def quantize_rows(self, rows: torch.Tensor) -> MXTensor:
+        """`rows` [M, K] (in the compute dtype) blocked along K, as the first projection quantizes
+        its input: what an MX dispatch sends (hyperparallel.moe.exchange)."""
+        return _quantize_rows(rows, self._recipe())
+
+    def products(self, experts: nn.Module, rows: torch.Tensor, offsets: torch.Tensor,
+                 quantized: MXTensor | None = None) -> torch.Tensor:
+        """The two projections of `rows` sorted by expert; `quantized`: the rows along K, where an MX
+        dispatch delivered them so (`rows` then holds their values)."""
         r = self._recipe()
         grad_enabled = torch.is_grad_enabled()
         gate_up_w, down_w = experts.gate_up_proj, experts.down_proj  # (convert admits the gated layout only)
         gate_up = _MXGroupedLinear.apply(rows, gate_up_w, self.weight_copies("gate_up_proj", gate_up_w, grad_enabled),
-                                         offsets, r, grad_enabled)
+                                         offsets, r, grad_enabled, quantized)
         return _MXGatedDown.apply(gate_up, down_w, self.weight_copies("down_proj", down_w, grad_enabled), offsets,
                                   experts.activate, r, grad_enabled)
 
@@ -250,7 +286,10 @@ class MXExpertsRecipe:
         return f"mxfp8 {c.scale_mode}, wgrad={c.wgrad}, save_input={c.save_input}"
 
 
-def _expert_slice(t: MXTensor | None, lo: int, hi: int) -> MXTensor | None:
+def _expert_slice(t, lo: int, hi: int):
+    """Experts lo..hi of an MX copy (or of what a function gives later: a gathered copy)."""
+    if callable(t):
+        return lambda: _expert_slice(t(), lo, hi)
     return None if t is None else replace(t, data=t.data[lo:hi], scale=t.scale[lo:hi])
 
 
@@ -265,16 +304,17 @@ class MXExpertStages:
         self.copies = {name: recipe.weight_copies(name, getattr(experts, name), needs_grad)
                        for name in ("gate_up_proj", "down_proj")}
 
-    def _project(self, name, x, offsets, lo, hi, keep_input=True):
+    def _project(self, name, x, offsets, lo, hi, keep_input=True, quantized=None):
         ctx = SimpleNamespace(needs_input_grad=(True, True))
         weight = getattr(self.experts, name)[lo:hi]
         copies = tuple(_expert_slice(c, lo, hi) for c in self.copies[name])
         saved: list = []  # (nothing for backward without grad: no copy made for it)
-        y = _project(ctx, x, weight, copies, offsets, self.r, self.needs_grad, saved, keep_input=keep_input)
+        y = _project(ctx, x, weight, copies, offsets, self.r, self.needs_grad, saved, keep_input=keep_input,
+                     quantized=quantized)
         return y, ctx, saved
 
-    def forward(self, x, offsets, lo, hi):
-        gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, offsets, lo, hi)
+    def forward(self, x, offsets, lo, hi, quantized=None):
+        gate_up, up_ctx, up_saved = self._project("gate_up_proj", x, offsets, lo, hi, quantized=quantized)
         act = self.experts.activate(gate_up)
         y, down_ctx, down_saved = self._project("down_proj", act, offsets, lo, hi,
                                                 keep_input=False)

@@ -6,6 +6,8 @@ from hyperparallel.lazy_exports import lazy_exports
 
 # moe.implementation: how expert parallelism's all-to-alls run (dispatch.ExpertParallel, or megamoe.MegaMoE)
 MOE_IMPLEMENTATIONS = ("sequential", "megamoe")
+# moe.dispatch: the format rows travel to their experts in (dispatch.dispatch_format; auto picks one of the others)
+MOE_DISPATCHES = ("auto", "compute", "mx")
 
 __getattr__, __dir__, _exported = lazy_exports(__name__, {
     "balance": ("LoadBalancer", "routers"),
@@ -18,4 +20,4 @@ __getattr__, __dir__, _exported = lazy_exports(__name__, {
     "permutation": ("add_rows_to_tokens", "gather_rows", "padded_slots", "sort_by_expert"),
     "router": ("LOAD_BALANCE", "TopKRouter", "switch_aux_loss"),
 })
-__all__ = sorted([*_exported, "MOE_IMPLEMENTATIONS"])
+__all__ = sorted([*_exported, "MOE_DISPATCHES", "MOE_IMPLEMENTATIONS"])

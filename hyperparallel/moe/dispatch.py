@@ -12,16 +12,17 @@ in `ExpertParallel.__call__`:
    how many rows each of its local experts will receive. These counts are read on the host
    once (one `.tolist()`), since all_to_all_single takes its split sizes as Python ints; the
    same split sizes serve the combine and both backward exchanges, so backward has no host sync.
-3. dispatch: the rows (hidden vectors of the sorted pairs) go out with all_to_all_single; a
-   rank receives them in [source][expert] order.
+3. dispatch: the rows (hidden vectors of the sorted pairs) go out with all_to_all_single, in
+   the products' compute dtype or, with MXFP8 experts, as MX data (`dispatch="mx"`:
+   moe.exchange's [Note: MX dispatch]); a rank receives them in [source][expert] order.
 4. regroup: a permutation computed on the device from the counts reorders them to
    [expert][source], the layout the grouped products need; within one expert the rows come
    from source 0, 1, ... in each source's token order, so they sit in the order one process
    running all experts on the concatenation of the ranks' tokens would have them.
 5. `experts(rows, offsets=ends)` runs the local experts' two grouped products (no routing
    weights), called as the module so that its hooks (FSDP's gathers) run.
-6. the inverse regroup, then the combine (the reverse all_to_all_single) brings every row back to
-   the rank and position it came from.
+6. the inverse regroup, then the combine (the reverse all_to_all_single, in the compute dtype)
+   brings every row back to the rank and position it came from.
 7. as `GroupedExperts.forward` does: rows times their routing weights (in the weights' dtype,
    cast to the hidden dtype), summed into their tokens (`add_rows_to_tokens`).
 
@@ -38,9 +39,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hyperparallel import traffic
 from hyperparallel.errors import ConfigError, ShapeError
+from hyperparallel.lowp.grouped import MXExpertsRecipe
+from hyperparallel.moe.exchange import AllToAll, MXRows, mx_dispatch
 from hyperparallel.moe.experts import GroupedExperts
 from hyperparallel.moe.permutation import add_rows_to_tokens, sort_by_expert
+
+# the formats a dispatcher sends rows to the experts in (moe.dispatch's values but auto)
+DISPATCH_FORMATS = ("compute", "mx")
 
 
 def expert_ranges(num_experts: int, ep_size: int) -> list[tuple[int, int]]:
@@ -66,25 +73,21 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
     return ranges
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows with given split sizes; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return _exchange(rows, send_splits, recv_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        send_splits, recv_splits = ctx.splits
-        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
-
-
-def _exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    received = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    # contiguous: all_to_all_single splits the flat storage, and a gradient may arrive expanded
-    dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
-    return received
+def dispatch_format(dispatch: str, experts: GroupedExperts) -> str:
+    """The format ("compute" or "mx") rows go to `experts` in for `moe.dispatch` (auto, compute or
+    mx): auto sends MX rows to MXFP8 experts whose weight gradient is MXFP8 too (with a
+    high-precision one, what it asks for is the rows' own values), compute rows to others; mx to
+    experts that are not MXFP8 is a ConfigError."""
+    mx_experts = isinstance(experts.recipe, MXExpertsRecipe)
+    if dispatch == "auto":
+        return "mx" if mx_experts and experts.recipe.config.wgrad == "mxfp8" else "compute"
+    if dispatch == "mx" and not mx_experts:
+        raise ConfigError(f"moe.dispatch: mx sends the experts their rows as MXFP8 data, and these experts run "
+                          f"{experts.recipe.describe()}; train them in MXFP8 (low_precision.enabled with experts in "
+                          f"low_precision.modules) or use moe.dispatch: auto")
+    if dispatch not in DISPATCH_FORMATS:
+        raise ConfigError(f"moe.dispatch must be auto or one of {', '.join(DISPATCH_FORMATS)}, got {dispatch!r}")
+    return dispatch
 
 
 def _regroup_index(per_source: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -112,10 +115,17 @@ class ExpertParallel:
 
     `process_group`: the EP group (the world's or a subgroup; ranks are its group ranks), whose
     rank r holds experts `ranges[r]` of `num_experts`. Calling it computes what
-    `GroupedExperts.forward` on all experts would compute for this rank's tokens.
+    `GroupedExperts.forward` on all experts would compute for this rank's tokens. `dispatch`:
+    the rows' format on the way to the experts, "compute" or "mx" (MXFP8 experts only: the
+    forward is the same to the bit, the first projection's weight gradient quantizes the rows'
+    MX values; moe.exchange's [Note: MX dispatch]); `dispatch_format` picks it from moe.dispatch.
     """
 
-    def __init__(self, process_group, num_experts: int):
+    def __init__(self, process_group, num_experts: int, *, dispatch: str = "compute"):
+        if dispatch not in DISPATCH_FORMATS:
+            raise ConfigError(f"an expert-parallel dispatch sends rows as one of {', '.join(DISPATCH_FORMATS)}, "
+                              f"got {dispatch!r}")
+        self.dispatch = dispatch
         self.process_group = process_group
         self.num_experts = num_experts
         self.ep_size = dist.get_world_size(process_group)
@@ -137,17 +147,22 @@ class ExpertParallel:
         order, ends = sort_by_expert(indices, self.num_experts)
         token_of_row = order // top_k
         per_source, send_splits, recv_splits = self._exchange_counts(ends)
-        # rows travel in the products' dtype (autocast's, when on): what GroupedExperts.forward casts
-        # them to before its products, and half the bytes of fp32 under bf16 autocast
-        rows = tokens.index_select(0, token_of_row).to(experts.recipe.compute_dtype(tokens))
-        received = _AllToAll.apply(rows, send_splits, recv_splits, self.process_group)
-        regroup = _regroup_index(per_source, received.shape[0])
+        regroup = _regroup_index(per_source, sum(recv_splits))
         local_ends = torch.cumsum(per_source.sum(0), 0).to(torch.int32)
+        if self.dispatch == "mx":
+            rows = MXRows.of(tokens, token_of_row, experts.recipe)
+            grouped, quantized = mx_dispatch(tokens, rows, regroup, send_splits, recv_splits, self.process_group)
+        else:
+            # rows travel in the products' dtype (autocast's, when on): what GroupedExperts.forward
+            # casts them to before its products, and half the bytes of fp32 under bf16 autocast
+            rows = tokens.index_select(0, token_of_row).to(experts.recipe.compute_dtype(tokens))
+            received = AllToAll.apply(rows, send_splits, recv_splits, self.process_group, "dispatch")
+            grouped, quantized = received.index_select(0, regroup), None
         # called as the module (not run_sorted): its hooks, FSDP's gathers among them, must run
         run = experts.run_sorted if inside else experts
-        done = run(received.index_select(0, regroup), offsets=local_ends)
+        done = run(grouped, offsets=local_ends, quantized=quantized)
         done = done.index_select(0, _inverse(regroup))
-        returned = _AllToAll.apply(done, recv_splits, send_splits, self.process_group)
+        returned = AllToAll.apply(done, recv_splits, send_splits, self.process_group, "combine")
         returned = (returned * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(tokens.dtype)
         return add_rows_to_tokens(returned, token_of_row, num_tokens)
 
@@ -155,11 +170,7 @@ class ExpertParallel:
         """From this rank's cumulative per-expert ends [E]: per source rank, the rows each local
         expert receives ([S, L], on the device), and the rows sent to / received from each rank."""
         counts = torch.diff(ends.long(), prepend=ends.new_zeros(1, dtype=torch.long))
-        local = self.local_range[1]
-        received = counts.new_empty(self.ep_size * local)
-        dist.all_to_all_single(received, counts, [local] * self.ep_size, [count for _, count in self.ranges],
-                               group=self.process_group)
-        per_source = received.view(self.ep_size, local)
+        per_source = self.exchange_counts(counts).view(self.ep_size, self.local_range[1])
         # the one host read of this forward, since split sizes are Python ints: this rank's
         # cumulative ends (whose values at the ranges' ends give the rows sent to each rank) and
         # the rows coming from each rank
@@ -169,8 +180,19 @@ class ExpertParallel:
                        for offset, count in self.ranges]
         return per_source, send_splits, recv_splits
 
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-expert row counts [E] out to the experts' ranks; what each source sends this rank's
+        experts back, [source][local expert] flat."""
+        local, send_splits = self.local_range[1], [count for _, count in self.ranges]
+        received = counts.new_empty(self.ep_size * local)
+        traffic.all_to_all("ep", counts, send_splits, self.process_group, name="counts")
+        dist.all_to_all_single(received, counts, [local] * self.ep_size, send_splits, group=self.process_group)
+        return received
+
     def _check(self, experts: GroupedExperts, tokens: torch.Tensor, indices: torch.Tensor,
                weights: torch.Tensor) -> None:
+        if self.dispatch == "mx":
+            dispatch_format("mx", experts)  # (raised before any collective, so no rank waits for another)
         offset, count = self.local_range
         if experts.num_experts != count:
             raise ShapeError(f"expert-parallel rank {self.ep_rank} of {self.ep_size} holds experts {offset}.."

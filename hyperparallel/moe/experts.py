@@ -24,7 +24,9 @@ to the hidden dtype before the tokens are summed. With a `dispatcher` (expert pa
 model whose MoE block is transformers' own) the tokens go to the ranks holding their experts and
 back. forward(rows [M,H], offsets=ends) is the products alone, on rows already ordered by expert
 (what expert parallelism hands the local experts; called as the module, so that module hooks
-such as FSDP's gathers run). forward(rows, pipeline=fn) returns fn(self): MegaMoE's task graphs,
+such as FSDP's gathers run); with `quantized=`, the same rows as MX data along the hidden
+dimension, which MXFP8 experts take as their first product's operand (an MX dispatch:
+hyperparallel.moe.exchange). forward(rows, pipeline=fn) returns fn(self): MegaMoE's task graphs,
 run inside the module's hooks.
 """
 
@@ -41,6 +43,7 @@ from hyperparallel.lowp.grouped import gated
 from hyperparallel.moe.grouped_matmul import grouped_mm
 from hyperparallel.moe.permutation import add_rows_to_tokens, gather_rows, padded_slots, sort_by_expert
 from hyperparallel.moe.stages import HighPrecisionStages
+from hyperparallel.mx.tensor import MXTensor
 
 # The name our experts run under in transformers' experts interface (`experts_implementation=`,
 # `set_experts_implementation`): hyperparallel.models registers it in ALL_EXPERTS_FUNCTIONS, and
@@ -99,6 +102,17 @@ def _expert_of_row(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
     return torch.repeat_interleave(torch.arange(offsets.shape[0], device=offsets.device), counts,
                                    output_size=num_rows)
+
+
+def _padded_mx_rows(quantized: MXTensor, token_of_slot: torch.Tensor) -> MXTensor:
+    """MX rows (blocked along dim 1) laid out in padded slots, a pad slot (index = rows) a zero
+    row: zero elements and scale byte 0, what quantizing a zero row gives, so the padded MX rows
+    are those of the padded values."""
+    def slots(t: torch.Tensor) -> torch.Tensor:
+        # as bytes: autocast's cat takes no float8 dtypes
+        raw = t.view(torch.uint8)
+        return torch.cat([raw, raw.new_zeros(1, raw.shape[1])]).index_select(0, token_of_slot).view(t.dtype)
+    return MXTensor(slots(quantized.data), slots(quantized.scale), 1, quantized.scale_mode)
 
 
 def layout_of(experts: nn.Module) -> dict[str, bool]:
@@ -258,7 +272,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None, *, offsets: torch.Tensor | None = None,
-                pipeline=None) -> torch.Tensor:
+                quantized: MXTensor | None = None, pipeline=None) -> torch.Tensor:
         asked = self.transformers_implementation()
         if asked is not None:
             if pipeline is not None or offsets is not None or self.dispatcher is not None:
@@ -271,7 +285,7 @@ class GroupedExperts(nn.Module):
         if pipeline is not None:  # MegaMoE's graphs, run as this module's forward so that its hooks run
             return pipeline(self)
         if offsets is not None:
-            return self.run_sorted(hidden_states, offsets)
+            return self.run_sorted(hidden_states, offsets, quantized)
         return self.routed(hidden_states, top_k_index, top_k_weights)
 
     def routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -337,19 +351,30 @@ class GroupedExperts(nn.Module):
                               f"set_experts_implementation({EXPERTS_IMPLEMENTATION!r}) keeps them")
         return asked
 
-    def run_sorted(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def run_sorted(self, rows: torch.Tensor, offsets: torch.Tensor, quantized: MXTensor | None = None
+                   ) -> torch.Tensor:
         """The experts' products (no routing weights) of rows ordered by expert (`offsets`: int32
-        cumulative group ends, one per local expert), in the rows' dtype."""
+        cumulative group ends, one per local expert), in the rows' dtype; `quantized`: the rows as
+        MX data along the hidden dimension (MXFP8 experts), which `rows` holds the values of."""
         dtype = self.recipe.compute_dtype(rows)
         align = self.recipe.group_alignment(rows.device, dtype)
         if align == 1:
-            return self.recipe.products(self, rows.to(dtype), offsets).to(rows.dtype)
+            return self._products(rows.to(dtype), offsets, quantized).to(rows.dtype)
         num_rows = rows.shape[0]
         expert_of_row = _expert_of_row(offsets, num_rows)
         token_of_slot, row_slot, padded = padded_slots(torch.arange(num_rows, device=rows.device), expert_of_row,
                                                        offsets, num_rows, align)
         slots = gather_rows(torch.cat([rows, rows.new_zeros(1, rows.shape[-1])]), token_of_slot).to(dtype)
-        return gather_rows(self.recipe.products(self, slots, padded), row_slot).to(rows.dtype)
+        if quantized is not None:
+            quantized = _padded_mx_rows(quantized, token_of_slot)
+        return gather_rows(self._products(slots, padded, quantized), row_slot).to(rows.dtype)
+
+    def _products(self, rows: torch.Tensor, offsets: torch.Tensor, quantized: MXTensor | None) -> torch.Tensor:
+        # only MXFP8 recipes take MX rows (moe.dispatch.dispatch_format sends no others any): the
+        # rest keep the three-argument products
+        if quantized is None:
+            return self.recipe.products(self, rows, offsets)
+        return self.recipe.products(self, rows, offsets, quantized)
 
     def layout_description(self) -> str:
         """The transformers layout flags that differ from the default one ("" for the default)."""

@@ -19,6 +19,11 @@ the shared experts' backward right after the first exchange. The products are th
 stages (`hyperparallel.moe.stages`: high precision or MXFP8), which compute what its autograd path
 computes.
 
+With `dispatch="mx"` (MXFP8 experts) the dispatch waves carry the rows as MX data and each
+wave's experts take them as their first product's operand: the forward is bit for bit the
+compute-dtype dispatch's, the combines and every backward exchange stay in the compute dtype
+(moe.exchange's [Note: MX dispatch]).
+
 Rows travel wave-major ([wave][destination][expert][token]), so each wave's rows for every
 destination are one contiguous range and one all_to_all_single sends a wave. Within an expert the
 rows keep the order `ExpertParallel` gives them, so the products see the same rows: outputs and
@@ -30,12 +35,12 @@ use the same K, since K fixes the collectives.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.moe.dispatch import ExpertParallel
+from hyperparallel.moe.exchange import MXRows
 from hyperparallel.moe.experts import GroupedExperts
 from hyperparallel.moe.megamoe_graphs import Layout, WavePipeline, wave_ranges
 from hyperparallel.moe.permutation import add_rows_to_tokens
@@ -46,12 +51,13 @@ class MegaMoE(ExpertParallel):
     """The dispatcher a `MoEBlock` calls under expert parallelism with `moe.implementation: megamoe`:
     what `ExpertParallel` computes, as overlapped task graphs of `waves` expert waves. `last_stats`
     holds the latest forward's and backward's `multicore.RunStats`; overlap=False runs the same
-    graphs with every exchange waited for at once (for measuring each task alone)."""
+    graphs with every exchange waited for at once (for measuring each task alone); `dispatch` as
+    ExpertParallel's."""
 
     runs_shared_experts = True
 
-    def __init__(self, process_group, num_experts: int, waves: int, *, overlap: bool = True):
-        super().__init__(process_group, num_experts)
+    def __init__(self, process_group, num_experts: int, waves: int, *, overlap: bool = True, dispatch: str = "compute"):
+        super().__init__(process_group, num_experts, dispatch=dispatch)
         self.overlap = overlap
         most = max(count for _, count in self.ranges)
         if not 1 <= waves <= most:
@@ -78,15 +84,18 @@ class MegaMoE(ExpertParallel):
         dtype = experts.recipe.compute_dtype(tokens)
         order = torch.argsort(self.wave_major.to(indices.device)[indices.reshape(-1)], stable=True)
         token_of_row = order // top_k
-        rows = tokens.index_select(0, token_of_row).to(dtype)
+        if self.dispatch == "mx":  # the tokens themselves: the graph sends their rows quantized
+            wire, source = MXRows.of(tokens, token_of_row, experts.recipe), tokens
+        else:
+            wire, source = None, tokens.index_select(0, token_of_row).to(dtype)
         pipeline = WavePipeline(self.layout(indices), self.waves, self.process_group, experts, shared_experts,
-                                grad_enabled=torch.is_grad_enabled())
+                                grad_enabled=torch.is_grad_enabled(), wire=wire)
         shared_input = tokens if shared_experts is not None else None
         shared_params = [p for p in shared_experts.parameters() if p.requires_grad] if shared_experts is not None else []
         # called as the module: its hooks (FSDP's gathers) run around the graph, as for ExpertParallel
         graphs = lambda module: _MegaMoEFunction.apply(  # noqa: E731
-            self, pipeline, rows, module.gate_up_proj, module.down_proj, shared_input, *shared_params)
-        outputs = graphs(experts) if inside else experts(rows, pipeline=graphs)
+            self, pipeline, source, module.gate_up_proj, module.down_proj, shared_input, *shared_params)
+        outputs = graphs(experts) if inside else experts(source, pipeline=graphs)
         returned = (outputs[0] * weights.reshape(-1).index_select(0, order).unsqueeze(-1)).to(tokens.dtype)
         out = add_rows_to_tokens(returned, token_of_row, num_tokens)
         return (out, outputs[1].to(tokens.dtype)) if shared_experts is not None else out
@@ -97,10 +106,7 @@ class MegaMoE(ExpertParallel):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         local = self.local_range[1]
-        received = counts.new_empty(self.ep_size * local)
-        dist.all_to_all_single(received, counts, [local] * self.ep_size, [count for _, count in self.ranges],
-                               group=self.process_group)
-        host = torch.cat([counts, received]).tolist()
+        host = torch.cat([counts, self.exchange_counts(counts)]).tolist()
         sent, arrived = host[:self.num_experts], host[self.num_experts:]
         per_source = [arrived[s * local:(s + 1) * local] for s in range(self.ep_size)]
         send = [[sum(sent[offset + rank_waves[w][0]:offset + rank_waves[w][0] + rank_waves[w][1]])
@@ -111,12 +117,14 @@ class MegaMoE(ExpertParallel):
 
 
 class _MegaMoEFunction(torch.autograd.Function):
-    """Wave-major rows -> the rows back from their experts (and the shared experts' output), by the
-    pipeline's forward graph; backward by its backward graph."""
+    """Wave-major rows (or, with an MX dispatch, the tokens whose quantized rows the graph sends)
+    -> the rows back from their experts (and the shared experts' output), by the pipeline's
+    forward graph; backward by its backward graph."""
 
     @staticmethod
-    def forward(ctx, moe: MegaMoE, pipeline: WavePipeline, rows, gate_up_proj, down_proj, shared_input,
+    def forward(ctx, moe: MegaMoE, pipeline: WavePipeline, source, gate_up_proj, down_proj, shared_input,
                 *shared_params):
+        rows = pipeline.wire.packed(source) if pipeline.wire is not None else source
         graph, outputs = pipeline.forward_graph(rows, shared_input)
         moe.last_stats["forward"] = run_graph(graph, overlap=moe.overlap)
         results = (outputs["returned"].tensor,) + ((outputs["shared"].tensor,) if shared_input is not None else ())
@@ -140,7 +148,9 @@ class _MegaMoEFunction(torch.autograd.Function):
             d_shared = torch.zeros_like(pipeline.shared_graph["output"])
         graph, outputs = pipeline.backward_graph(d_returned.contiguous(), d_shared)
         ctx.moe.last_stats["backward"] = run_graph(graph, overlap=ctx.moe.overlap)
-        grads = (None, None, outputs["rows"].tensor, outputs["gate_up_proj"].tensor, outputs["down_proj"].tensor)
+        d_rows = outputs["rows"].tensor
+        d_source = pipeline.wire.tokens_grad(d_rows) if pipeline.wire is not None else d_rows
+        grads = (None, None, d_source, outputs["gate_up_proj"].tensor, outputs["down_proj"].tensor)
         if ctx.has_shared:
             grads += (outputs["shared input"].tensor, *outputs["shared"])
         else:

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperparallel import traffic
 from hyperparallel.moe.dispatch import _inverse, _regroup_index, expert_ranges, split_evenly
+from hyperparallel.moe.exchange import MXRows
 from hyperparallel.multicore import CostModel, TaskGraph, simulate
 
 
@@ -63,15 +65,18 @@ class Layout:
 
 
 class _Exchange:
-    """One wave's all_to_all_single from a region to a buffer, issued asynchronously."""
+    """One wave's all_to_all_single from a region to a buffer, issued asynchronously; `name` as
+    moe.exchange names the exchanges for the traffic counter."""
 
-    def __init__(self, group, source, target, send_splits, recv_splits):
+    def __init__(self, group, source, target, send_splits, recv_splits, name: str):
         self.group, self.source, self.target = group, source, target
-        self.send_splits, self.recv_splits = send_splits, recv_splits
+        self.send_splits, self.recv_splits, self.name = send_splits, recv_splits, name
 
     def __call__(self):
-        return dist.all_to_all_single(self.target.tensor, self.source.tensor.contiguous(), self.recv_splits,
-                                      self.send_splits, group=self.group, async_op=True)
+        sent = self.source.tensor.contiguous()
+        traffic.all_to_all("ep", sent, self.send_splits, self.group, name=self.name)
+        return dist.all_to_all_single(self.target.tensor, sent, self.recv_splits, self.send_splits, group=self.group,
+                                      async_op=True)
 
 
 @dataclass
@@ -85,9 +90,13 @@ class WavePipeline:
     experts: object
     shared: nn.Module | None
     grad_enabled: bool = True  # whether the call builds an autograd graph (else nothing is kept for backward)
+    # the rows' MX format where the dispatch waves send MX data (moe.exchange's [Note: MX dispatch]); None: the
+    # compute dtype
+    wire: MXRows | None = None
     # filled by the forward graph's run, read by the backward graph's
     saved: list[list[torch.Tensor]] = field(default_factory=list)
     metas: list[object] = field(default_factory=list)
+    received_mx: dict[int, object] = field(default_factory=dict)  # wave -> its MX rows, from regroup to experts
     shared_graph: dict = field(default_factory=dict)
 
     def _stages(self):
@@ -96,18 +105,21 @@ class WavePipeline:
         return self._cached_stages
 
     def forward_graph(self, rows: torch.Tensor, shared_input: torch.Tensor | None) -> tuple[TaskGraph, dict]:
-        lay, hidden, inter = self.layout, rows.shape[-1], self.experts.intermediate_dim
+        """`rows`: wave-major, in the compute dtype, or packed MX rows (uint8) with `wire`."""
+        lay, hidden, inter = self.layout, self.experts.gate_up_proj.shape[-1], self.experts.intermediate_dim
         graph = TaskGraph("megamoe forward")
         starts = lay.send_starts()
         rows_in = graph.input("rows", rows)
-        returned = graph.buffer("returned", torch.empty_like(rows))
-        row_bytes = hidden * rows.element_size()
+        dtype = self.wire.dtype if self.wire is not None else rows.dtype  # (the products' and the combine's)
+        returned = graph.buffer("returned", rows.new_empty(rows.shape[0], hidden, dtype=dtype))
+        sent_row_bytes = rows.shape[-1] * rows.element_size()  # (a row on its way to the experts)
+        row_bytes = hidden * returned.tensor.element_size()
         waves = []
         outputs = {"returned": returned}
-        self.saved, self.metas = [], [None] * self.num_waves
+        self.saved, self.metas, self.received_mx = [], [None] * self.num_waves, {}
         per_source = torch.tensor(lay.per_source, device=rows.device, dtype=torch.long).view(len(lay.per_source), -1)
         for w, (lo, count) in enumerate(lay.waves):
-            received = graph.buffer(f"received {w}", rows.new_empty(sum(lay.recv[w]), hidden))
+            received = graph.buffer(f"received {w}", rows.new_empty(sum(lay.recv[w]), rows.shape[-1]))
             n = received.rows
             waves.append((received, graph.buffer(f"grouped {w}", rows=n), graph.buffer(f"products {w}", rows=n),
                           graph.buffer(f"done {w}", rows=n)))
@@ -116,7 +128,8 @@ class WavePipeline:
 
         def run_experts(w: int) -> None:
             lo, count = lay.waves[w]
-            y, (tensors, meta) = self._stages().forward(waves[w][1].tensor, self.saved[w][1], lo, lo + count)
+            y, (tensors, meta) = self._stages().forward(waves[w][1].tensor, self.saved[w][1], lo, lo + count,
+                                                        quantized=self.received_mx.pop(w, None))
             waves[w][2].set(y)
             self.saved[w] += tensors
             self.metas[w] = meta
@@ -127,16 +140,20 @@ class WavePipeline:
             n, source, region = received.rows, rows_in[starts[w]:starts[w + 1]], returned[starts[w]:starts[w + 1]]
             link = lay.link_rows(w) * row_bytes
             if step == "in":
-                graph.add(f"dispatch {w}", "comm", _Exchange(self.group, source, received, lay.send[w], lay.recv[w]),
-                          reads=[source], writes=[received], bytes=link)
+                graph.add(f"dispatch {w}", "comm", _Exchange(self.group, source, received, lay.send[w], lay.recv[w],
+                                                             "dispatch"),
+                          reads=[source], writes=[received], bytes=lay.link_rows(w) * sent_row_bytes)
                 if w == 0 and self.shared is not None:
                     outputs["shared"] = self._add_shared_forward(graph, shared_input)
             elif step == "out":
-                graph.add(f"combine {w}", "comm", _Exchange(self.group, done, region, lay.recv[w], lay.send[w]),
+                graph.add(f"combine {w}", "comm", _Exchange(self.group, done, region, lay.recv[w], lay.send[w],
+                                                            "combine"),
                           reads=[done], writes=[region], bytes=link)
             else:
-                graph.add(f"regroup {w}", "vector", _select(received, grouped, self, w, inverse=False),
-                          reads=[received], writes=[grouped], bytes=2 * n * row_bytes)
+                regroup = (_select(received, grouped, self, w, inverse=False) if self.wire is None
+                           else _unpack(received, grouped, self, w, hidden))
+                graph.add(f"regroup {w}", "vector", regroup, reads=[received], writes=[grouped],
+                          bytes=n * (sent_row_bytes + row_bytes))
                 if lay.waves[w][1]:
                     graph.add(f"experts {w}", "matmul", lambda w=w: run_experts(w), reads=[grouped],
                               writes=[products], flops=6 * n * hidden * inter)
@@ -214,13 +231,13 @@ class WavePipeline:
             link = lay.link_rows(w) * row_bytes
             if step == "in":  # the combine's reverse: the returned rows' gradients go to the experts
                 graph.add(f"combine grad {w}", "comm", _Exchange(self.group, region_in, d_done, lay.send[w],
-                                                                 lay.recv[w]),
+                                                                 lay.recv[w], "combine grad"),
                           reads=[region_in], writes=[d_done], bytes=link)
                 if w == 0 and self.shared is not None and d_shared is not None:
                     outputs["shared input"] = self._add_shared_backward(graph, d_shared, outputs["shared"])
             elif step == "out":  # the dispatch's reverse: input gradients back to the tokens' ranks
                 graph.add(f"dispatch grad {w}", "comm", _Exchange(self.group, d_received, region_out, lay.recv[w],
-                                                                  lay.send[w]),
+                                                                  lay.send[w], "dispatch grad"),
                           reads=[d_received], writes=[region_out], bytes=link)
             else:
                 graph.add(f"regroup grad {w}", "vector", _select(d_done, d_products, self, w, inverse=False),
@@ -262,6 +279,15 @@ def _select(source, target, pipeline: WavePipeline, w: int, inverse: bool):
         index = pipeline.saved[w][0]
         target.set(source.tensor.index_select(0, _inverse(index) if inverse else index))
     return regroup
+
+
+def _unpack(source, target, pipeline: WavePipeline, w: int, hidden: int):
+    """A task setting `target` to the values of wave w's received MX rows, regrouped, and keeping
+    the MX rows for the wave's experts (an MX dispatch)."""
+    def unpack() -> None:
+        values, pipeline.received_mx[w] = pipeline.wire.unpacked(source.tensor, pipeline.saved[w][0], hidden)
+        target.set(values)
+    return unpack
 
 
 def mlp_flops(module: nn.Module, tokens: int) -> int:

@@ -5,11 +5,12 @@ autograd computes a layer's input and weight gradients together; MegaMoE wants t
 gradients of a wave first (so their all-to-all leaves early) and the weight gradients later, in
 the gaps. Each recipe of `GroupedExperts` provides `stages(experts)` with this interface:
 
-    forward(x, offsets, lo, hi)            -> y, saved          (saved: (tensors, meta))
+    forward(x, offsets, lo, hi, quantized=None) -> y, saved     (saved: (tensors, meta))
     input_grad(saved, dy, offsets, lo, hi) -> dx, for_wgrad
     weight_grad(for_wgrad, offsets)        -> d_gate_up [hi-lo, 2I, H], d_down [hi-lo, H, I]
 
-`x` is rows sorted by expert over experts lo..hi-1 (`offsets`: their int32 cumulative ends).
+`x` is rows sorted by expert over experts lo..hi-1 (`offsets`: their int32 cumulative ends);
+`quantized`, the same rows as MX data where they arrived so (an MX dispatch: MXFP8 recipes only).
 The stages compute what the recipe's autograd path computes, with the same operations: here
 the high-precision one (`HighPrecision`); `hyperparallel.lowp.grouped` has the MXFP8 one.
 """
@@ -34,7 +35,9 @@ class HighPrecisionStages:
             gate_up, down = gate_up.to(dtype), down.to(dtype)
         return gate_up, down
 
-    def forward(self, x, offsets, lo, hi):
+    def forward(self, x, offsets, lo, hi, quantized=None):
+        if quantized is not None:
+            raise AssertionError("MX rows reached high-precision experts (moe.dispatch.dispatch_format refuses them)")
         gate_up_w, down_w = self._weights(lo, hi, x.dtype)
         gate_up = grouped_rows_mm(x, gate_up_w.transpose(1, 2), offsets)
         y = grouped_rows_mm(self.experts.activate(gate_up), down_w.transpose(1, 2), offsets)

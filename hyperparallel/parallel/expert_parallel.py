@@ -25,7 +25,7 @@ from torch import nn
 from hyperparallel.errors import ConfigError
 from hyperparallel.fsdp import ShardInfo, set_shard_info
 from hyperparallel.moe import GroupedExperts, MegaMoE, MoEBlock, MoEShape
-from hyperparallel.moe.dispatch import ExpertParallel, expert_ranges
+from hyperparallel.moe.dispatch import ExpertParallel, dispatch_format, expert_ranges
 from hyperparallel.parallel.mesh import MeshShape, ParallelMesh, build_mesh
 
 
@@ -74,18 +74,22 @@ def routed_experts(model: nn.Module) -> list[tuple[GroupedExperts, MoEBlock | No
 
 @torch.no_grad()
 def apply_expert_parallel(model: nn.Module, layout: ExpertLayout, *, implementation: str = "sequential",
-                          waves: int = 1) -> int:
+                          waves: int = 1, dispatch: str = "compute") -> int:
     """Keep only this rank's experts in every MoE layer and route tokens through the EP group;
     returns how many layers. Call before fully_shard and before building the optimizer. A MoEBlock
     dispatches (MegaMoE then overlaps its shared experts too); experts inside transformers' own
     block dispatch from their forward.
 
-    `implementation`: "sequential" (ExpertParallel) or "megamoe" (MegaMoE with `waves` waves)."""
+    `implementation`: "sequential" (ExpertParallel) or "megamoe" (MegaMoE with `waves` waves);
+    `dispatch`: moe.dispatch (auto, compute or mx), the rows' format on the way to each layer's
+    experts (`dispatch_format`: a ConfigError for mx to experts that are not MXFP8). Call after
+    lowp.convert, whose recipes decide it."""
     layers = routed_experts(model)
-    for experts, block in layers:
+    formats = [dispatch_format(dispatch, experts) for experts, _ in layers]  # (every layer checked before any changes)
+    for (experts, block), rows in zip(layers, formats, strict=True):
         total = keep_local_experts(experts, layout.ep, layout.ep_rank)
-        dispatcher = (MegaMoE(layout.ep_group, total, waves) if implementation == "megamoe"
-                      else ExpertParallel(layout.ep_group, total))
+        dispatcher = (MegaMoE(layout.ep_group, total, waves, dispatch=rows) if implementation == "megamoe"
+                      else ExpertParallel(layout.ep_group, total, dispatch=rows))
         if block is not None:
             block.dispatcher = dispatcher
         else:

@@ -4,6 +4,7 @@ training step; `train.loop` calls them in order."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperparallel import mx
 from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp import MixedPrecision
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss, training_flops_per_token
 from hyperparallel.models.build import declared_config_keys
@@ -34,6 +37,11 @@ from hyperparallel.parallel import (
     shard_model,
 )
 from hyperparallel.parallel.expert_parallel import expert_layout_of, moe_shape
+from hyperparallel.parallel.mixed_precision import (
+    attach_mx_gather,
+    cast_embedding_outputs,
+    keep_float32_outside_products,
+)
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
@@ -157,7 +165,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     if mesh.ep_enabled:
         layout = expert_layout_of(mesh)
         waves = moe_waves(cfg, model, rt.device) if cfg.moe.implementation == "megamoe" else None
-        apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves or 1)
+        apply_expert_parallel(model, layout, implementation=cfg.moe.implementation, waves=waves or 1,
+                              dispatch=cfg.moe.dispatch)
     if cfg.training.fused_loss:
         install_fused_loss(model, cfg.training.compile)  # an lm_head that is not a plain bias-free Linear keeps HF's loss
     if mesh.tp_enabled:
@@ -170,13 +179,20 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     apply_recompute(model, cfg.parallel.recompute)
     compile_layers(model, cfg.training.compile)
     card = ModelCard.of(cfg.model.family, cfg.model.dtype, model.config)  # (the config: whole shapes)
+    bf16 = cfg.training.mixed_precision == "bf16"
+    if bf16:  # [Note: bf16 parameters], parallel/mixed_precision.py
+        keep_float32_outside_products(model)
+        cast_embedding_outputs(model, torch.bfloat16)
     if mesh.fsdp_enabled:
         # FSDP over dp_shard x cp within a replica (the ranks holding the same TP-local weights; the
         # world without TP or HSDP), replicated over dp_replicate (HSDP; a group of one without).
         # The shards get their memory here, uninitialized; nothing whole is ever allocated.
-        shard_model(model, geometry=cfg.parallel.shard_geometry, align=cfg.parallel.align,
-                    process_group=mesh.fsdp_group, replicate_group=mesh.replicate_group, experts=layout,
-                    device=rt.device)
+        # MXLinear weights gather as MX data, which needs shards of whole 32-row blocks.
+        mx_gather = cfg.low_precision.enabled and attach_mx_gather(model) > 0
+        align = math.lcm(p.align, mx.BLOCK_SIZE) if mx_gather else p.align
+        shard_model(model, geometry=p.shard_geometry, align=align, process_group=mesh.fsdp_group,
+                    replicate_group=mesh.replicate_group, experts=layout, device=rt.device,
+                    mp_policy=MixedPrecision(torch.bfloat16 if bf16 else None, DTYPES[p.reduce_dtype]))
     materialize_meta(model, rt.device)  # what FSDP did not shard: buffers, or everything of an unsharded run
     if hf_plan is not None:
         fill_from_hf(model, shadow, hf_plan, cfg.training.seed, rt.device)
@@ -188,6 +204,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     trained = model
     if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
         trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)
+        if p.reduce_dtype == "bfloat16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            trained.register_comm_hook(mesh.replicate_group, bf16_compress_hook)
     summary = conversion.summary() if cfg.low_precision.enabled else None
     memory = BuildMemory.measure(rt, mesh.world_group, start_mem, time.perf_counter() - start_s,
                                  "init" if hf_plan is None and fill else f"model.path {cfg.model.path}" if fill

@@ -205,6 +205,9 @@ class ParallelSection(Section):
     # shards instead: accumulation times the reduce-scatters, no rank keeping the model's whole
     # gradients between micro-batches (what a model too large for them needs); sharded runs only
     sync_every_micro_batch: bool = False
+    # the dtype gradients are summed in across ranks (FSDP's reduce-scatter, HSDP's and DDP's
+    # all-reduce): float32, or bfloat16 for half the bytes (parallel/mixed_precision.py)
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -297,8 +300,10 @@ class TrainConfig(Section):
         data["training"].pop("micro_batch")  # the global batch decides the numbers; ranks may change
         for how in ("compile", "fused_loss", "timeout_s", "eval_every", "eval_batches"):
             data["training"].pop(how)  # how the same numbers are computed, waited for, and looked at
-        for how in ("implementation", "waves"):
-            data["moe"].pop(how)  # MegaMoE computes what the sequential layer does
+        for how in ("implementation", "waves", "dispatch"):
+            # MegaMoE computes what the sequential layer does; the dispatch's format is expert
+            # parallelism's, as the layout is (its forward the same to the bit)
+            data["moe"].pop(how)
         for where in ("cache_dir", "workers"):
             data["data"].pop(where)  # where the same token shards are kept, and how many processes made them
         return _flatten(data)

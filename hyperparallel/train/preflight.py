@@ -122,6 +122,8 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     if cfg.moe.implementation == "megamoe" and ep == 1:
         problems.append("moe.implementation: megamoe overlaps the all-to-alls of expert parallelism, and parallel.ep "
                         "is 1 (no all-to-alls); set parallel.ep > 1 or use moe.implementation: sequential")
+    lp = cfg.low_precision
+    problems += cfg.moe.dispatch_problems(ep, lp.enabled and "experts" in lp.modules)
     try:
         cfg.grad_accumulation(world)
     except HyperparallelError as error:

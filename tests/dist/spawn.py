@@ -38,6 +38,7 @@ class Part:
 # process-wide settings (seeds, environment, Dynamo's caches).
 PARTS = (
     Part("fsdp", "tests.dist.test_fsdp:on_ranks", (2, 3, 4), ("tests.dist.test_fsdp",)),
+    Part("mixed_precision", "tests.dist.test_mixed_precision:on_ranks", (2, 4), ("tests.dist.test_mixed_precision",)),
     Part("checkpoint", "tests.dist.test_checkpoint:on_ranks", (2, 3), ("tests.dist.test_checkpoint",),
          before="tests.dist.test_checkpoint:before_ranks", after=(2,)),
     Part("sharded_muon", "tests.dist.test_sharded_muon:on_ranks", (2, 3, 4), ("tests.dist.test_sharded_muon",)),
@@ -45,8 +46,8 @@ PARTS = (
     Part("export", "tests.checkpoint.test_export:on_ranks", (2,),
          ("tests.checkpoint.test_export", "tests.train.test_generate")),
     Part("moe", "tests.dist.test_expert_parallel:on_ranks", (2, 4),
-         ("tests.dist.test_expert_parallel", "tests.dist.test_moe_dispatch", "tests.moe.test_router",
-          "tests.multicore.test_trace")),
+         ("tests.dist.test_expert_parallel", "tests.dist.test_moe_dispatch", "tests.dist.test_mx_dispatch",
+          "tests.moe.test_router", "tests.multicore.test_trace")),
     Part("parallel", "tests.dist.test_parallel_layouts:on_ranks", (4,),
          ("tests.dist.test_parallel_layouts", "tests.dist.test_context_parallel")),
     Part("weights", "tests.dist.test_sharded_weights:on_ranks", (4,), ("tests.dist.test_sharded_weights",),

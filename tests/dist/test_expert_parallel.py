@@ -196,9 +196,10 @@ def run_checkpoint(rank: int, world: int, out_dir: str) -> dict:
 def on_ranks(rank: int, world: int, out_dir: str) -> dict:
     """Every multi-rank MoE case of one world size, on one rank of the session's shared spawn
     (tests/dist/spawn.py): this file's, the dispatcher's alone (tests/dist/test_moe_dispatch.py,
-    4 ranks), the bias balancing's (tests/moe/test_router.py, 2 ranks) and a traced task graph's
-    (tests/multicore/test_trace.py, 2 ranks)."""
-    from tests.dist import test_moe_dispatch
+    4 ranks), the MX dispatch's (tests/dist/test_mx_dispatch.py, 2 ranks), the bias balancing's
+    (tests/moe/test_router.py, 2 ranks) and a traced task graph's (tests/multicore/test_trace.py,
+    2 ranks)."""
+    from tests.dist import test_moe_dispatch, test_mx_dispatch
     from tests.moe import test_router
     from tests.multicore import test_trace
 
@@ -206,6 +207,8 @@ def on_ranks(rank: int, world: int, out_dir: str) -> dict:
     results["checkpoint"] = run_checkpoint(rank, world, out_dir)
     if world == test_moe_dispatch.WORLD:
         results["dispatch"] = test_moe_dispatch.run_all(rank)
+    if world == test_mx_dispatch.WORLD:
+        results["mx_dispatch"] = test_mx_dispatch.run_all(rank)
     if world == test_router.WORLD:
         results["balance"] = test_router.run_balance(rank)
     if world == test_trace.WORLD:

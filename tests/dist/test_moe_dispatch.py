@@ -165,14 +165,19 @@ def run_case(case: Case, rank: int, process_groups: dict[tuple[int, ...], object
     return result
 
 
+def refusal(ep: ExpertParallel, experts: GroupedExperts, error: type[Exception]) -> str:
+    """The message of the `error` a call of `ep` on one token raises ("" if none): raised before
+    any collective, so that no rank waits for another."""
+    try:
+        ep(experts, torch.zeros(1, experts.hidden_dim), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+    except error as raised:
+        return str(raised)
+    return ""
+
+
 def wrong_local_experts_message() -> str:
     ep = ExpertParallel(dist.group.WORLD, 8)
-    experts = GroupedExperts(ep.local_range[1] + 1, HIDDEN, INTERMEDIATE, nn.SiLU())
-    try:  # raised before any collective, so no rank waits for another
-        ep(experts, torch.zeros(1, HIDDEN), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
-    except ShapeError as error:
-        return str(error)
-    return ""
+    return refusal(ep, GroupedExperts(ep.local_range[1] + 1, HIDDEN, INTERMEDIATE, nn.SiLU()), ShapeError)
 
 
 def run_all(rank: int) -> dict:
