@@ -14,7 +14,9 @@ starting on a 16-byte boundary so that it can be viewed in any dtype:
 A piece is laid out as a parameter is (param.py): every rank holds `rank_numels[r]` of its
 elements, and the ranks' parts, in rank order, are the whole piece. So a codec's pieces must be
 made from each rank's rows alone and concatenate to what encoding the whole parameter gives:
-MX blocks that never straddle two ranks (the `align` geometry).
+MX blocks that never straddle two ranks: the codec's `row_alignment`, which the parameter's
+shards are aligned to (a 2-D MXFP8 weight: 32 rows; the other parameters of its group keep the
+group's `align`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class GatherCodec(Protocol):
         many elements a shard of a given number of rows makes of it."""
         ...
 
-    def fits(self, shape: torch.Size, ranges: tuple[tuple[int, int], ...]) -> bool:
-        """Whether every rank's rows (offset, length) encode to their part of the whole."""
+    def fits(self, shape: torch.Size) -> bool:
+        """Whether a parameter of `shape` can be gathered in this form at all."""
+        ...
+
+    def row_alignment(self, shape: torch.Size) -> int:
+        """Rows every shard boundary must fall on a multiple of, so that each rank's rows encode
+        to their part of the whole (fsdp raises the group's `align` to it for this parameter)."""
         ...
 
     def encode(self, purpose: str, shard: torch.Tensor) -> list[torch.Tensor]: ...

@@ -10,6 +10,7 @@ that refer to it keep working.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,11 @@ class ShardedParam:
         parameter is ever allocated here; the caller fills the shards (init or a checkpoint)."""
         shape = param.shape
         full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)  # a 0-d parameter is one row
+        # a codec only for a parameter held in one place; its shards fall on the rows it encodes
+        # apart (MX blocks along rows: whole 32-row blocks on each rank)
+        codec = gather_codec(param) if len(places) == 1 else None
+        if codec is not None:
+            align = math.lcm(align, codec.row_alignment(shape))
         info = shard_of(shape, rank, world, geometry, align)
         if param.is_meta:
             local = torch.empty(info.length, full_2d.shape[1], dtype=param.dtype, device=device)
@@ -149,9 +155,7 @@ class ShardedParam:
         empty = torch.empty(0, dtype=full_dtype, device=local.device)
         full = nn.Parameter(empty.set_(empty.untyped_storage(), 0, shape), requires_grad=param.requires_grad)
         row_numel = full_2d.shape[1]
-        # a codec only for a parameter held in one place, whose ranks' rows it can encode apart
-        codec = gather_codec(param) if len(places) == 1 else None
-        if codec is not None and not codec.fits(shape, placement.ranges):
+        if codec is not None and not codec.fits(shape):
             codec = None
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
                    [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size(),

@@ -10,8 +10,9 @@ the copy along N (fsdp/group.py, [Note: what a gather carries]).
 Exact: a block of 32 that lies within one rank's rows is quantized from the same 32 values as in
 the whole weight, so the gathered copies are bitwise what quantizing the gathered weight gives.
 Blocks along K always do (a row is never split). Blocks along N of a 2-D weight run across rows,
-so the codec fits only shards whose boundaries fall on multiples of 32 rows (fsdp's `align`
-geometry; the trainer sets it); a 3-D weight [E, N, K] is split by experts, whose N never is.
+so its shards' boundaries fall on multiples of 32 rows (`row_alignment`: fsdp aligns this
+parameter's shards so, whatever the group's `align`); a 3-D weight [E, N, K] is split by
+experts, whose N never is.
 Quantized from the shard itself, in the parameter's dtype: the float32 master weights under bf16
 mixed precision, as the weight's own copies are quantized without FSDP.
 """
@@ -45,11 +46,13 @@ class MXWeightGather:
         self.scale_mode = scale_mode
         self.copies: dict[str, MXTensor] = {}
 
-    def fits(self, shape: torch.Size, ranges: tuple[tuple[int, int], ...]) -> bool:
-        if len(shape) < 2:
-            return False
-        # along N of a 2-D weight, a block spans 32 rows: every rank's must start on a block
-        return len(shape) > 2 or all(offset % _BLOCK == 0 for offset, length in ranges if length)
+    def fits(self, shape: torch.Size) -> bool:
+        return len(shape) >= 2
+
+    def row_alignment(self, shape: torch.Size) -> int:
+        # along N of a 2-D weight a block spans 32 rows: every rank's must start on a block;
+        # a 3-D weight's rows are experts, whose N no shard splits
+        return _BLOCK if len(shape) == 2 else 1
 
     def pieces(self, purpose: str, shape: torch.Size) -> list[tuple[torch.dtype, Callable[[int], int]]]:
         rest = tuple(shape[1:])

@@ -4,7 +4,8 @@
 torch.autocast(bfloat16), which casts a float32 weight to bf16 as the product reads it. So FSDP
 gathers those weights in bf16 (fsdp's MixedPrecision param_dtype): the same values autocast
 would make, half the bytes. The products' parameters are the Linears' and Conv1D's weights and
-biases, the embeddings' tables and the experts' 3-D weights. Every other parameter keeps
+biases (the fused loss's head included: its product runs in autocast's dtype), the embeddings'
+tables and the experts' 3-D weights. Every other parameter keeps
 float32 in its gathered copy (`fsdp.keep_param_dtype`): the norms' weights and the routers', and
 whatever else a model reads in elementwise operations (attention sinks, DeepSeek-V4's
 hyper-connection weights), which autocast leaves in float32 and which some models read in float32
@@ -35,13 +36,14 @@ from torch import nn
 from hyperparallel.fsdp import keep_param_dtype, set_gather_codec
 from hyperparallel.lowp import MXLinear
 from hyperparallel.lowp.conversion import is_experts, is_mx_experts
+from hyperparallel.models import FusedLossHead
 
 
 def _is_product(module: nn.Module) -> bool:
     """A module whose parameters feed matrix products (or, for an embedding, a lookup of rows)."""
     from transformers.pytorch_utils import Conv1D
 
-    return isinstance(module, (nn.Linear, nn.Embedding, MXLinear, Conv1D)) or is_experts(module)
+    return isinstance(module, (nn.Linear, nn.Embedding, MXLinear, Conv1D, FusedLossHead)) or is_experts(module)
 
 
 def keep_float32_outside_products(model: nn.Module) -> list[str]:

@@ -4,7 +4,6 @@ training step; `train.loop` calls them in order."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperparallel import mx
 from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
@@ -187,10 +185,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         # FSDP over dp_shard x cp within a replica (the ranks holding the same TP-local weights; the
         # world without TP or HSDP), replicated over dp_replicate (HSDP; a group of one without).
         # The shards get their memory here, uninitialized; nothing whole is ever allocated.
-        # MXLinear weights gather as MX data, which needs shards of whole 32-row blocks.
-        mx_gather = cfg.low_precision.enabled and attach_mx_gather(model) > 0
-        align = math.lcm(p.align, mx.BLOCK_SIZE) if mx_gather else p.align
-        shard_model(model, geometry=p.shard_geometry, align=align, process_group=mesh.fsdp_group,
+        # MXFP8 weights gather as MX data (their shards then of whole 32-row blocks: lowp/gather.py)
+        if cfg.low_precision.enabled:
+            attach_mx_gather(model)
+        shard_model(model, geometry=p.shard_geometry, align=p.align, process_group=mesh.fsdp_group,
                     replicate_group=mesh.replicate_group, experts=layout, device=rt.device,
                     mp_policy=MixedPrecision(torch.bfloat16 if bf16 else None, DTYPES[p.reduce_dtype]))
     materialize_meta(model, rt.device)  # what FSDP did not shard: buffers, or everything of an unsharded run

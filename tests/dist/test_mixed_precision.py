@@ -84,8 +84,8 @@ def fsdp2(rank: int, world: int) -> list[float]:
 
 
 class MXLayers(nn.Module):
-    """Two MXFP8 Linears of 160 and 96 rows (with 32-row shards, uneven and, at 4 ranks, empty
-    ones) and 5 MXFP8 experts (uneven shards of whole experts), each a group freed after forward,
+    """Two MXFP8 Linears of 256 and 128 rows (shards of whole 32-row blocks) and 5 MXFP8 experts
+    (uneven shards of whole experts, at 4 ranks an empty one), each a group freed after forward,
     as a decoder layer is, under a root with a norm."""
 
     def __init__(self):
@@ -93,8 +93,8 @@ class MXLayers(nn.Module):
         from hyperparallel.moe import GroupedExperts
 
         torch.manual_seed(1)
-        self.norm, self.up, self.down = nn.LayerNorm(64), nn.Linear(64, 160), nn.Linear(160, 96, bias=False)
-        self.experts = GroupedExperts(5, 96, 64, nn.SiLU())
+        self.norm, self.up, self.down = nn.LayerNorm(64), nn.Linear(64, 256), nn.Linear(256, 128, bias=False)
+        self.experts = GroupedExperts(5, 128, 64, nn.SiLU())
         with torch.no_grad():
             for w in (self.experts.gate_up_proj, self.experts.down_proj):
                 w.normal_(0, 0.1)
@@ -106,8 +106,9 @@ class MXLayers(nn.Module):
 
 
 def mx_run(rank: int, world: int, codec: bool) -> dict:
-    """Two steps of MXLayers under FSDP (align 32), bf16 autocast: outputs, shard gradients, traffic."""
-    from hyperparallel.fsdp import fully_shard
+    """Two steps of MXLayers under FSDP, bf16 autocast: outputs, shard gradients, traffic. (No
+    `align`: the codec aligns the MX weights' shards to 32-row blocks; the rest split evenly.)"""
+    from hyperparallel.fsdp import fully_shard, shard_info
     from hyperparallel.lowp import LowPrecisionConfig, convert
     from hyperparallel.parallel.mixed_precision import attach_mx_gather
 
@@ -116,8 +117,8 @@ def mx_run(rank: int, world: int, codec: bool) -> dict:
     if codec:
         assert attach_mx_gather(model) == 4  # two Linears' weights, the experts' two
     for module in (model.up, model.down, model.experts):
-        fully_shard(module, align=32)
-    fully_shard(model, align=32)
+        fully_shard(module)
+    fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     outputs, grads, counted = [], [], None
     for step in range(2):
@@ -127,7 +128,7 @@ def mx_run(rank: int, world: int, codec: bool) -> dict:
             y.float().square().mean().backward()
         counted = counted or now
         outputs.append(y.detach())
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        grads.append({name: (shard_info(p), p.grad.clone()) for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
     return {"outputs": outputs, "grads": grads, "traffic": counted.sent}
@@ -172,14 +173,25 @@ def test_gradients_reduce_in_bf16_when_asked(spawned):
                                rtol=1e-2, atol=0)
 
 
+def whole(per_rank: list[dict], step: int, name: str) -> torch.Tensor:
+    """A parameter's gradient from every rank's shard of it (the two runs shard it differently:
+    the MX weights' shards are aligned to 32-row blocks)."""
+    info = per_rank[0][step][name][0]
+    out = torch.zeros(info.global_shape).reshape(info.rows, -1)
+    for grads in per_rank:
+        part, grad = grads[step][name]
+        out[part.offset: part.offset + part.length] = grad.reshape(part.length, out.shape[1])
+    return out
+
+
 def test_mx_gather_is_bitwise_equal_to_gathering_values_and_quantizing_after(spawned):
     for results in spawned:
-        mx, values = results["mx"], results["values"]
-        for got, want in zip(mx["outputs"], values["outputs"], strict=True):
+        for got, want in zip(results["mx"]["outputs"], results["values"]["outputs"], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        for got, want in zip(mx["grads"], values["grads"], strict=True):
-            for name in want:
-                torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    mx, values = [r["mx"]["grads"] for r in spawned], [r["values"]["grads"] for r in spawned]
+    for step in range(2):
+        for name in values[0][step]:
+            torch.testing.assert_close(whole(mx, step, name), whole(values, step, name), rtol=0, atol=0, msg=name)
 
 
 def test_mx_gather_moves_about_a_quarter_of_float32s_bytes(spawned):
