@@ -11,8 +11,9 @@ whatever else a model reads in elementwise operations (attention sinks, DeepSeek
 hyper-connection weights), which autocast leaves in float32 and which some models read in float32
 on purpose (DeepSeek-V3's and Qwen3-MoE's routers compute their logits in float32; DeepSeek-V3's
 report keeps the gating and the norms in higher precision for the same reason). They are a few
-hundredths of a percent of a large model's weights (Qwen3-30B-A3B: 0.04%), so the gathered bytes
-are 0.5002x float32's there; at the tests' tiny sizes, a few tenths of a percent more.
+hundredths of a percent of a large model's weights (Qwen3-30B-A3B: 0.04%), so a gather carrying
+its experts moves 0.5002x float32's bytes; where expert parallelism keeps each rank's experts
+whole (no FSDP gather of them) the routers are 0.85% of what the gathers carry: 0.504x.
 
 The embedding is the one product autocast does not cast (a lookup, not a product): gathered in
 bf16, its rows start the residual stream in bf16, as in PyTorch FSDP2 with
