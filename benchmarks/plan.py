@@ -3,6 +3,13 @@ for several layouts on 2 and 4 gloo ranks of this machine.
 
     python benchmarks/plan.py                 # the table in docs/train.md, "Planning" (about 5 minutes)
     python benchmarks/plan.py --steps 6 --layouts tp2_dp2
+    python benchmarks/plan.py --suite examples --steps 30   # the trainer's example configs, as they are
+
+`--suite examples` runs the trainer's own tiny example configs (configs/qwen3.yaml,
+configs/qwen3_moe.yaml: 2 layers of width 64, sequences of 128), where Python's time per operator
+and per module, not the tensors, makes the step: the case the plan's CPU model is most wrong
+about, and the held-out check of its Python and shared-core terms (docs/train.md, "Predicted
+against measured").
 
 Each layout runs `hyperparallel train --nproc N` on one model (a Qwen3-MoE of 16 experts, big
 enough that its tensors and products, not Python, dominate a step) for --steps steps, logging every
@@ -42,6 +49,31 @@ LAYOUTS = {
 }
 
 
+# the example configs: name -> (config, ranks, parallel settings, micro-batch). One rank of each and
+# plain FSDP on 2 and 4 ranks first: the configurations the plan's CPU model may be compared with
+# while it is made; the six after them are held out, checked only
+EXAMPLES = {
+    "qwen3_1": ("qwen3", 1, {}, 8),
+    "qwen3_moe_1": ("qwen3_moe", 1, {}, 8),
+    "dp_shard2": ("qwen3", 2, {"dp_shard": 2}, 8),
+    "dp_shard4": ("qwen3", 4, {"dp_shard": 4}, 4),
+    "tp2": ("qwen3", 2, {"tp": 2}, 8),
+    "dp_shard2_ep2": ("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}, 8),
+    "cp2": ("qwen3", 2, {"cp": 2}, 8),
+    "tp2_dp2": ("qwen3", 4, {"tp": 2, "dp_shard": 2}, 8),
+    "dp_shard4_ep2": ("qwen3_moe", 4, {"dp_shard": 4, "ep": 2}, 4),
+    "cp2_dp2": ("qwen3", 4, {"cp": 2, "dp_shard": 2}, 8),
+}
+
+
+def example_settings(parallel: dict, micro_batch: int, steps: int, run_dir: Path) -> list[str]:
+    values = {
+        "training.steps": steps, "training.micro_batch": micro_batch, "training.eval_every": 0,
+        "checkpoint.every": 0, "logging.every": 1, "logging.run_dir": str(run_dir), "logging.progress": "false",
+    } | {f"parallel.{key}": value for key, value in parallel.items()}
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
 def settings(parallel: dict, steps: int, run_dir: Path) -> list[str]:
     values = {
         "model.config": json.dumps(MODEL), "data.seq_len": 512, "data.max_corpus_bytes": 400_000,
@@ -52,18 +84,23 @@ def settings(parallel: dict, steps: int, run_dir: Path) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
 
 
-def run(name: str, steps: int, work: Path) -> dict:
-    ranks, parallel = LAYOUTS[name]
-    config = str(ROOT / "configs" / "qwen3_moe.yaml")
+def run(name: str, steps: int, work: Path, suite: str = "default") -> dict:
+    if suite == "examples":
+        family, ranks, parallel, micro = EXAMPLES[name]
+        config = str(ROOT / "configs" / f"{family}.yaml")
+        options = example_settings(parallel, micro, steps, work / name)
+    else:
+        ranks, parallel = LAYOUTS[name]
+        config = str(ROOT / "configs" / "qwen3_moe.yaml")
+        options = settings(parallel, steps, work / name)
     cmd = [sys.executable, "-m", "hyperparallel"]
     env = os.environ | {"HYPERPARALLEL_CACHE": str(work / "cache")}
     # the corpus tokenized ahead (`hyperparallel prepare`, as on a cluster): the run then only maps its shards
-    subprocess.run([*cmd, "prepare", config, *settings(parallel, steps, work / name)], check=True,
-                   capture_output=True, env=env)
+    subprocess.run([*cmd, "prepare", config, *options], check=True, capture_output=True, env=env)
     planned = json.loads(subprocess.run(
-        [*cmd, "plan", config, "--nproc", str(ranks), "--device", "cpu", "--json",
-         *settings(parallel, steps, work / name)], check=True, capture_output=True, text=True, env=env).stdout)
-    trained = subprocess.run([*cmd, "train", config, "--nproc", str(ranks), *settings(parallel, steps, work / name)],
+        [*cmd, "plan", config, "--nproc", str(ranks), "--device", "cpu", "--json", *options],
+        check=True, capture_output=True, text=True, env=env).stdout)
+    trained = subprocess.run([*cmd, "train", config, "--nproc", str(ranks), *options],
                              capture_output=True, text=True, env=env)
     if trained.returncode:
         raise SystemExit(f"{name}: hyperparallel train failed:\n{trained.stdout[-2000:]}\n{trained.stderr[-2000:]}")
@@ -82,15 +119,17 @@ def run(name: str, steps: int, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--suite", choices=("default", "examples"), default="default")
+    parser.add_argument("--layouts", default=None, help="comma-separated (default: every layout of the suite)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be at least 4 (the first two are not counted)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.layouts.split(","):
-            rows.append(run(name, args.steps, Path(tmp)))
+        names = args.layouts.split(",") if args.layouts else list(EXAMPLES if args.suite == "examples" else LAYOUTS)
+        for name in names:
+            rows.append(run(name, args.steps, Path(tmp), args.suite))
             r = rows[-1]
             print(f"{name}: step {r['predicted_step_s']:.3f} s predicted / {r['measured_step_s']:.3f} s measured, "
                   f"memory {r['predicted_mem'] / 2**30:.3f} / {r['measured_mem'] / 2**30:.3f} GiB", file=sys.stderr)

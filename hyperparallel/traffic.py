@@ -5,7 +5,8 @@ CP and EP exchanges, Muon's) calls the function of its kind below with the tenso
 hands to torch.distributed and the mesh dimension it runs over; while a `counting()` block is
 open they are added up, by dimension and by kind, and otherwise the call returns at once. Not
 counted: the trainer's bookkeeping (the loss agreement, the gradient norm's all-reduce, the MoE
-loads: a few bytes per step), and collectives inside a torch.compile'd region (a compiled
+loads: a few bytes per step), DDP's gradient all-reduce (torch's C++ reducer issues it: no call
+site here; the planner predicts it), and collectives inside a torch.compile'd region (a compiled
 layer's TP exchanges), which a trace must not record as Python side effects. What
 is counted is what the call moves, not a formula of the model: the same conventions as the
 planner's (`hyperparallel plan`, planning/communication.py), ring algorithms' bytes a rank sends:
@@ -15,7 +16,8 @@ planner's (`hyperparallel plan`, planning/communication.py), ring algorithms' by
 - all-reduce: 2 (W-1)/W x the tensor (a reduce-scatter, then an all-gather);
 - all-to-all: the rows sent to the other ranks (the real split sizes, this rank's own part
   excluded);
-- send: the bytes of each point-to-point send (context parallelism's ring).
+- a ring's pass (context parallelism's ring attention): the block sent to the next rank, as a
+  step of the all-gather of every rank's block that the ring's W-1 passes make.
 
 A rank counts its own sends; with uneven shards or routing the ranks differ, and the trainer
 reports the largest rank's figure next to the mean. A call site may also name its collective
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass
@@ -92,7 +94,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _counting() -> bool:
     # (a traced region records nothing: a trace must not hold Python side effects)
-    return bool(_open) and not torch.compiler.is_compiling()
+    # (is_compiling first: Dynamo then never guards on `_open`, which would recompile a layer
+    # when counting stops)
+    return not torch.compiler.is_compiling() and bool(_open)
 
 
 def _add(dimension: str, kind: str, nbytes: int, name: str | None = None) -> None:
@@ -132,6 +136,7 @@ def all_to_all(dimension: str, rows: torch.Tensor, send_splits: Sequence[int] | 
     _add(dimension, "all_to_all", total - own, name)
 
 
-def send(dimension: str, tensor: torch.Tensor) -> None:
+def ring_pass(dimension: str, block: torch.Tensor) -> None:
+    """One pass of a ring's block to the next rank: a step of the all-gather the ring makes."""
     if _counting():
-        _add(dimension, "send", _nbytes(tensor))
+        _add(dimension, "all_gather", _nbytes(block))

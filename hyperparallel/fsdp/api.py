@@ -72,7 +72,7 @@ def _direct_params(module: nn.Module) -> list[tuple[list[tuple[nn.Module, str]],
 def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecision | None = None, geometry: str = "chunk", align: int = 1,
                 gradient_divide_factor: float | None = None, device: torch.device | str | None = None,
-                replicate_group=None) -> nn.Module:
+                replicate_group=None, replays_forward: bool = False) -> nn.Module:
     """Shard `module`'s parameters along dim 0 over `process_group` (default: the world).
 
     Apply to each block first, then to the root. Returns `module` (sharded in place). Gradients
@@ -87,7 +87,11 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
 
     Parameters on the meta device (a model built without memory) get shards of uninitialized
     memory on `device` (required then), so no rank ever holds a whole parameter; fill them
-    afterwards (`hyperparallel.train.weights`, or `load_state_dict` of each rank's rows)."""
+    afterwards (`hyperparallel.train.weights`, or `load_state_dict` of each rank's rows).
+
+    `replays_forward`: the module runs its forward again inside backward without its own hooks
+    (activation recompute of its inner forward): the gather for backward then brings what that
+    forward needs too (a codec's "forward" pieces, gather.py)."""
     if not dist.is_initialized():
         raise ConfigError("fully_shard needs torch.distributed initialized (torchrun, or init_process_group)")
     if hasattr(module, _GROUP):
@@ -98,7 +102,7 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
         raise ConfigError(f"fully_shard: rank {dist.get_rank()} is not a member of the replicate_group it was given")
     _check_same_group(module, process_group)
     group = FSDPGroup(module, process_group, geometry, align, reshard_after_forward, mp_policy,
-                      gradient_divide_factor, replicate_group)
+                      gradient_divide_factor, replicate_group, replays_forward)
     params = _direct_params(module)
     if not params:
         setattr(module, _GROUP, group)

@@ -22,11 +22,14 @@ group's `align`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from hyperparallel.fsdp.geometry import padded_rows
 
 PURPOSES = ("forward", "backward")
 
@@ -60,6 +63,26 @@ class GatherCodec(Protocol):
     def release(self) -> None: ...
 
 
+# A codec's alignment may pad a parameter's slots (a [1024, K] weight over 64 ranks: 16 rows each,
+# 32 with whole blocks, half the ranks none); beyond an eighth more rows per slot the padding
+# (gathered, reduce-scattered, and the optimizer's state on the ranks holding them) costs more
+# than the encoding saves, and the parameter is gathered as its values instead.
+MAX_CODEC_PADDING = 1.125
+
+
+def codec_align(codec: GatherCodec | None, shape: torch.Size, world: int, geometry: str, align: int) -> int | None:
+    """The rows a parameter of `shape` sharded with `codec` is aligned to (a multiple of `align`),
+    or None where it is gathered as its values: no codec, one that does not fit it, or one whose
+    alignment would pad its slots by more than MAX_CODEC_PADDING."""
+    if codec is None or not codec.fits(shape):
+        return None
+    aligned = math.lcm(align, codec.row_alignment(shape))
+    rows = shape[0] if len(shape) else 1
+    if padded_rows(rows, world, geometry, aligned) > MAX_CODEC_PADDING * padded_rows(rows, world, geometry, align):
+        return None
+    return aligned
+
+
 ALIGN_BYTES = 16  # where every piece starts in a slot: any dtype's view of it is then aligned
 
 
@@ -76,7 +99,7 @@ class Piece:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def numel(self) -> int:

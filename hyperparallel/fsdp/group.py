@@ -108,7 +108,7 @@ _UNSHARDED = frozenset({_S.UNSHARDED, _S.UNSHARDED_FOR_BACKWARD})
 class FSDPGroup:
     def __init__(self, module: nn.Module, group, geometry: str, align: int, reshard_after_forward: bool,
                  mp_policy: MixedPrecision | None = None, gradient_divide_factor: float | None = None,
-                 replicate_group=None):
+                 replicate_group=None, replays_forward: bool = False):
         self.module, self.group = module, group
         self.mp = mp_policy or MixedPrecision()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -117,6 +117,7 @@ class FSDPGroup:
         self.gradient_divide_factor = gradient_divide_factor or self.world * self.replicas
         self.geometry, self.align = geometry, align
         self.reshard_after_forward = reshard_after_forward
+        self.replays_forward = replays_forward  # recompute inside backward, without the module's hooks
         self.gradient_sync = True  # a user setting (set_requires_gradient_sync), not lifecycle state
         self.params: list[ShardedParam] = []
         self.state = GroupState.SHARDED
@@ -173,12 +174,19 @@ class FSDPGroup:
     # parameter with a codec (gather.py; MXFP8 weights) is gathered as the pieces a purpose needs:
     # "forward" when forward gathers (and "backward" too for a group that is not freed after
     # forward, the root), "backward" when backward gathers it again, and "forward" once more if a
-    # recompute runs the module's forward inside backward. Each purpose's pieces stay until the
-    # group frees its full parameters.
+    # recompute runs the module's forward inside backward: with the backward gather when the
+    # group's own forward is replayed without its hooks (`replays_forward`: the trainer's
+    # recompute of a decoder layer), or when its forward hook sees a forward in backward (a
+    # recomputed module nested in it). Each purpose's pieces stay until the group frees its full
+    # parameters.
 
     def _forward_purposes(self) -> tuple[str, ...]:
         root = self.schedule is not None and self.schedule.root is self
-        return ("forward",) if self.reshard_after_forward and not root else PURPOSES
+        kept = root or not self.reshard_after_forward  # (until backward: its pieces too)
+        return PURPOSES if kept and torch.is_grad_enabled() else ("forward",)
+
+    def backward_purposes(self) -> tuple[str, ...]:
+        return PURPOSES if self.replays_forward else ("backward",)
 
     def _entries(self, purposes: tuple[str, ...], values: bool) -> tuple[tuple[int, str | None], ...]:
         """(parameter's index, purpose) of everything one gather carries: its values (None), if
@@ -221,7 +229,7 @@ class FSDPGroup:
     def unshard(self, for_backward: bool = False) -> None:
         """Fill the full parameters and put them in the module (a no-op if they are there, but for
         a codec's pieces the purpose needs: [Note: what a gather carries])."""
-        purposes = ("backward",) if for_backward else self._forward_purposes()
+        purposes = self.backward_purposes() if for_backward else self._forward_purposes()
         if self.is_unsharded:
             if for_backward and self.state is GroupState.UNSHARDED:
                 self._become(GroupState.UNSHARDED_FOR_BACKWARD)
@@ -340,11 +348,18 @@ class FSDPGroup:
         self._grads_ready = 0
         self._become(GroupState.SHARDED)
 
+    def _reduce_dtype(self) -> torch.dtype:
+        return self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].shard.dtype
+
     def _keep_local_full_grads(self) -> None:
-        # no_sync: accumulate the full gradient locally; it is reduced with the next synced step
+        # no_sync: accumulate the full gradient locally, in the reduce dtype (a bf16 full
+        # parameter's gradients would otherwise add up in bf16, as FSDP2 does not); it is
+        # reduced with the next synced step
+        dtype = self._reduce_dtype()
         for p in self.params:
             if p.full.grad is not None:
-                p.accumulated = p.full.grad if p.accumulated is None else p.accumulated + p.full.grad
+                grad = p.full.grad
+                p.accumulated = grad.to(dtype) if p.accumulated is None else p.accumulated.add_(grad)
                 p.full.grad = None
 
     def _start_reduce(self) -> None:
@@ -352,7 +367,7 @@ class FSDPGroup:
         if layout is None:
             return
         ref = layout.params[0].full
-        reduce_dtype = self.mp.reduce_dtype or ref.dtype
+        reduce_dtype = self._reduce_dtype()
         views = self._reduce_views
         if views is None or views.key != (reduce_dtype, ref.device):
             views = self._reduce_views = ReduceViews(layout, reduce_dtype, ref.device)
@@ -360,7 +375,7 @@ class FSDPGroup:
         for p in layout.params:
             grad = p.full.grad
             if p.accumulated is not None:
-                grad = p.accumulated if grad is None else grad + p.accumulated
+                grad = p.accumulated if grad is None else p.accumulated.add_(grad)
                 p.accumulated = None
             grads.append(grad)
             p.full.grad = None

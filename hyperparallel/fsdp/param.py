@@ -10,14 +10,13 @@ that refer to it keep working.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyperparallel.fsdp.gather import GatherCodec, Piece, Run, runs_of
+from hyperparallel.fsdp.gather import GatherCodec, Piece, Run, codec_align, runs_of
 from hyperparallel.fsdp.geometry import ShardInfo, padded_rows, shard_of, shard_ranges
 
 # The shard tag: on a Parameter that holds a part of a larger tensor along dim 0, that part's place
@@ -130,10 +129,10 @@ class ShardedParam:
         shape = param.shape
         full_2d = param.detach().reshape(shape[0] if param.dim() else 1, -1)  # a 0-d parameter is one row
         # a codec only for a parameter held in one place; its shards fall on the rows it encodes
-        # apart (MX blocks along rows: whole 32-row blocks on each rank)
+        # apart (MX blocks along rows: whole 32-row blocks on each rank), unless that pads too much
         codec = gather_codec(param) if len(places) == 1 else None
-        if codec is not None:
-            align = math.lcm(align, codec.row_alignment(shape))
+        aligned = codec_align(codec, shape, world, geometry, align)
+        codec, align = (codec, aligned) if aligned is not None else (None, align)
         info = shard_of(shape, rank, world, geometry, align)
         if param.is_meta:
             local = torch.empty(info.length, full_2d.shape[1], dtype=param.dtype, device=device)
@@ -155,8 +154,6 @@ class ShardedParam:
         empty = torch.empty(0, dtype=full_dtype, device=local.device)
         full = nn.Parameter(empty.set_(empty.untyped_storage(), 0, shape), requires_grad=param.requires_grad)
         row_numel = full_2d.shape[1]
-        if codec is not None and not codec.fits(shape):
-            codec = None
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
                    [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size(),
                    codec=codec)

@@ -58,7 +58,7 @@ class PrefetchSchedule:
         if not self.recording and i is not None and i > 0:
             before = self.order[i - 1]
             if before.reshard_after_forward and before.state is not GroupState.BACKWARD_DONE:
-                before.start_unshard(("backward",))
+                before.start_unshard(before.backward_purposes())
 
 
 def register_hooks(module: nn.Module, group: FSDPGroup) -> None:

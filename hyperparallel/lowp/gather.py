@@ -73,3 +73,11 @@ class MXWeightGather:
 
     def release(self) -> None:
         self.copies.clear()
+
+
+def check_has_values(weight: torch.Tensor, what: str) -> None:
+    """A weight FSDP gathers as MX data has no values of its own: quantizing it would read freed
+    memory. Raised where a module runs outside the hooks that gather its copies."""
+    if not torch.compiler.is_compiling() and weight.numel() and weight.untyped_storage().nbytes() == 0:
+        raise RuntimeError(f"{what}: its weight has no values here (FSDP gathers it as MX data, for the "
+                           f"module's forward and backward under its FSDP hooks)")

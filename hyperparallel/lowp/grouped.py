@@ -39,7 +39,7 @@ from torch import nn
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.lowp.dtypes import compute_dtype
-from hyperparallel.lowp.gather import MXWeightGather
+from hyperparallel.lowp.gather import MXWeightGather, check_has_values
 from hyperparallel.mx.grouped_products import grouped_weight_grad_mm
 from hyperparallel.mx.tensor import MXTensor
 
@@ -242,12 +242,13 @@ class MXExpertsRecipe:
         return compute_dtype(hidden_states)
 
     def weight_copies(self, name: str, weight: torch.Tensor, need_along_n: bool):
-        """W's MX copies (along K, along N): FSDP's gathered ones (along N then arrives for
-        backward: a function that gives it there), or quantized from the weight."""
+        """W's MX copies (along K, along N): FSDP's gathered ones (along N as a function that
+        gives it in backward, where it is gathered: always, so that a recompute's forward saves
+        what the first one saved), or quantized from the weight."""
         gathered = self.gathered[name]
         if "forward" in gathered.copies:
-            along_n = gathered.copies.get("backward")
-            return gathered.copies["forward"], along_n or (lambda: gathered.copies["backward"])
+            return gathered.copies["forward"], lambda: gathered.copies["backward"]
+        check_has_values(weight, f"MXFP8 experts' {name}")
         r = self._recipe()
         if not self.save_weight_copy:
             return _quantize_weight(weight.detach(), r, along_n=False)

@@ -27,7 +27,7 @@ from torch import nn
 from hyperparallel import mx, versions
 from hyperparallel.lowp.config import LowPrecisionConfig
 from hyperparallel.lowp.dtypes import compute_dtype
-from hyperparallel.lowp.gather import MXWeightGather
+from hyperparallel.lowp.gather import MXWeightGather, check_has_values
 from hyperparallel.mx.tensor import MXTensor
 
 
@@ -105,12 +105,13 @@ class MXLinear(nn.Module):
 
     def _quantized_weight(self) -> tuple[torch.Tensor | None, ...]:
         """W's row-wise and column-wise MX copies (data, scale, data, scale): FSDP's gathered ones
-        (the column-wise then arrives for backward: None here), or quantized from the weight."""
+        (the column-wise then taken in backward, where it is gathered: None here, always, so that a
+        recompute's forward saves what the first one saved), or quantized from the weight."""
         row = self.gathered.copies.get("forward")
         if row is not None:
-            col = self.gathered.copies.get("backward")
-            return row.data, row.scale, *((col.data, col.scale) if col is not None else (None, None))
+            return row.data, row.scale, None, None
         w = self.weight
+        check_has_values(w, f"MXLinear({self.in_features}, {self.out_features})")
         if torch.compiler.is_compiling():  # a traced graph quantizes anew; no Python-side cache
             row, col = mx.quantize_dual(w.detach(), scale_mode=self.config.scale_mode)
             return row.data, row.scale, col.data, col.scale

@@ -28,11 +28,11 @@ def compile_layers(model: nn.Module, backend: str) -> int:
     from hyperparallel.lowp import MXLinear, is_mx_experts  # (here: training.compile's choices load without lowp)
 
     for layer in layers:
-        if backend == "inductor":
-            # Inductor's CPU code generator has no float8_e8m0fnu (the MX scales' dtype; it fails
-            # with a KeyError): MXFP8 modules run between its graphs, as they are
-            for module in layer.modules():
-                if isinstance(module, MXLinear) or is_mx_experts(module):
-                    module.forward = torch.compiler.disable(module.forward, recursive=True)
+        # MXFP8 modules run between the graphs, as they are, with every backend: Inductor's CPU code
+        # generator has no float8_e8m0fnu (the MX scales' dtype; it fails with a KeyError), and
+        # under FSDP their weights' MX copies are gathered state a trace cannot hold (lowp/gather.py)
+        for module in layer.modules():
+            if isinstance(module, MXLinear) or is_mx_experts(module):
+                module.forward = torch.compiler.disable(module.forward, recursive=True)
         layer.forward = torch.compile(layer.forward, backend=backend)
     return len(layers)

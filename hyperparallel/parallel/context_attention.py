@@ -190,7 +190,7 @@ class _Ring:
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
         """Start sending `send` to the next rank and receiving the previous rank's into `recv`."""
-        traffic.send("cp", send)
+        traffic.ring_pass("cp", send)
         ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
         return dist.batch_isend_irecv(ops)

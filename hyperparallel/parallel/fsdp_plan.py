@@ -11,6 +11,7 @@ from torch import nn
 from hyperparallel.fsdp import MixedPrecision, fully_shard
 from hyperparallel.models.layers import decoder_layers
 from hyperparallel.parallel.expert_parallel import ExpertLayout, expert_modules
+from hyperparallel.parallel.recompute import recomputed
 
 
 def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, process_group: dist.ProcessGroup | None = None,
@@ -31,5 +32,6 @@ def shard_model(model: nn.Module, *, geometry: str = "chunk", align: int = 1, pr
             for module in expert_modules(layer):
                 fully_shard(module, process_group=experts.shard_group, replicate_group=experts.replicate_group,
                             gradient_divide_factor=experts.world, **options)
-        fully_shard(layer, process_group=process_group, replicate_group=replicate_group, **options)
+        fully_shard(layer, process_group=process_group, replicate_group=replicate_group,
+                    replays_forward=recomputed(layer), **options)
     return fully_shard(model, process_group=process_group, replicate_group=replicate_group, **options)

@@ -16,9 +16,12 @@ its experts moves 0.5002x float32's bytes; where expert parallelism keeps each r
 whole (no FSDP gather of them) the routers are 0.85% of what the gathers carry: 0.504x.
 
 The embedding is the one product autocast does not cast (a lookup, not a product): gathered in
-bf16, its rows start the residual stream in bf16, as in PyTorch FSDP2 with
-MixedPrecisionPolicy(param_dtype=bf16) and in the anchors' recipes. Its output is cast to bf16 on
-every layout (`cast_embedding_outputs`), so one process, DDP and FSDP compute the same forward.
+bf16, it hands out bf16-rounded rows. On every layout its output is rounded to bf16 and handed on
+in the table's own dtype (`round_embedding_outputs`): the residual stream stays in float32 as
+under autocast alone (the HF Trainer's bf16=True), the rows carry the rounding autocast gives
+every other weight, and one process, DDP and FSDP compute the same forward. (PyTorch FSDP2's
+default, cast_forward_inputs, would make the residual stream bf16 instead: a choice of the
+model's numerics, not of the traffic, which this leaves as the model has it.)
 
 Gradients reduce in `parallel.reduce_dtype` (float32 by default) and land in the float32 shards,
 which the optimizer updates; a parameter's full gradient before the reduction is in its gathered
@@ -59,18 +62,25 @@ def keep_float32_outside_products(model: nn.Module) -> list[str]:
     return kept
 
 
-def cast_embedding_outputs(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every embedding's output in `dtype`: what an embedding gathered in `dtype` gives, on layouts
-    that hold it in float32 (one process, DDP), so that every layout computes the same forward."""
+def round_embedding_outputs(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every embedding's output rounded to `dtype` and handed on in its table's dtype: what an
+    embedding gathered in `dtype` gives, on every layout (one process and DDP hold the table in
+    float32), so that every layout computes the same forward ([Note: bf16 parameters])."""
     for module in model.modules():
         if isinstance(module, nn.Embedding):
-            module.register_forward_hook(lambda mod, args, out: out.to(dtype) if out.is_floating_point() else out)
+            table = module.weight.dtype
+
+            def hook(mod, args, out, table=table):
+                return out.to(dtype).to(table) if out.is_floating_point() else out
+
+            module.register_forward_hook(hook)
 
 
 def attach_mx_gather(model: nn.Module) -> int:
     """Let FSDP gather every MXLinear's weight and MXFP8 experts' two weights as MX data
-    (lowp/gather.py); returns how many weights. Call before sharding; FSDP falls back to the
-    values for a weight whose shards would split a block (give fsdp an `align` of 32 rows)."""
+    (lowp/gather.py); returns how many weights. Call before sharding: fsdp aligns each such
+    weight's shards to whole blocks, or gathers its values where that would pad its slots by more
+    than an eighth (fsdp/gather.py, codec_align)."""
     count = 0
     for module in model.modules():
         if isinstance(module, MXLinear):

@@ -91,4 +91,11 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
         config.use_cache = False
     for layer in layers:
         layer.forward = functools.partial(_checkpointed, layer.forward, mode)
+        layer._hp_recomputed = True
     return len(layers)
+
+
+def recomputed(module: nn.Module) -> bool:
+    """Whether apply_recompute made `module` run its forward again inside backward (its own
+    forward hooks do not run then: what FSDP must gather for that forward, it gathers for backward)."""
+    return getattr(module, "_hp_recomputed", False)

@@ -37,8 +37,8 @@ from hyperparallel.parallel import (
 from hyperparallel.parallel.expert_parallel import expert_layout_of, moe_shape
 from hyperparallel.parallel.mixed_precision import (
     attach_mx_gather,
-    cast_embedding_outputs,
     keep_float32_outside_products,
+    round_embedding_outputs,
 )
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
@@ -180,7 +180,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     bf16 = cfg.training.mixed_precision == "bf16"
     if bf16:  # [Note: bf16 parameters], parallel/mixed_precision.py
         keep_float32_outside_products(model)
-        cast_embedding_outputs(model, torch.bfloat16)
+        round_embedding_outputs(model, torch.bfloat16)
     if mesh.fsdp_enabled:
         # FSDP over dp_shard x cp within a replica (the ranks holding the same TP-local weights; the
         # world without TP or HSDP), replicated over dp_replicate (HSDP; a group of one without).

@@ -55,6 +55,7 @@ PARTS = (
     Part("trainer", "tests.train.test_cli_train:trainer_runs", (2,),
          ("tests.train.test_cli_train", "tests.train.test_deepseek_v4", "tests.train.test_fault_tolerance")),
     Part("parallel_trainer", "tests.dist.test_parallel_layouts:trainer_runs", (4,), ("tests.dist.test_parallel_layouts",)),
+    Part("comm_bytes", "tests.train.test_comm_bytes:on_ranks", (2, 4), ("tests.train.test_comm_bytes",)),
     Part("coverage", "tests.models.test_coverage:on_ranks", (2,), ("tests.models.test_coverage",)),
 )
 

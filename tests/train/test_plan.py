@@ -298,7 +298,7 @@ def test_expert_parallel_ranks_hold_their_experts_sharded_over_the_ranks_holding
     # experts: half on each EP rank, sharded over the 2 ranks holding the same half; the rest over 4
     # (every row count here divides: the shards are even)
     assert plan.params == experts // 4 + others // 4
-    assert plan.comm["ep_all_to_all"] > 0 and set(plan.comm_by_dimension) == {"dp_shard", "ep"}
+    assert plan.comm["ep_dispatch"] > 0 and set(plan.comm_by_dimension) == {"dp_shard", "ep"}
 
 
 def test_ring_costs_of_a_collective():

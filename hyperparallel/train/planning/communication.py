@@ -9,9 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyperparallel import mx
 from hyperparallel.checkpoint.model_card import DTYPES
+from hyperparallel.fsdp.gather import PURPOSES
 from hyperparallel.models.flops import top_k_of
 from hyperparallel.models.layers import decoder_layers, layer_configs
+from hyperparallel.moe.dispatch import dispatch_format
+from hyperparallel.moe.exchange import ELEMENTS
 from hyperparallel.parallel.expert_parallel import moe_shape, routed_experts
 from hyperparallel.parallel.mesh import MeshShape
 from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
@@ -21,14 +25,20 @@ from hyperparallel.train.planning.memory import Group, nbytes
 from hyperparallel.train.planning.plan_time import Collective, spans_nodes
 
 COMM_FORMULA = (
-    "ring algorithms, bytes this rank sends: all-gather and reduce-scatter of a group (W-1) x slot, all-reduce "
-    "2 (W-1)/W x bytes, all-to-all (W-1)/W x bytes; FSDP gathers each layer twice per micro-batch (forward, backward) "
-    "and the root once, and reduce-scatters every group once per step (HSDP then all-reduces each group's gradient "
-    "shards across the replicas); DDP all-reduces the gradients once per step; TP all-reduces (SP: all-gathers and "
-    "reduce-scatters) every attention and MLP block's activations forward, backward and in recompute's replay; CP "
-    "passes keys and values around the ring once forward and twice backward (Ulysses: all-to-alls); EP sends every "
-    "routed row out and back, forward and backward; Muon on sharded matrices sends each matrix's rows to its owner "
-    "and the owner sends the update's rows back (bf16)"
+    "ring algorithms, bytes this rank sends (hyperparallel.traffic's conventions): all-gather (W-1) x its slot, "
+    "reduce-scatter (W-1)/W x its input ((W-1) x slot), all-reduce 2 (W-1)/W x bytes, all-to-all (W-1)/W x bytes "
+    "(uniform routing: the counter counts the real rows to other ranks); FSDP gathers each layer twice per "
+    "micro-batch (forward, backward) and the root once, as bytes: every parameter a piece in its gathered dtype (bf16 "
+    "for the products' parameters under bf16 mixed precision, their own for the others) or, for MXFP8 weights, FP8 "
+    "data and E8M0 scales (forward's copy, then backward's; the root both at once), each piece padded to 16 bytes; "
+    "it reduce-scatters every group once per step in parallel.reduce_dtype (HSDP then all-reduces each group's "
+    "gradient shards across the replicas); DDP all-reduces the gradients once per step (bf16 with reduce_dtype "
+    "bfloat16); TP all-reduces (SP: all-gathers and reduce-scatters) every attention and MLP block's activations "
+    "forward, backward and in recompute's replay; CP passes keys and values around the ring once forward and twice "
+    "backward (Ulysses: all-to-alls); EP exchanges the per-expert counts, then sends every routed row out and back, "
+    "forward and backward (out forward as MX data, H + H/32 bytes a row, to MXFP8 experts under moe.dispatch auto "
+    "or mx; else in the compute dtype); Muon on sharded matrices sends each matrix's rows to its owner and the owner "
+    "sends the update's rows back (bf16)"
 )
 
 
@@ -74,33 +84,50 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
     # the mesh's strides (dp_replicate, dp_shard, cp, tp; tp innermost), for which groups leave a machine
     fsdp_spans = spans_nodes(T, S * C, ranks_per_node)
     expert_shard_spans = spans_nodes(E * T, S * C // max(E, 1), ranks_per_node)
+    # a recomputed layer's forward collectives run again (selective recompute keeps only products'
+    # and attention's outputs: the collectives, ring attention and the dispatch are replayed)
+    replays = 1 if p.recompute != "off" else 0
     if layout.fsdp_enabled:
         n_layers = len(groups) - 1
+        reduces = accumulation if p.sync_every_micro_batch else 1
         for g, group in enumerate(groups):
-            gathers = accumulation * (2 if g < n_layers else 1)  # a layer again in backward; the root once
-            reduces = accumulation if p.sync_every_micro_batch else 1
-            for world, slot in group.parts.items():
-                spans = fsdp_spans if world == layout.shard_size else expert_shard_spans
-                out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, slot, gathers, spans, "beside"))
-                if group.trainable:
-                    out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, slot, reduces,
-                                          spans, "beside"))
-                    out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, slot, reduces,
+            # [Note: what a gather carries], fsdp/group.py: a layer gathers its values with its
+            # codecs' forward pieces in forward and again with their backward pieces in backward;
+            # the root, never freed after forward, gathers all of them once (per micro-batch)
+            gathers = [("forward",), ("backward",)] if g < n_layers else [PURPOSES]
+            for world, part in group.parts.items():
+                experts_part = world != layout.shard_size  # (a layer's experts: a group of their own)
+                spans = expert_shard_spans if experts_part else fsdp_spans
+                sizes = [part.gather(purposes) for purposes in gathers]
+                if g < n_layers and replays:
+                    # recompute's forward inside backward: the layer's codecs' forward pieces again
+                    # (the Note's "forward" once more); its experts' group, which the replay calls
+                    # as a module, gathered for a forward again, values and forward pieces
+                    sizes.append(part.gather(("forward",)) if experts_part else part.codec["forward"])
+                for size in sizes:
+                    if size:
+                        out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, size, accumulation,
+                                              spans, "beside"))
+                if part.reduce:
+                    out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, part.reduce,
+                                          reduces, spans, "beside"))
+                    out.append(Collective("hsdp_all_reduce", "dp_replicate", "all_reduce", R, part.reduce, reduces,
                                           spans_nodes(S * C * T, R, ranks_per_node), "beside"))
         if muon_sent:
             out.append(Collective("muon_all_to_all", "dp_shard", "all_to_all", layout.shard_size,
                                   muon_sent * layout.shard_size // max(layout.shard_size - 1, 1), 1, fsdp_spans))
     elif layout.ddp:
-        out.append(Collective("ddp_all_reduce", "dp_replicate", "all_reduce", layout.world, grads_whole, 1,
+        # in the gradients' dtype, or bf16 with parallel.reduce_dtype bfloat16 (DDP's bf16 compress hook)
+        reduced = grads_whole
+        if p.reduce_dtype == "bfloat16":
+            reduced = sum(q.numel() for q in model.parameters() if q.requires_grad) * torch.bfloat16.itemsize
+        out.append(Collective("ddp_all_reduce", "dp_replicate", "all_reduce", layout.world, reduced, 1,
                               spans_nodes(1, layout.world, ranks_per_node), "beside"))
     config = model.config
     element = _activation_bytes(cfg)
     tokens = cfg.training.micro_batch * cfg.data.seq_len // C  # one micro-batch's tokens on this rank
     layers = list(decoder_layers(model))
     n_layers = len(layers)
-    # a recomputed layer's forward collectives run again (selective recompute keeps only products'
-    # and attention's outputs: the collectives, ring attention and the dispatch are replayed)
-    replays = 1 if p.recompute != "off" else 0
     if T > 1:
         act = tokens * config.hidden_size * element
         tp_spans = spans_nodes(1, T, ranks_per_node)
@@ -128,13 +155,29 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
             out.append(Collective("cp_all_to_all", "cp", "all_to_all", C, tokens * (2 * q_width + kv_width) * element,
                                   calls, cp_spans))
     if E > 1:
-        layers_ = routed_experts(model)
-        top_k = top_k_of(model, layers_[0][0]) if layers_ else 1
-        rows = tokens * top_k * config.hidden_size * element
         exposure = "simulated" if cfg.moe.implementation == "megamoe" else "critical"
-        calls = accumulation * len(layers_) * 2 * (2 + replays)  # dispatch and combine: forward, backward, replay
-        out.append(Collective("ep_all_to_all", "ep", "all_to_all", E, rows, calls, spans_nodes(T, E, ranks_per_node),
-                              exposure))
+        ep_spans = spans_nodes(T, E, ranks_per_node)
+        passes = accumulation * (1 + replays)  # each MoE layer's forward, and recompute's replay of it
+        for experts, _ in routed_experts(model):
+            # moe/dispatch.py, moe/exchange.py: every (token, expert) row of this rank's tokens out
+            # to its expert's rank and back, forward and backward, after one exchange of the
+            # per-expert row counts (int64); the rows go out in the compute dtype or, to MXFP8
+            # experts under moe.dispatch auto / mx, as MX data (FP8 elements then E8M0 scales per
+            # row: [Note: MX dispatch]), and come back, and go both ways in backward, in the compute dtype
+            rows = tokens * top_k_of(model, experts)
+            hidden = experts.hidden_dim
+            row_bytes = hidden * element
+            if dispatch_format(cfg.moe.dispatch, experts) == "mx":
+                sent_row = hidden * ELEMENTS.itemsize + -(-hidden // mx.BLOCK_SIZE) * torch.float8_e8m0fnu.itemsize
+            else:
+                sent_row = row_bytes
+            # (named as the counter names them: moe/exchange.py)
+            for name, nbytes_, calls in (("ep_counts", experts.routed_experts * torch.int64.itemsize, passes),
+                                         ("ep_dispatch", rows * sent_row, passes),
+                                         ("ep_combine", rows * row_bytes, passes),
+                                         ("ep_dispatch_grad", rows * row_bytes, accumulation),
+                                         ("ep_combine_grad", rows * row_bytes, accumulation)):
+                out.append(Collective(name, "ep", "all_to_all", E, nbytes_, calls, ep_spans, exposure))
     return [c for c in out if c.ranks > 1 and c.calls]
 
 

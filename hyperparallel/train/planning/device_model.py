@@ -4,7 +4,9 @@ between ranks, and the fraction of each peak a real kernel reaches.
 
 The GPU models are datasheet figures (dense, no sparsity) times stated efficiencies; the CPU model
 is measured on the spot (`measure_cpu`), so that a prediction can be checked here against a real
-run. Every field can be overridden (`plan --set device_model.FIELD=VALUE`, or `device_model:` in
+run: rates, the host's time per operator, view and module call, the fraction small products
+reach, and gloo among the run's ranks, shared out as the run's ranks share the cores. Every field
+can be overridden (`plan --set device_model.FIELD=VALUE`, or `device_model:` in
 the config): a user who has measured their cluster should say so.
 
 Sources (NVIDIA datasheets, dense Tensor Core figures):
@@ -28,6 +30,7 @@ Efficiencies (assumptions, not measurements: override them with your own):
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -37,7 +40,7 @@ from datetime import timedelta
 import torch
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.train.peak_flops import GPU_PEAK_BF16_TFLOPS, measured_cpu_peak_tflops
+from hyperparallel.train.peak_flops import GPU_PEAK_BF16_TFLOPS, cpu_peak_tflops
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,32 @@ class DeviceModel:
     overlap: bool  # whether communication runs beside compute (GPUs: yes; CPU ranks share their cores)
     peak_bf16_flops: float  # the datasheet's dense BF16 peak (the CPU's: its measured matmul): MFU's yardstick
     source: str = ""
+    # the host's time beyond the operators' own, where nothing hides it (the CPU: its ranks run
+    # their own Python; a GPU's host runs ahead of its kernels, 0): per recorded operator that
+    # launches no kernel (a view, an alias) and per module call
+    dispatch_s: float = 0.0
+    module_s: float = 0.0
+    # the CPU's: what a collective call costs the ranks' cores (the calling thread's and gloo's own
+    # threads' time), fixed and per byte sent; a collective takes at least that (0: not counted)
+    collective_cpu_s: float = 0.0
+    collective_cpu_bytes_per_s: float = 0.0
+    # the CPU's: the fraction of matmul_flops a product reaches by its smallest dimension, and of
+    # attention's rate by one head's FLOPs ((size, fraction) pairs, measured; log-linear between
+    # them, the ends beyond); empty: 1 (a GPU's datasheet rates, its small kernels at op_floor_s)
+    matmul_ladder: tuple[tuple[float, float], ...] = ()
+    attention_ladder: tuple[tuple[float, float], ...] = ()
+
+    def efficiency(self, size: float, attention: bool = False) -> float:
+        """The fraction of its rate a product of this size reaches (`matmul_ladder`, plan_time.op_cost's size)."""
+        ladder = self.attention_ladder if attention else self.matmul_ladder
+        if not ladder:
+            return 1.0
+        if size <= ladder[0][0]:
+            return ladder[0][1]
+        for (s0, e0), (s1, e1) in zip(ladder, ladder[1:], strict=False):
+            if size <= s1:
+                return e0 + (e1 - e0) * (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return ladder[-1][1]
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = str(dtype).replace("torch.", "")
@@ -75,7 +104,8 @@ class DeviceModel:
         or {matmul_flops: {bfloat16: ...}})."""
         if not overrides:
             return self
-        names = {f.name for f in fields(self)} - {"name", "source", "peak_bf16_flops"}
+        names = {f.name for f in fields(self)} - {"name", "source", "peak_bf16_flops", "matmul_ladder",
+                                                   "attention_ladder"}
         flops = dict(self.matmul_flops)
         changes: dict = {}
         flat = {}
@@ -148,28 +178,60 @@ def device_model(name: str, ranks_per_node: int | None = None, overrides: dict |
 # ------------------------------------------------------------------------- measured on the CPU
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, clock=time.thread_time) -> float:
+    """The best of `repeats` calls of `fn`, by this thread's CPU time: what the machine can do, not
+    what it did while other processes took the cores (the ranks' own sharing is modelled apart)."""
     fn()  # warm
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
-def _attention_flops() -> float:
+def _attention_flops(tokens: int = 512) -> float:
     """Causal flash attention's FLOP/s, forward and backward, at a middling shape (512 tokens, 8
     heads of 64; the CPU's fused kernel is a third to a half of the matmul rate)."""
     import torch.nn.functional as F
 
-    q = torch.randn(1, 8, 512, 64, requires_grad=True)
+    q = torch.randn(1, 8, tokens, 64, requires_grad=True)
 
     def step():
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
 
-    forward = 2 * 8 * 512 * 512 * (64 + 64) // 2  # (causal: half the pairs)
+    forward = 2 * 8 * tokens * tokens * (64 + 64) // 2  # (causal: half the pairs)
     return forward * 7 / 2 / _best_seconds(step, 5)  # (backward: 2.5 x the forward, plan_time.op_cost)
+
+
+def _ladders() -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
+    """What fraction of the large shapes' rate smaller products reach on one thread (a small
+    model's products, thin in one dimension, are far from a 1024^3 product's rate: the packing,
+    the memory traffic per FLOP, the call): a Linear of width k to 3k over 1024 rows, forward and
+    backward (its three products, each k wide in one dimension), for k of 16..512, against a
+    1024^3 product, as (k, fraction); attention per head at 64..512 tokens, as (one head's FLOPs,
+    fraction of 512 tokens' rate)."""
+    import torch.nn.functional as F
+
+    big = torch.randn(1024, 1024)
+    peak = 2 * 1024**3 / _best_seconds(lambda: torch.mm(big, big), 5)
+    matmul = []
+    for k in (16, 32, 64, 128, 256, 512):
+        x, w = torch.randn(1024, k, requires_grad=True), torch.randn(3 * k, k, requires_grad=True)
+        grad = torch.ones(1024, 3 * k)
+        repeats = max(1, 2**26 // (18 * 1024 * k * k))  # (about 0.06 GFLOP a timing)
+
+        def linear(x=x, w=w, grad=grad, repeats=repeats):
+            for _ in range(repeats):
+                F.linear(x, w).backward(grad)
+
+        matmul.append((float(k), 18 * 1024 * k * k * repeats / _best_seconds(linear, 5) / peak))
+    matmul = tuple(matmul)
+    tokens = (64, 128, 256, 512)
+    attention_rates = [_attention_flops(t) for t in tokens]
+    per_head = [2 * t * t * 128 // 2 * 7 / 2 for t in tokens]  # (one head's FLOPs, forward and backward)
+    attention = tuple((float(f), r / attention_rates[-1]) for f, r in zip(per_head, attention_rates, strict=True))
+    return matmul, attention
 
 
 def _memory_bytes_per_s(nbytes: int = 16 * 2**20) -> float:
@@ -198,65 +260,135 @@ def _op_floor_s(count: int = 500) -> float:
     return _best_seconds(ops, 3) / (2 * count)
 
 
-def _gloo_link(nbytes: int = 8 * 2**20) -> tuple[float, float]:
-    """(bytes/s, seconds per ring step) of gloo between two ranks of this machine: two gloo groups
-    in two threads of this process, one all-reduce of one element and one of `nbytes`."""
+def _dispatch_s(count: int = 500) -> float:
+    """One operator that launches no kernel (a view), under autograd, forward and backward: what a
+    recorded view, alias or detach costs the CPU's dispatcher and autograd."""
+    x = torch.ones(8, requires_grad=True)
+
+    def views():
+        y = x
+        for _ in range(count):
+            y = y.view(8)
+        y.sum().backward()
+
+    return _best_seconds(views, 3) / (2 * count)
+
+
+class _Step(torch.nn.Module):
+    def forward(self, x):
+        return x * 1.0001
+
+
+def _module_s(count: int = 300) -> float:
+    """One module call beyond its operators' time (nn.Module.__call__: the hook checks, the
+    forward's frame): a chain of one-multiply modules against the same multiplies inline."""
+    x = torch.ones(8, requires_grad=True)
+    modules = [_Step() for _ in range(count)]
+
+    def called():
+        y = x
+        for m in modules:
+            y = m(y)
+        y.sum().backward()
+
+    def inline():
+        y = x
+        for _ in modules:
+            y = y * 1.0001
+        y.sum().backward()
+
+    return max(_best_seconds(called, 5) - _best_seconds(inline, 5), 0.0) / count
+
+
+def _gloo_link(ranks: int, nbytes: int = 8 * 2**20) -> dict[str, float]:
+    """Gloo among `ranks` ranks of this machine, as many as the run has and sharing the cores as
+    its ranks do: gloo groups in as many threads of this process (a collective waits with the
+    interpreter lock released), all-reducing one element and `nbytes`. Returns the link's
+    bandwidth and latency per ring step (the best calls' wall time), and the CPU time one rank's
+    call takes (its calling thread's and gloo's own threads', all ranks' process time over the
+    ranks), fixed and per byte sent: work the ranks' cores do, which no overlap hides there."""
     from torch.distributed import HashStore, ProcessGroupGloo
 
     store = HashStore()
     results: dict[int, tuple[float, float]] = {}
+    calls = {"small": 20, "large": 3}
+    begin = threading.Barrier(ranks + 1)
+    end = threading.Barrier(ranks + 1)
+    cpu: dict[str, float] = {}
 
     def rank(r: int) -> None:
-        group = ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+        group = ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
         small, large = torch.ones(1), torch.ones(nbytes // 4)
 
         def all_reduce(t):
             return lambda: group.allreduce([t]).wait()
 
-        results[r] = (_best_seconds(all_reduce(small), 20), _best_seconds(all_reduce(large), 3))
+        # (wall time: a collective waits on its peers)
+        results[r] = (_best_seconds(all_reduce(small), calls["small"], time.perf_counter),
+                      _best_seconds(all_reduce(large), calls["large"], time.perf_counter))
+        for name, t in (("small", small), ("large", large)):  # (the CPU time of the same calls, all ranks together)
+            begin.wait()
+            for _ in range(calls[name]):
+                group.allreduce([t]).wait()
+            end.wait()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
+    for name in ("small", "large"):
+        begin.wait()
+        start = time.process_time()
+        end.wait()
+        cpu[name] = (time.process_time() - start) / (calls[name] * ranks)
     for t in threads:
         t.join()
     small, large = max(r[0] for r in results.values()), max(r[1] for r in results.values())
-    latency = small / 2  # two ring steps (reduce-scatter, all-gather) of a 2-rank all-reduce
-    return nbytes / max(large - small, 1e-9), latency  # a 2-rank all-reduce sends its bytes once
+    steps = 2 * (ranks - 1)  # a ring all-reduce: reduce-scatter, then all-gather
+    sent = steps * nbytes / ranks  # (what each rank sends)
+    return {"bytes_per_s": sent / max(large - small, 1e-9), "latency_s": small / steps,
+            "cpu_s": cpu["small"], "cpu_bytes_per_s": sent / max(cpu["large"] - cpu["small"], 1e-9)}
 
 
 _measured: dict[int, DeviceModel] = {}
 
 
 def measure_cpu(ranks: int) -> DeviceModel:
-    """This machine measured now (a few seconds, once per process): one thread's matmul FLOP/s and
-    element-wise bandwidth, shared out as `hyperparallel train --nproc ranks` shares the cores (each
-    rank gets cores / ranks threads, at least 1, and the ranks' threads share the cores), the time
-    of one small operator under autograd, and gloo's bandwidth and latency between two ranks of
-    this machine."""
+    """This machine measured now (a few seconds, once per process), shared out as `hyperparallel
+    train --nproc ranks` shares it: one thread's matmul FLOP/s and element-wise bandwidth times the
+    cores' worth each rank gets (cores / ranks threads, at least 1, the ranks' threads sharing the
+    cores); the host's time per operator, per view and per module call, on one thread, over the
+    share of a core each rank's interpreter gets (all of one, or cores / ranks when the ranks
+    outnumber the cores); gloo's bandwidth and latency among `ranks` ranks on these cores.
+    Single-thread figures are thread CPU time (and the matmul the best this machine has shown:
+    peak_flops' cache), so other processes' load does not lower them: the plan is of the run alone."""
     if ranks in _measured:
         return _measured[ranks]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads_per_rank = max(1, cores // ranks)
     share = min(threads_per_rank, cores / ranks)  # cores' worth of compute each rank gets
+    host = min(1.0, cores / ranks)  # a core's worth of the interpreter each rank gets
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         # (the trainer's own CPU yardstick for MFU, on one thread)
-        flops = {dtype: measured_cpu_peak_tflops(getattr(torch, dtype)) * 1e12 * share for dtype in ("float32", "bfloat16")}
+        flops = {dtype: cpu_peak_tflops(getattr(torch, dtype)) * 1e12 * share for dtype in ("float32", "bfloat16")}
         flops["mx"] = flops["bfloat16"]  # (the CPU's MX products dequantize to the compute dtype)
         flops["attention"] = _attention_flops() * share
         memory = _memory_bytes_per_s() * share
-        floor = _op_floor_s()
+        floor, dispatch, module = _op_floor_s() / host, _dispatch_s() / host, _module_s() / host
+        matmul_ladder, attention_ladder = _ladders()
     finally:
         torch.set_num_threads(saved)
-    link, latency = _gloo_link()
+    link = _gloo_link(max(ranks, 2))
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(
         name="cpu", matmul_flops=flops, memory_bytes_per_s=memory, memory_bytes=total_memory // ranks,
-        intra_node_bytes_per_s=link, intra_node_latency_s=latency, inter_node_bytes_per_s=link,
-        inter_node_latency_s=latency, ranks_per_node=ranks, op_floor_s=floor, overlap=False,
-        peak_bf16_flops=flops["bfloat16"],
-        source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo between two ranks)",
+        intra_node_bytes_per_s=link["bytes_per_s"], intra_node_latency_s=link["latency_s"],
+        inter_node_bytes_per_s=link["bytes_per_s"], inter_node_latency_s=link["latency_s"], ranks_per_node=ranks,
+        op_floor_s=floor, overlap=False, peak_bf16_flops=flops["bfloat16"], dispatch_s=dispatch, module_s=module,
+        # (the ranks' cores do it all: over the share of them each rank gets)
+        collective_cpu_s=link["cpu_s"] / host, collective_cpu_bytes_per_s=link["cpu_bytes_per_s"] * host,
+        matmul_ladder=matmul_ladder, attention_ladder=attention_ladder,
+        source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo among {max(ranks, 2)})",
     )
     return _measured[ranks]

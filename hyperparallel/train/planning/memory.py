@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.fsdp import padded_rows, shard_ranges
+from hyperparallel.fsdp.gather import PURPOSES, Piece, codec_align
+from hyperparallel.fsdp.param import gather_codec, keeps_dtype
 from hyperparallel.models.layers import decoder_layers
 from hyperparallel.optim import split_for_muon
 from hyperparallel.optim.sharded_muon import DIRECTION_DTYPE, UPDATE_DTYPE, newton_schulz_cost, plan_owners
@@ -65,6 +68,21 @@ def runtime_bytes(compile: str = "none") -> int:
 
 
 @dataclass
+class Part:
+    """A group's parameters sharded over one number of ranks, in the bytes of one rank's slot in
+    each of its flat buffers as fsdp lays them out (fsdp/collectives.py; [Note: what a gather
+    carries], fsdp/group.py): what its collectives move."""
+
+    values: int = 0  # the parameters gathered as their values: one piece each, in its full copy's dtype
+    codec: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PURPOSES, 0))  # a codec's pieces, per purpose
+    reduce: int = 0  # the trainable parameters' gradients, in parallel.reduce_dtype (no padding but the rows')
+
+    def gather(self, purposes: tuple[str, ...]) -> int:
+        """One rank's slot of a gather of the values and the codecs' pieces for `purposes`."""
+        return self.values + sum(self.codec[purpose] for purpose in purposes)
+
+
+@dataclass
 class Group:
     """One FSDP group (a decoder layer, or the root: everything else). With expert parallelism a
     layer's experts are a group of their own over fewer ranks, gathered and reduced with the
@@ -72,9 +90,11 @@ class Group:
 
     params: list[int]  # indices into model.parameters()
     full: int = 0  # bytes of its whole parameters (and of their gradients)
-    slot: int = 0  # bytes of one rank's slots in its flat buffers (the longest shard, padded)
-    gathered: int = 0  # bytes of the gathered buffers: each part's ranks x its slot
-    parts: dict[int, int] = field(default_factory=dict)  # the ranks a part shards over -> its slot bytes
+    slot: int = 0  # bytes of one rank's gradient shards (its reduce-scatter slot, in the shards' dtype)
+    gather_slot: int = 0  # bytes of one rank's slot in its largest all-gather (forward's or backward's)
+    gathered: int = 0  # bytes of that all-gather's gathered buffers: each part's ranks x its slot
+    reduce_input: int = 0  # bytes of its reduce-scatter input: each part's ranks x its slot
+    parts: dict[int, Part] = field(default_factory=dict)  # the ranks a part shards over -> its slots
     trainable: bool = True
 
 
@@ -86,22 +106,53 @@ def _rows(p: torch.Tensor) -> int:
     return p.shape[0] if p.dim() else 1
 
 
+def _codec_align(p: torch.Tensor, world: int, cfg: TrainConfig) -> int | None:
+    """fsdp's own choice (ShardedParam.of): the rows `p`'s shards align to with its codec, or None
+    where it is gathered as its values (model.tag_as_built tags the codecs the trainer attaches)."""
+    return codec_align(gather_codec(p), p.shape, world, cfg.parallel.shard_geometry, cfg.parallel.align)
+
+
+def shard_align(p: torch.Tensor, world: int, cfg: TrainConfig) -> int:
+    """The rows `p`'s shards are aligned to: parallel.align, or with a codec (gathered as MX data)
+    the multiple of it the codec's blocks need."""
+    return _codec_align(p, world, cfg) or cfg.parallel.align
+
+
+def _ranges(p: torch.Tensor, world: int, cfg: TrainConfig) -> list[tuple[int, int]]:
+    return shard_ranges(_rows(p), world, cfg.parallel.shard_geometry, shard_align(p, world, cfg))
+
+
 def shard_bytes(p: torch.Tensor, world: int, cfg: TrainConfig) -> list[int]:
     """Bytes of each rank's shard of `p`, by fsdp's geometry."""
     rows = _rows(p)
     row_bytes = nbytes(p) // rows if rows else 0
-    return [length * row_bytes for _, length in shard_ranges(rows, world, cfg.parallel.shard_geometry, cfg.parallel.align)]
+    return [length * row_bytes for _, length in _ranges(p, world, cfg)]
 
 
-def _slot_bytes(p: torch.Tensor, world: int, cfg: TrainConfig) -> int:
-    rows = _rows(p)
-    row_bytes = nbytes(p) // rows if rows else 0
-    return padded_rows(rows, world, cfg.parallel.shard_geometry, cfg.parallel.align) * row_bytes
+def _slot_rows(p: torch.Tensor, world: int, cfg: TrainConfig) -> int:
+    return padded_rows(_rows(p), world, cfg.parallel.shard_geometry, shard_align(p, world, cfg))
+
+
+def _gather_pieces(p: torch.Tensor, world: int, cfg: TrainConfig) -> dict[str | None, list[Piece]]:
+    """What `p` sends in fsdp's all-gathers ([Note: what a gather carries], fsdp/group.py): its
+    values (key None: one piece in its full copy's dtype, bf16 for a product's parameter under
+    bf16 mixed precision) or, with a codec, the codec's pieces per purpose; every rank's element
+    count from its rows, as ShardedParam.pieces makes them."""
+    rows = [length for _, length in _ranges(p, world, cfg)]
+    codec = gather_codec(p)
+    if _codec_align(p, world, cfg) is not None:
+        return {purpose: [Piece(dtype, tuple(numel_of_rows(r) for r in rows))
+                          for dtype, numel_of_rows in codec.pieces(purpose, p.shape)] for purpose in PURPOSES}
+    row_numel = p.numel() // _rows(p) if _rows(p) else 0
+    bf16 = cfg.training.mixed_precision == "bf16" and not keeps_dtype(p)  # (fsdp's MixedPrecision param_dtype)
+    return {None: [Piece(torch.bfloat16 if bf16 else p.dtype, tuple(r * row_numel for r in rows))]}
 
 
 def fsdp_groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int, int],
                 cfg: TrainConfig) -> list[Group]:
-    """FSDP's groups; `world_of`: the ranks each parameter (by id) is sharded over."""
+    """FSDP's groups; `world_of`: the ranks each parameter (by id) is sharded over. Their slots are
+    fsdp's own: every piece of a gather on a 16-byte boundary (fsdp.gather.Piece), the reduce-scatter
+    in parallel.reduce_dtype elements, the shards aligned as fsdp aligns them (`shard_align`)."""
     index = {id(p): j for j, p in enumerate(params)}
     groups, taken = [], set()
     for layer in decoder_layers(model):
@@ -109,13 +160,29 @@ def fsdp_groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int
         taken.update(id(params[j]) for j in members)
         groups.append(Group(members))
     groups.append(Group([j for j, p in enumerate(params) if id(p) not in taken]))  # the root
+    reduce_size = DTYPES[cfg.parallel.reduce_dtype].itemsize
     for group in groups:
         group.full = sum(nbytes(params[j]) for j in group.params)
         for j in group.params:
-            world = world_of[id(params[j])]
-            group.parts[world] = group.parts.get(world, 0) + _slot_bytes(params[j], world, cfg)
-        group.slot = sum(group.parts.values())
-        group.gathered = sum(world * slot for world, slot in group.parts.items())
+            p, world = params[j], world_of[id(params[j])]
+            part = group.parts.setdefault(world, Part())
+            for purpose, pieces in _gather_pieces(p, world, cfg).items():
+                sent = sum(piece.slot_nbytes for piece in pieces)
+                if purpose is None:
+                    part.values += sent
+                else:
+                    part.codec[purpose] += sent
+            if p.requires_grad:
+                slot_numel = _slot_rows(p, world, cfg) * (p.numel() // max(_rows(p), 1))
+                part.reduce += slot_numel * reduce_size
+                group.slot += slot_numel * p.element_size()
+        # a layer gathers forward's pieces, then backward's; the root both at once (communication.py)
+        root = group is groups[-1]
+        largest = {world: part.gather(PURPOSES) if root else max(part.gather(("forward",)), part.gather(("backward",)))
+                   for world, part in group.parts.items()}
+        group.gather_slot = sum(largest.values())
+        group.gathered = sum(world * slot for world, slot in largest.items())
+        group.reduce_input = sum(world * part.reduce for world, part in group.parts.items())
         group.trainable = any(params[j].requires_grad for j in group.params)
     return groups
 
@@ -137,8 +204,7 @@ def muon_matrices(cfg: TrainConfig, model: nn.Module, world: int):
     matrices = []
     for _, p in split_for_muon(model)[0]:
         if p.dim() == 2:
-            ranges = shard_ranges(p.shape[0], world, cfg.parallel.shard_geometry, cfg.parallel.align)
-            matrices.append((p, [length for _, length in ranges]))
+            matrices.append((p, [length for _, length in _ranges(p, world, cfg)]))
     owners = plan_owners([newton_schulz_cost(*p.shape) for p, _ in matrices], world)
     return [(p, lengths, owner) for (p, lengths), owner in zip(matrices, owners, strict=True)]
 
@@ -271,11 +337,11 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
         for i in gathered:  # the next group's all-gather in flight: its local slot and the gathered [W x slot]
             following = i + 1 if i in in_forward else i - 1
             if 0 <= following < n_layers:
-                prefetch = max(prefetch, groups[following].slot + groups[following].gathered)
+                prefetch = max(prefetch, groups[following].gather_slot + groups[following].gathered)
         # the reduce-scatter input of the group that finished last (fsdp settles a group's when the
         # next launches its own: [Note: settled in backward's order])
         # (the previous one's is freed only after this one's is made and launched)
-        reduce_inputs = reduce_copies * sum(groups[g].gathered for g in settling[-2:])
+        reduce_inputs = reduce_copies * sum(groups[g].reduce_input for g in settling[-2:])
         return full + prefetch + reduce_inputs, sum(groups[g].slot for g in finished)
 
     layout, shards = arrange(0)  # full parameters, prefetch and reduce-scatter inputs; the gradient shards so far

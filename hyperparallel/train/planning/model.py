@@ -1,7 +1,8 @@
 """The model a plan runs: the trainer's model on the meta device (`meta_model`), its config cut
 to its first layers for `plan_search`'s screening (`first_layers_config`), and the same model
 with fake tensors, one rank's part of its layout (`fake_model`), which `timeline.simulate` runs
-([Note: how the plan is made], planner.py).
+([Note: how the plan is made], planner.py); then its parameters tagged as the trainer's build
+tags them for FSDP (`tag_as_built`), for the bytes their collectives move.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
+from hyperparallel.fsdp import set_gather_codec
+from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, get_family, install_fused_loss
 from hyperparallel.models.families import tensor_parallel_plan
 from hyperparallel.models.kernels import use_kernels
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.expert_parallel import keep_local_experts, routed_experts
+from hyperparallel.parallel.mixed_precision import attach_mx_gather, keep_float32_outside_products
 from hyperparallel.parallel.tensor_parallel import split_tensor_parallel
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import TrainConfig
@@ -102,4 +106,28 @@ def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp:
     if cfg.training.fused_loss:
         install_fused_loss(model)  # (its element-wise work eager: compiled it keeps the same tensors)
     apply_recompute(model, cfg.parallel.recompute)
+    return model
+
+
+def tag_as_built(cfg: TrainConfig, model: nn.Module, sharded: bool) -> nn.Module:
+    """`model` (a fake model, its micro-batch already recorded) converted and tagged as
+    train/build.py converts and tags the trainer's before sharding, so that its gathers and
+    dispatches are planned in the forms the trainer's take: MXFP8's conversion (`lowp.convert`:
+    the same Parameters, MXLinears and the experts' recipe, which decides their dispatch format;
+    the recorded timeline stays the unconverted model's), under bf16 the products' parameters
+    gathered in bf16 and the others in their own dtype (`keep_float32_outside_products`), and
+    when `sharded` MXFP8 weights gathered as MX data (`attach_mx_gather`), but for a parameter
+    held in more than one place (tied), which fsdp gives no codec (fsdp's ShardedParam.of).
+    Safe to call again on the same model (plan_search's plans share one)."""
+    convert(model, cfg.low_precision)
+    if cfg.training.mixed_precision == "bf16":
+        keep_float32_outside_products(model)
+    if sharded and cfg.low_precision.enabled:
+        attach_mx_gather(model)
+        places: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            places[id(p)] = places.get(id(p), 0) + 1
+        for p in model.parameters():
+            if places[id(p)] > 1:
+                set_gather_codec(p, None)  # (gathered as its values)
     return model

@@ -20,8 +20,10 @@ recording gives the same bytes, tested). From that timeline:
   accumulates; else as backward makes them), and with more than one rank DDP's buckets (a
   second copy of the gradients, gradient_as_bucket_view being off);
 - sharded (`hyperparallel.fsdp`): parameter, gradient and optimizer shards from fsdp's own shard
-  geometry (`shard_ranges`, `padded_rows`); during a micro-batch the root's full parameters, a
-  layer's full parameters from its forward to its end and again in its backward, the next
+  geometry (`shard_ranges`, `padded_rows`; an MXFP8 weight's shards on 32-row blocks, as fsdp
+  aligns them: the model is tagged as the build tags it, `tag_as_built`, once its micro-batch is
+  recorded), its collectives' slots from fsdp's own pieces; during a micro-batch the root's full
+  parameters, a layer's full parameters from its forward to its end and again in its backward, the next
   group's all-gather buffers (prefetched), the unsharded gradients of the groups still in
   backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole, unless
   parallel.sync_every_micro_batch), the reduce-scatter inputs of the two groups that finished
@@ -73,8 +75,8 @@ from hyperparallel.train.planning.memory import (
     shard_bytes,
     timeline_peak,
 )
-from hyperparallel.train.planning.model import fake_model, meta_model
-from hyperparallel.train.planning.plan_time import Collective, OpCosts, StepTime, predict
+from hyperparallel.train.planning.model import fake_model, meta_model, tag_as_built
+from hyperparallel.train.planning.plan_time import Collective, OpCosts, StepTime, gathered_in_bf16, predict
 from hyperparallel.train.planning.timeline import simulate
 from hyperparallel.train.preflight import layout_problems
 
@@ -112,6 +114,8 @@ class Plan:
     unaccounted: tuple[str, ...] = ()
     mesh: dict[str, int] = field(default_factory=dict)  # dp_replicate, dp_shard, cp, tp, ep
     comm_by_dimension: dict[str, int] = field(default_factory=dict)  # bytes sent per step, by mesh dimension
+    # and by "dimension/kind" of collective: the keys of the counter's (a run's metrics.jsonl, comm_bytes)
+    comm_by_dimension_and_kind: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # the predicted step time (with a device model)
 
     @property
@@ -181,6 +185,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         model = simulations[shapes]
         if layout.ep_enabled:
             timeline = timeline.with_gradients_of(list(model.parameters()))
+    tag_as_built(cfg, model, layout.fsdp_enabled)  # (what its gathers and dispatches carry)
     params = list(model.parameters())
     whole = {id(p): nbytes(p) for p in params}
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
@@ -231,11 +236,14 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
                                    muon_sent, experts, ranks_per_node)
     comm: dict[str, int] = {}
     by_dimension: dict[str, int] = {}
+    by_kind: dict[str, int] = {}  # "dimension/kind", as the trainer's first step record has them (traffic.py)
     for c in collectives:
         comm[c.name] = comm.get(c.name, 0) + c.sent()
         by_dimension[c.dimension] = by_dimension.get(c.dimension, 0) + c.sent()
+        by_kind[f"{c.dimension}/{c.kind}"] = by_kind.get(f"{c.dimension}/{c.kind}", 0) + c.sent()
     comm = {name: sent for name, sent in comm.items() if sent}
     by_dimension = {name: sent for name, sent in by_dimension.items() if sent}
+    by_kind = {name: sent for name, sent in sorted(by_kind.items()) if sent}
 
     step_time = None
     if device_model is not None:
@@ -252,8 +260,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if cfg.checkpoint.async_ and not on_gpu:
         unaccounted.append("checkpoint.async: a copy of parameters and optimizer state while a save is in flight")
     if cfg.low_precision.enabled:
-        unaccounted.append("low_precision (MXFP8): planned as the unconverted model; MXFP8 keeps fp8 copies of "
-                           "inputs and weights instead (docs/lowp.md); its products timed at the device's MX rate")
+        unaccounted.append("low_precision (MXFP8): activations planned as the unconverted model's; MXFP8 keeps fp8 "
+                           "copies of inputs and weights instead (docs/lowp.md); its products timed at the device's MX "
+                           "rate (its gathers and expert dispatch planned as MX data)")
     if layout.tp_enabled and cfg.parallel.sequence_parallel:
         unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
                            "every tp rank: an overestimate)")
@@ -274,7 +283,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         optimizer_name=cfg.optimizer.name, params=params_bytes, grads=grads, optimizer=optimizer_bytes,
         activations=activations, buffers=buffers, tensors=tensors, runtime=runtime,
         comm_bytes_per_step=sum(comm.values()), build=build, comm=comm, unaccounted=tuple(unaccounted),
-        mesh=layout.dims(), comm_by_dimension=by_dimension, time=step_time,
+        mesh=layout.dims(), comm_by_dimension=by_dimension, comm_by_dimension_and_kind=by_kind, time=step_time,
     )
 
 
@@ -313,7 +322,8 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
                    optimizer_bytes_moved=moved, optimizer_flops=ns_flops, optimizer_ops=2 * len(trainable),
                    attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
                    tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
-                   world=layout.world)
+                   world=layout.world, compiled=cfg.training.compile != "none",
+                   gathered_in_bf16=gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16"))
 
 
 def describe_shape(shape: MeshShape) -> str:

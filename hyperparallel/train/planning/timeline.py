@@ -3,6 +3,12 @@ when it is freed, with marks at each decoder layer's forward and each parameter'
 every operator's FLOPs and bytes (plan_time.py). Run on the fake model (model.py) or, for the
 tests, on real tensors, it gives the same bytes ([Note: how the plan is made], planner.py);
 memory.py reads the bytes alive at each point off it.
+
+For the compiled step (plan_time's fusion) each operator also carries the storages it reads and
+writes and the compiled graph it would run in: a decoder layer's forward, that layer's backward
+(its operators run under an autograd node the layer's forward made: recompute's replay too), or
+the fused loss's chunk function, the parts `training.compile` compiles (models/compile.py,
+models/loss.py); everything else runs eagerly in a compiled run too.
 """
 
 from __future__ import annotations
@@ -17,11 +23,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hyperparallel.models import fused_loss
+from hyperparallel.models import loss as loss_module
 from hyperparallel.models.layers import decoder_layers
 from hyperparallel.train.build import build_balancer
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.planning.memory import nbytes, timeline_peak
-from hyperparallel.train.planning.plan_time import OpCosts, op_cost
+from hyperparallel.train.planning.plan_time import OpCosts, fusible, op_cost
+
+
+def _sequence_now() -> int:
+    """The sequence number autograd gives the next node it makes (nodes are numbered in the order
+    they are made, per thread): a node made by a throwaway view, outside every dispatch mode, so the
+    recording does not see it."""
+    with torch._C._DisableTorchDispatch(), torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr()
 
 
 class _Recorder(TorchDispatchMode):
@@ -34,17 +49,71 @@ class _Recorder(TorchDispatchMode):
         self.live: dict[int, int] = {}  # storage address -> serial
         self.serials = 0
         self.costs = OpCosts()  # every operator's FLOPs and bytes, for the step-time prediction
+        self.outside: dict[int, int] = {}  # storage address -> id, of storages no operator made (parameters)
+        # compiled graphs: the one running now in the forward (-1: none), and each one's range of
+        # autograd sequence numbers [first, end), whose nodes' backward is that graph's backward
+        self.graph = -1
+        self.graphs: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         cost = op_cost(func, args, kwargs, out)
-        if cost is not None:
-            self.costs.add(*cost)
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage()._cdata for t in tensors}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t, inputs)
+        if cost is not None:
+            reads = tuple((self._storage_id(t), t.numel() * t.element_size()) for t in tensors)
+            writes = ()
+            if fusible(func):
+                if func._schema.is_mutable:  # (in place: what it writes is an argument)
+                    written = [t for a, t in zip(func._schema.arguments, args, strict=False)
+                               if isinstance(t, torch.Tensor) and a.alias_info is not None and a.alias_info.is_write]
+                else:
+                    written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                writes = tuple((self._storage_id(t), t.numel() * t.element_size()) for t in written)
+            self.costs.add(*cost, reads=reads, writes=writes, graph=self._graph_now() if writes else -1)
+            if func is torch.ops.aten._to_copy.default and writes:  # (a weight's cast: plan_time.OpCosts.casts)
+                self.costs.casts[len(self.costs.ops) - 1] = (reads[0][0], writes[0][0])
+        elif not func.overloadpacket.__name__.startswith("device"):  # (prim.device: metadata, no dispatch when real)
+            self.costs.no_kernel += 1
         return out
+
+    def module_called(self, module, args) -> None:
+        self.costs.modules += 1
+
+    def _storage_id(self, t: torch.Tensor) -> int:
+        """An id of `t`'s storage: an operator's storage by its serial, any other (a parameter, an
+        input) by a negative id of its own."""
+        key = t.untyped_storage()._cdata
+        if key in self.live:
+            return self.live[key]
+        return self.outside.setdefault(key, -1 - len(self.outside))
+
+    def _graph_now(self) -> int:
+        """The compiled graph the operator running now belongs to, or -1 (eager)."""
+        if self.graph >= 0:
+            return self.graph
+        node = torch._C._current_autograd_node()
+        if node is None or not self.graphs:
+            return -1
+        sequence = node._sequence_nr()
+        for i, (first, end) in enumerate(self.graphs):  # (backward: one graph per compiled forward)
+            if first <= sequence < end:
+                return len(self.graphs) + i
+        return -1
+
+    def begin_graph(self) -> None:
+        """A compiled graph's forward starts (a decoder layer's, the loss chunk's)."""
+        if self.graph < 0:  # (nested: the outer graph)
+            self.graph = len(self.graphs)
+            self.graphs.append((_sequence_now(), -1))
+
+    def end_graph(self) -> None:
+        if self.graph >= 0:
+            self.graphs[self.graph] = (self.graphs[self.graph][0], _sequence_now())
+            self.graph = -1
 
     def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
         storage = t.untyped_storage()
@@ -120,6 +189,26 @@ def _masks_as_on_real_tensors():
             setattr(masking_utils, name, original)
 
 
+@contextlib.contextmanager
+def _loss_chunks_as_graphs(recorder: _Recorder):
+    """The fused loss's chunk function, which a compiled run compiles (`install_fused_loss(model,
+    compile)`; the fake model's is eager), recorded as a compiled graph of its own each call."""
+    original = loss_module._chunk_loss_and_grad
+
+    def chunk(*args, **kwargs):
+        recorder.begin_graph()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.end_graph()
+
+    loss_module._chunk_loss_and_grad = chunk
+    try:
+        yield
+    finally:
+        loss_module._chunk_loss_and_grad = original
+
+
 def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None) -> Timeline:
     """One micro-batch's forward and backward on `mode`'s fake tensors, recorded (a real model
     with a null context for `mode` is recorded the same way, on real tensors). `seq_len`: the
@@ -129,15 +218,25 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
     recorder = _Recorder()
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: recorder.mark("forward", i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: recorder.mark("forward_done", i)))
+        def begin(m, a, i=i):
+            recorder.mark("forward", i)
+            recorder.begin_graph()
+
+        def end(m, a, o, i=i):
+            recorder.end_graph()
+            recorder.mark("forward_done", i)
+
+        handles.append(layer.register_forward_pre_hook(begin))
+        handles.append(layer.register_forward_hook(end))
     for j, p in enumerate(params):
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(lambda p, j=j: recorder.mark("grad", j)))
+    # every module call (the CPU's Python time per module: plan_time)
+    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_called))
     bf16 = cfg.training.mixed_precision == "bf16"
     balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
     try:
-        with mode, recorder, _masks_as_on_real_tensors():
+        with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder):
             ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
@@ -151,6 +250,7 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
                 balancer.after_backward()
             recorder.mark("end")
             grad_serial = {recorder.serial_of(p.grad): j for j, p in enumerate(params) if p.grad is not None}
+            stored = {recorder._storage_id(p): j for j, p in enumerate(params)}
             del loss, ids
     finally:
         for handle in handles:
@@ -158,4 +258,5 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
         for p in params:
             p.grad = None
     grad_serial.pop(None, None)
+    recorder.costs.weights_cast(stored, grad_serial)
     return Timeline(recorder.events, grad_serial, len(layers), recorder.costs)
