@@ -19,8 +19,11 @@ per tp, micro-batch and recompute with every expert and shared by every ep and s
 expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of`; not cut, and
 so overestimated, are the bf16 copies autocast makes of the experts' weights when they are
 float32). The best CONFIRMED x top screened layouts are then planned whole, each as `hyperparallel
-plan` plans its --set lines (its own simulation), and ranked on those plans; so is a layout the
-screen puts over the memory budget by at most NEAR_MISS, before it is refused.
+plan` plans its --set lines (its own simulation), and ranked on those plans. When the screen finds
+none that fits, the layouts it puts least over the budget are planned whole instead: what does not
+grow by the layer extrapolates high (measured: Qwen3-30B-A3B over 8 H100s, ep 8, recompute full,
+screened at 82 GiB, planned whole at 70; DeepSeek-V3 over 256 H200s, ep 32, screened at 224 GiB,
+planned whole at 102).
 """
 
 from __future__ import annotations
@@ -42,10 +45,6 @@ from hyperparallel.train.preflight import layout_problems
 HEADROOM = 0.1  # of the device's memory, kept free
 CP_TOKENS = 4096  # the fewest tokens of a sequence a context-parallel rank is given
 CONFIRMED = 2  # whole plans per printed layout: the best screened ones are planned whole
-# a screened layout over the budget by at most this fraction is planned whole before it is refused:
-# the screen overestimates what does not grow by the layer (measured: Qwen3-30B-A3B over 8 ranks,
-# ep 8, recompute full, screened at 82 GiB, planned whole at 70)
-NEAR_MISS = 0.25
 
 
 @dataclass(frozen=True)
@@ -160,15 +159,13 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         try:
             if depth <= db:
                 return plan(candidate, world, **options)
-            screened = _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
-            if budget < screened.total <= budget * (1 + NEAR_MISS):  # (the screen's overestimates decide no near miss)
-                return plan(candidate, world, device_model=device, runtime=runtime, device="cpu")
-            return screened
+            return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
         except ConfigError as error:  # what this layout asks of the model it cannot do (no TP plan, no CP, ...)
             refusals.append(str(error).splitlines()[0])
             return None
 
     screened: list[Candidate] = []
+    over: list[Candidate] = []  # (the first of each mesh and recompute mode the screen puts over the budget)
     for mesh in layouts(cfg, world, device.ranks_per_node, config, experts):
         data_ranks = world // (mesh["parallel.tp"] * mesh["parallel.cp"])  # (each reads its share of a batch)
         rows = cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
@@ -182,6 +179,8 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
                         and not cfg.parallel.sync_every_micro_batch):  # whole gradients kept: reduce each instead
                     settings["parallel.sync_every_micro_batch"] = True
                     planned = screen(settings)
+                if planned is not None and planned.total > budget:
+                    over.append(Candidate(dict(settings), planned))
                 if planned is None or planned.total > budget:
                     break
                 best = Candidate(settings, planned)
@@ -189,8 +188,10 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
                 screened.append(best)
                 if best.settings["training.micro_batch"] == micros[-1]:
                     break  # (more recompute at the same micro-batch is only slower)
-    if not screened and refusals:
+    if not screened and refusals and not over:
         raise ConfigError("\n".join(dict.fromkeys(refusals)))
+    if not screened:  # (none fits by the screen, which overestimates at the edge: the least over, planned whole)
+        screened = sorted(over, key=lambda c: c.plan.total)[:top * CONFIRMED]
     screened.sort(key=lambda c: -c.tokens_per_s)
     confirmed = []
     for c in screened[:top * CONFIRMED]:  # (each planned as `hyperparallel plan` plans its --set lines)

@@ -120,9 +120,11 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return flops // 2 if causal else flops
 
 
-# operators that launch no kernel: metadata, aliases, and allocations that write nothing
+# operators that launch no kernel: metadata, aliases (_unsafe_view: a view its schema does not call
+# one), and allocations that write nothing
 _NO_KERNEL = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.empty, torch.ops.aten.empty_like,
-              torch.ops.aten.empty_strided, torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense}
+              torch.ops.aten.empty_strided, torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense,
+              torch.ops.aten._unsafe_view}
 
 
 def op_cost(func, args, kwargs, out) -> tuple[int, int, str, bool, int] | None:
@@ -169,7 +171,8 @@ def op_cost(func, args, kwargs, out) -> tuple[int, int, str, bool, int] | None:
 # pointwise or reduction: casts and copies, constants, softmax, concatenation and padding
 _FUSIBLE = {aten._to_copy, aten.copy_, aten.where, aten.masked_fill, aten.zeros, aten.zeros_like, aten.ones,
             aten.ones_like, aten.full, aten.full_like, aten.new_zeros, aten.fill_, aten.zero_, aten.scalar_tensor,
-            aten._softmax, aten._softmax_backward_data, aten._log_softmax, aten._log_softmax_backward_data,
+            aten._softmax, aten._safe_softmax, aten._softmax_backward_data, aten._log_softmax,
+            aten._log_softmax_backward_data,
             aten.cat, aten.constant_pad_nd, aten.slice_backward}
 
 
