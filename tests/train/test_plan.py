@@ -365,9 +365,9 @@ def test_search_ranks_the_layouts_that_fit():
 
 
 def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
-    """Mixtral (its experts counted as num_local_experts): expert parallelism among the layouts
-    found; GPT-2 (no tensor-parallel plan, its layer count named n_layer): no tp layout, and the
-    search goes on past the layouts refused."""
+    """Mixtral (its experts counted as num_local_experts) and DeepSeek-V3 (its first layer dense,
+    no experts): expert parallelism among the layouts found; GPT-2 (no tensor-parallel plan, its
+    layer count named n_layer): no tp layout, and the search goes on past the layouts refused."""
     from dataclasses import replace
 
     from hyperparallel.models.tiny import tiny_config_values
@@ -378,10 +378,11 @@ def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
     raw = {"data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 64},
            "training": {"steps": 4, "global_batch": 8, "micro_batch": 1, "compile": "none"}}
     found = {}
-    for family in ("mixtral", "gpt2"):
+    for family in ("mixtral", "deepseek_v3", "gpt2"):
         cfg = from_mapping({**raw, "model": {"family": family, "config": tiny_config_values(family)}})
         found[family] = search(cfg, 4, device, top=20)
     assert any(c.settings["parallel.ep"] > 1 for c in found["mixtral"])
+    assert any(c.settings["parallel.ep"] > 1 for c in found["deepseek_v3"])
     assert found["gpt2"] and all(c.settings["parallel.tp"] == 1 for c in found["gpt2"])
 
 

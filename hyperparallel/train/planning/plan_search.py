@@ -124,7 +124,7 @@ def _extrapolated(a: Plan, b: Plan, da: int, db: int, depth: int) -> Plan:
 
     sizes = {f.name: line(getattr(a, f.name), getattr(b, f.name)) for f in fields(Plan)
              if f.name in ("params", "grads", "optimizer", "activations", "buffers", "tensors", "build",
-                           "comm_bytes_per_step", "comm", "comm_by_dimension")}
+                           "comm_bytes_per_step", "comm", "comm_by_dimension", "comm_by_dimension_and_kind")}
     time: StepTime = b.time
     step = line(a.time.predicted_step_s, time.predicted_step_s)
     moved = replace(time, predicted_step_s=step, compute_s=line(a.time.compute_s, time.compute_s),
@@ -140,10 +140,10 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
     budget = device.memory_bytes * (1 - HEADROOM)
     # the CPU's runtime term measured once, before any plan fills this process
     runtime = 0 if device.name != "cpu" else runtime_bytes(cfg.training.compile)
-    meta = meta_model(cfg, layers=1)  # (the HF config, its defaults filled in; one layer deep)
-    config = meta.config
-    experts = max((m.routed_experts for m in meta.modules() if isinstance(m, GroupedExperts)), default=0)
+    config = meta_model(cfg, layers=1).config  # (the HF config, its defaults filled in)
     depth, (da, db) = _depth(cfg), _depths(config)
+    meta = meta_model(cfg, layers=min(da, depth))  # (past the leading dense layers: a MoE layer, if any)
+    experts = max((m.routed_experts for m in meta.modules() if isinstance(m, GroupedExperts)), default=0)
     simulations: dict = {}
     refusals: list[str] = []  # (what the model refused of the layouts tried: said when none is left)
 

@@ -168,14 +168,14 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if simulations is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
         model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers)
-        timeline = simulate(model, mode, cfg, device, seq_len)
+        timeline = simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu)
         whole_config = _whole_config(cfg, model, layout, layers)
     else:  # (screening: one simulation with every expert per micro-batch shape, shared by every ep)
         key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute)
         if key not in simulations:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
-            simulations[key] = (simulate(model, mode, cfg, device, seq_len),
+            simulations[key] = (simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu),
                                 _whole_config(cfg, model, MeshShape(tp=layout.tp), layers))
         timeline, whole_config = simulations[key]
         shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
@@ -266,10 +266,10 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if layout.tp_enabled and cfg.parallel.sequence_parallel:
         unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
                            "every tp rank: an overestimate)")
-    if on_gpu and device.type == "cpu":
-        unaccounted.append("attention as the CPU runs it (simulated here): where SDPA has no fused CPU kernel "
-                           "(unequal query and value head dims: DeepSeek's MLA) its math path keeps the score "
-                           "matrices a GPU's memory-efficient kernel does not (an overestimate)")
+    if on_gpu and device.type == "cpu" and _narrower_values(whole_config["config"]):
+        unaccounted.append("attention with value heads narrower than the query's (MLA): simulated as a fused kernel "
+                           "on zero-padded values (what a GPU's memory-efficient kernel keeps, plus the padded output; "
+                           "the value product counted at the padded width)")
     if layout.ep_enabled:
         unaccounted.append("expert parallelism: routing planned uniform (each rank receives its own tokens' share); "
                            "an imbalanced layer receives more")
@@ -324,6 +324,12 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
                    tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
                    world=layout.world, compiled=cfg.training.compile != "none",
                    gathered_in_bf16=gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16"))
+
+
+def _narrower_values(config) -> bool:
+    """Whether the model's value heads are narrower than its query and key heads (MLA's)."""
+    values, queries = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
+    return values is not None and queries is not None and values < queries
 
 
 def describe_shape(shape: MeshShape) -> str:

@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -190,6 +191,32 @@ def _masks_as_on_real_tensors():
 
 
 @contextlib.contextmanager
+def _attention_as_on_gpu():
+    """SDPA as a GPU runs it, for a plan of a GPU made on the CPU: where the value heads are
+    narrower than the query and key heads (DeepSeek's MLA: 192 and 128), the CPU has no fused
+    kernel and SDPA's math path keeps [heads, seq, seq] score matrices that a GPU's
+    memory-efficient kernel never makes. While this runs, such a call runs the fused kernel on the
+    values zero-padded to the query's width and keeps the value width of the output: what a GPU
+    keeps, give or take the padded output (saved for backward), with the value product counted at
+    the padded width (MLA's 192 / 128: a fifth more attention FLOPs). (transformers looks the
+    function up on torch.nn.functional at each call, recompute's replays included.)"""
+    original = F.scaled_dot_product_attention
+
+    def attention(query, key, value, *args, **kwargs):
+        width = value.shape[-1]
+        if width < query.shape[-1] == key.shape[-1]:
+            padded = F.pad(value, (0, query.shape[-1] - width))
+            return original(query, key, padded, *args, **kwargs)[..., :width]
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
 def _loss_chunks_as_graphs(recorder: _Recorder):
     """The fused loss's chunk function, which a compiled run compiles (`install_fused_loss(model,
     compile)`; the fake model's is eager), recorded as a compiled graph of its own each call."""
@@ -209,10 +236,12 @@ def _loss_chunks_as_graphs(recorder: _Recorder):
         loss_module._chunk_loss_and_grad = original
 
 
-def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None) -> Timeline:
+def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None,
+             gpu_attention: bool = False) -> Timeline:
     """One micro-batch's forward and backward on `mode`'s fake tensors, recorded (a real model
     with a null context for `mode` is recorded the same way, on real tensors). `seq_len`: the
-    tokens of each sequence this rank holds (context parallelism's part; default the whole)."""
+    tokens of each sequence this rank holds (context parallelism's part; default the whole);
+    `gpu_attention`: attention as a GPU runs it (`_attention_as_on_gpu`), for a GPU's plan."""
     layers = list(decoder_layers(model))
     params = list(model.parameters())
     recorder = _Recorder()
@@ -236,7 +265,8 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
     bf16 = cfg.training.mixed_precision == "bf16"
     balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
     try:
-        with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder):
+        attention = _attention_as_on_gpu() if gpu_attention else contextlib.nullcontext()
+        with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder), attention:
             ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
