@@ -154,6 +154,36 @@ def test_activations_recorded_on_fake_tensors_equal_those_on_real_ones():
     assert fake.activations() == real.activations() > 0
 
 
+def test_bf16_gathers_hold_no_autocast_copies_of_the_weights():
+    """Sharded under bf16 mixed precision FSDP gathers the products' weights in bf16, so autocast
+    copies none of them: the float32 model's recording less those copies (and their gradients
+    before the cast back) holds what the same model, its product weights already bf16, holds on
+    real tensors; the plan's gathered layers are in bf16 too."""
+    from hyperparallel.parallel.mixed_precision import keep_float32_outside_products, round_embedding_outputs
+    from hyperparallel.train.planning.plan_time import gathered_in_bf16
+
+    cfg = tiny("qwen3", data={"seq_len": 128}, training={"mixed_precision": "bf16"})  # (dense: no routing)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    model = planning.fake_model(cfg, mode, CPU)
+    recorded = planning.simulate(model, mode, cfg, CPU)
+    keep_float32_outside_products(model)
+    products = gathered_in_bf16(model, True)
+    planned = recorded.without_casts_of(products)
+    real = build_model("qwen3", config={**cfg.model.config, "vocab_size": 512}, seed=0)
+    install_fused_loss(real)
+    keep_float32_outside_products(real)
+    round_embedding_outputs(real, torch.bfloat16)  # (as the trainer's build: handed on in float32)
+    for j, p in enumerate(real.parameters()):
+        if j in products:
+            p.data = p.data.to(torch.bfloat16)  # (as gathered)
+    gathered = planning.simulate(real, contextlib.nullcontext(), cfg, CPU)
+    assert planned.activations() == gathered.activations() < recorded.activations()
+    fp32, bf16 = (planning.plan(tiny("qwen3", parallel={"dp_shard": 2}, training={"micro_batch": 1, **mixed}), 2,
+                                runtime=0)
+                  for mixed in ({}, {"mixed_precision": "bf16"}))
+    assert bf16.buffers < fp32.buffers and bf16.activations < fp32.activations
+
+
 def test_activations_follow_recompute_and_the_micro_batch():
     def activations(**overrides):
         return planning.plan(tiny(data={"seq_len": 128}, **overrides), 1, runtime=0).activations

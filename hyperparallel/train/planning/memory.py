@@ -89,7 +89,8 @@ class Group:
     layer's: planned as one group of two parts."""
 
     params: list[int]  # indices into model.parameters()
-    full: int = 0  # bytes of its whole parameters (and of their gradients)
+    full: int = 0  # bytes of its whole parameters in their own dtype (and of their gradients)
+    copies: int = 0  # bytes of its whole parameters as gathered (bf16 for the products' under bf16 mixed precision)
     slot: int = 0  # bytes of one rank's gradient shards (its reduce-scatter slot, in the shards' dtype)
     gather_slot: int = 0  # bytes of one rank's slot in its largest all-gather (forward's or backward's)
     gathered: int = 0  # bytes of that all-gather's gathered buffers: each part's ranks x its slot
@@ -170,8 +171,10 @@ def fsdp_groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int
                 sent = sum(piece.slot_nbytes for piece in pieces)
                 if purpose is None:
                     part.values += sent
+                    group.copies += sum(piece.numel * piece.itemsize for piece in pieces)
                 else:
                     part.codec[purpose] += sent
+                    group.copies += nbytes(p) if purpose == "forward" else 0  # (MX copies: planned as the values)
             if p.requires_grad:
                 slot_numel = _slot_rows(p, world, cfg) * (p.numel() // max(_rows(p), 1))
                 part.reduce += slot_numel * reduce_size
@@ -332,7 +335,7 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
 
     def arrange(position: int) -> tuple[int, int]:
         gathered = [i for i in range(n_layers) if i in in_forward or (regather_at[i] <= position and i not in finished)]
-        full = (groups[root].full if root not in finished else 0) + sum(groups[i].full for i in gathered)
+        full = (groups[root].copies if root not in finished else 0) + sum(groups[i].copies for i in gathered)
         prefetch = 0
         for i in gathered:  # the next group's all-gather in flight: its local slot and the gathered [W x slot]
             following = i + 1 if i in in_forward else i - 1

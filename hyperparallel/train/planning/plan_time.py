@@ -22,7 +22,8 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
   operators (grouped products, the MoE permutation, MegaGate) and collectives stay as they are.
 - FSDP under bf16 mixed precision gathers the products' weights in bf16 (parallel/
   mixed_precision.py): autocast's casts of them and their gradients' casts back, which the
-  recording of the float32 model has, do not run (`OpCosts.without_casts_of`).
+  recording of the float32 model has, do not run (`OpCosts.without_casts_of`; their copies are
+  not held either: `Timeline.without_casts_of`).
 - communication, by collective, ring algorithms: all-gather and reduce-scatter (W-1) steps of a
   slot, all-reduce 2 (W-1) steps of bytes / W, all-to-all (W-1) steps of bytes / W; each step pays
   the link's latency, the bytes its bandwidth. A group whose ranks span machines (the mesh's
@@ -204,6 +205,9 @@ class OpCosts:
     # parameter or of its gradient: operator -> the parameter's index
     casts: dict[int, tuple[int, int]] = field(default_factory=dict)
     param_casts: dict[int, int] = field(default_factory=dict)
+    # the storages those casts make a parameter's way (storage -> the parameter's index): a weight
+    # cast's copy, and the gradient a cast back reads (timeline.Timeline.without_casts_of)
+    cast_storages: dict[int, int] = field(default_factory=dict)
 
     def weights_cast(self, stored: dict[int, int], grad_serial: dict[int, int]) -> None:
         """Which casts are autocast's of a parameter (`stored`: its storage's id -> its index) or
@@ -213,6 +217,7 @@ class OpCosts:
             j = stored.get(read, grad_serial.get(written))
             if j is not None:
                 self.param_casts[op] = j
+                self.cast_storages[written if read in stored else read] = j
         self.casts = {}
 
     def without_casts_of(self, params: set[int]) -> OpCosts:
@@ -325,11 +330,11 @@ def gathered_in_bf16(model, bf16_gathers: bool) -> frozenset[int]:
 def predict(*, device: DeviceModel, ops: OpCosts, accumulation: int, collectives: list[Collective],
             optimizer_bytes_moved: int, optimizer_flops: float, optimizer_ops: int, attention_factor: float,
             mx: bool, moe_exposed_s: float, tokens_per_step: int, model_flops_per_token: float,
-            world: int, compiled: bool = False, gathered_in_bf16: frozenset[int] = frozenset()) -> StepTime:
+            world: int, compiled: bool = False) -> StepTime:
     """A step's time from its parts (the module's note says how). `compiled`: the decoder layers
-    and the loss's chunks compiled (`training.compile` inductor or dvm); `gathered_in_bf16`: the
-    parameters (by index) FSDP gathers in bf16 under bf16 mixed precision (no casts of them)."""
-    ops = ops.without_casts_of(gathered_in_bf16)
+    and the loss's chunks compiled (`training.compile` inductor or dvm). (`ops` as the step runs
+    them: under bf16 gathers without the casts of the weights gathered in bf16, the planner's
+    `Timeline.without_casts_of`.)"""
     micro = (ops.fused() if compiled else ops).seconds(device, attention_factor, mx)
     compute = accumulation * micro
     comm: dict[str, float] = {}

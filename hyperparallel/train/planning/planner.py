@@ -23,7 +23,9 @@ recording gives the same bytes, tested). From that timeline:
   geometry (`shard_ranges`, `padded_rows`; an MXFP8 weight's shards on 32-row blocks, as fsdp
   aligns them: the model is tagged as the build tags it, `tag_as_built`, once its micro-batch is
   recorded), its collectives' slots from fsdp's own pieces; during a micro-batch the root's full
-  parameters, a layer's full parameters from its forward to its end and again in its backward, the next
+  parameters, a layer's full parameters from its forward to its end and again in its backward (as
+  gathered: under bf16 mixed precision the products' in bf16, of which autocast then makes no
+  copies: `Timeline.without_casts_of`), the next
   group's all-gather buffers (prefetched), the unsharded gradients of the groups still in
   backward (all of them, accumulated, when the step accumulates: no_sync keeps them whole, unless
   parallel.sync_every_micro_batch), the reduce-scatter inputs of the two groups that finished
@@ -186,6 +188,8 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         if layout.ep_enabled:
             timeline = timeline.with_gradients_of(list(model.parameters()))
     tag_as_built(cfg, model, layout.fsdp_enabled)  # (what its gathers and dispatches carry)
+    # FSDP under bf16 mixed precision gathers the products' weights in bf16: autocast makes no copies of them
+    timeline = timeline.without_casts_of(gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16"))
     params = list(model.parameters())
     whole = {id(p): nbytes(p) for p in params}
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
@@ -322,8 +326,7 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
                    optimizer_bytes_moved=moved, optimizer_flops=ns_flops, optimizer_ops=2 * len(trainable),
                    attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
                    tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
-                   world=layout.world, compiled=cfg.training.compile != "none",
-                   gathered_in_bf16=gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16"))
+                   world=layout.world, compiled=cfg.training.compile != "none")
 
 
 def _narrower_values(config) -> bool:

@@ -160,6 +160,17 @@ class Timeline:
         events = [("alloc", e[1], size[e[1]]) if e[0] == "alloc" and e[1] in size else e for e in self.events]
         return Timeline(events, self.grad_serial, self.n_layers, self.costs)
 
+    def without_casts_of(self, params: frozenset[int]) -> Timeline:
+        """This timeline as the step runs when FSDP gathers `params` (by index) in the products'
+        dtype (bf16 under bf16 mixed precision): autocast's copies of them, and their gradients in
+        that dtype before the cast back to the parameter's, are never made (the gathered copy
+        itself is FSDP's, counted with its buffers; its gradient is the parameter's)."""
+        gone = {storage for storage, j in self.costs.cast_storages.items() if j in params}
+        if not gone:
+            return self
+        events = [("alloc", e[1], 0) if e[0] == "alloc" and e[1] in gone else e for e in self.events]
+        return Timeline(events, self.grad_serial, self.n_layers, self.costs.without_casts_of(params))
+
 
 @contextlib.contextmanager
 def _masks_as_on_real_tensors():
