@@ -122,3 +122,15 @@ def test_bf16_gathers_leave_autocast_no_casts_of_the_products_weights():
     assert cast & products and sorted(costs.param_casts.values()).count(min(cast & products)) >= 2
     fewer = costs.without_casts_of(products)
     assert len(fewer.ops) == len(costs.ops) - sum(j in products for j in costs.param_casts.values())
+
+
+def test_an_in_place_product_counts_its_flops():
+    """torch's FLOP registry has addmm, not addmm_ (the fused loss accumulates its head's gradient
+    with it): the in-place product costs what the out-of-place one does."""
+    from hyperparallel.train.planning.plan_time import op_cost
+
+    acc, a, b = torch.zeros(64, 32), torch.randn(64, 128), torch.randn(128, 32)
+    aten = torch.ops.aten
+    out_of_place = op_cost(aten.addmm.default, (acc, a, b), {}, aten.addmm.default(acc, a, b))
+    in_place = op_cost(aten.addmm_.default, (acc, a, b), {}, aten.addmm_.default(acc.clone(), a, b))
+    assert in_place[0] == out_of_place[0] == 2 * 64 * 128 * 32

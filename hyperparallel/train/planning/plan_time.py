@@ -128,6 +128,11 @@ _NO_KERNEL = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.empty,
               torch.ops.aten._unsafe_view}
 
 
+# in-place products, which torch's FLOP registry leaves out (the fused loss accumulates its head's
+# gradient with addmm_), counted as their out-of-place twins
+_OUT_OF_PLACE = {aten.addmm_: aten.addmm, aten.baddbmm_: aten.baddbmm}
+
+
 def op_cost(func, args, kwargs, out) -> tuple[int, int, str, bool, int] | None:
     """(FLOPs, bytes read and written, the operands' dtype, whether attention, its size for the
     device's efficiency ladder: a product's smallest dimension (a grouped product's rows per
@@ -144,8 +149,9 @@ def op_cost(func, args, kwargs, out) -> tuple[int, int, str, bool, int] | None:
     nbytes = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
     dtype = str(inputs[0].dtype).replace("torch.", "") if inputs else "float32"
     packet, name = func.overloadpacket, str(func)
+    packet = _OUT_OF_PLACE.get(packet, packet)  # (an in-place product counts as its out-of-place twin)
     if packet in flop_registry:
-        flops = flop_registry[packet](*args, **(kwargs or {}), out_val=out)
+        flops = flop_registry[packet](*args, **(kwargs or {}), out_val=args[0] if func._schema.is_mutable else out)
         attention = "attention" in name
         if attention:
             size = flops // max(math.prod(inputs[0].shape[:-2]), 1)
