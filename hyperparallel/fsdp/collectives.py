@@ -13,7 +13,8 @@ tensors and their views kept), and a parameter's elements on a run of ranks hold
 shards (`gather.Run`) are one strided view, so the copies are one foreach call over a list built
 once, a few entries per parameter whatever the number of ranks. What is made per call is what
 must be: the gradients' reshapes (autograd gives new tensors) and the shards' `.grad` views of
-a fresh reduce-scatter output (the optimizer keeps them until the next step). The views are made
+a fresh reduce-scatter output (the optimizer keeps them until the next step), and a codec's
+pieces (new tensors each gather, which its decoded copies keep: the views into them with them). The views are made
 again only when what they depend on changes: the dtype or device a buffer is wanted in, or
 another storage under a full parameter (param.py, [Note: views of a freed storage]).
 

@@ -262,7 +262,7 @@ class TrainConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     # `hyperparallel plan --device`: figures of the device model to use instead of its own
-    # (train/device_model.py: matmul_flops.bfloat16, memory_bytes_per_s, inter_node_bytes_per_s, ...)
+    # (train/planning/device_model.py: matmul_flops.bfloat16, memory_bytes_per_s, inter_node_bytes_per_s, ...)
     device_model: dict[str, float | dict[str, float]] = Field(default_factory=dict)
 
     @model_validator(mode="after")

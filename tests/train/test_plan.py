@@ -168,7 +168,6 @@ def test_bf16_gathers_hold_no_autocast_copies_of_the_weights():
     recorded = planning.simulate(model, mode, cfg, CPU)
     keep_float32_outside_products(model)
     products = gathered_in_bf16(model, True)
-    planned = recorded.without_casts_of(products)
     real = build_model("qwen3", config={**cfg.model.config, "vocab_size": 512}, seed=0)
     install_fused_loss(real)
     keep_float32_outside_products(real)
@@ -177,7 +176,13 @@ def test_bf16_gathers_hold_no_autocast_copies_of_the_weights():
         if j in products:
             p.data = p.data.to(torch.bfloat16)  # (as gathered)
     gathered = planning.simulate(real, contextlib.nullcontext(), cfg, CPU)
+    planned = recorded.without_casts_of({j: p.numel() * 2 for j, p in enumerate(real.parameters()) if j in products})
     assert planned.activations() == gathered.activations() < recorded.activations()
+
+    def gradient_bytes(timeline):
+        return sum(e[2] for e in timeline.events if e[0] == "alloc" and e[1] in timeline.grad_serial)
+
+    assert gradient_bytes(planned) == gradient_bytes(gathered) < gradient_bytes(recorded)
     fp32, bf16 = (planning.plan(tiny("qwen3", parallel={"dp_shard": 2}, training={"micro_batch": 1, **mixed}), 2,
                                 runtime=0)
                   for mixed in ({}, {"mixed_precision": "bf16"}))
@@ -451,3 +456,34 @@ def test_sync_every_micro_batch_keeps_no_whole_gradients():
     whole = nbytes(planning.meta_model(cfg).parameters())
     assert kept.buffers - synced.buffers >= 0.6 * whole  # measured: 0.69 of the whole gradients (a 2-layer model)
     assert synced.comm["fsdp_reduce_scatter"] == 2 * kept.comm["fsdp_reduce_scatter"]
+
+
+def test_a_gpu_plan_runs_narrower_value_heads_in_a_fused_kernel():
+    """MLA's value heads (128) are narrower than its query and key heads (192): the CPU's SDPA then
+    takes its math path and keeps [heads, seq, seq] scores, a GPU's memory-efficient kernel does
+    not. A GPU's plan pads the values to the query's width for the fused kernel: the same output
+    (real tensors), and a DeepSeek-V3 plan on a GPU holds fewer activations than the same run
+    simulated as the CPU runs it."""
+    import torch.nn.functional as F
+
+    from hyperparallel.models.tiny import tiny_config_values
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.timeline import _attention_as_on_gpu
+
+    q, k, v = torch.randn(2, 4, 32, 24), torch.randn(2, 4, 32, 24), torch.randn(2, 4, 32, 16)
+    original = F.scaled_dot_product_attention
+    plain = original(q, k, v, is_causal=True)
+    with _attention_as_on_gpu():
+        padded = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert F.scaled_dot_product_attention is original and padded.shape == plain.shape  # (put back)
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)  # (measured: ~1e-7)
+    narrower = {**tiny_config_values("deepseek_v3"), "qk_nope_head_dim": 16, "v_head_dim": 16}  # (queries 24 wide)
+    cfg = from_mapping({"model": {"family": "deepseek_v3", "config": narrower},
+                        "data": {"max_corpus_bytes": 60_000, "vocab_size": 512, "seq_len": 256},
+                        "training": {"steps": 2, "global_batch": 2, "micro_batch": 2, "compile": "none"}})
+    mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    model = planning.fake_model(cfg, mode, CPU)
+    as_cpu = planning.simulate(model, mode, cfg, CPU).activations()
+    as_gpu = planning.simulate(model, mode, cfg, CPU, gpu_attention=True).activations()
+    assert as_gpu < as_cpu
+    assert planning.plan(cfg, 1, device_model=GPUS["h100"]).activations == as_gpu

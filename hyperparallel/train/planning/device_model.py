@@ -312,8 +312,9 @@ def _gloo_link(ranks: int, nbytes: int = 8 * 2**20) -> dict[str, float]:
     store = HashStore()
     results: dict[int, tuple[float, float]] = {}
     calls = {"small": 20, "large": 3}
-    begin = threading.Barrier(ranks + 1)
-    end = threading.Barrier(ranks + 1)
+    # (a timeout: a rank whose gloo group fails to start must not leave the others waiting for ever)
+    begin = threading.Barrier(ranks + 1, timeout=120)
+    end = threading.Barrier(ranks + 1, timeout=120)
     cpu: dict[str, float] = {}
 
     def rank(r: int) -> None:

@@ -89,8 +89,8 @@ class Group:
     layer's: planned as one group of two parts."""
 
     params: list[int]  # indices into model.parameters()
-    full: int = 0  # bytes of its whole parameters in their own dtype (and of their gradients)
     copies: int = 0  # bytes of its whole parameters as gathered (bf16 for the products' under bf16 mixed precision)
+    accumulated: int = 0  # bytes of its whole gradients as fsdp accumulates them without syncing (parallel.reduce_dtype)
     slot: int = 0  # bytes of one rank's gradient shards (its reduce-scatter slot, in the shards' dtype)
     gather_slot: int = 0  # bytes of one rank's slot in its largest all-gather (forward's or backward's)
     gathered: int = 0  # bytes of that all-gather's gathered buffers: each part's ranks x its slot
@@ -163,7 +163,6 @@ def fsdp_groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int
     groups.append(Group([j for j, p in enumerate(params) if id(p) not in taken]))  # the root
     reduce_size = DTYPES[cfg.parallel.reduce_dtype].itemsize
     for group in groups:
-        group.full = sum(nbytes(params[j]) for j in group.params)
         for j in group.params:
             p, world = params[j], world_of[id(params[j])]
             part = group.parts.setdefault(world, Part())
@@ -172,10 +171,11 @@ def fsdp_groups(model: nn.Module, params: list[nn.Parameter], world_of: dict[int
                 if purpose is None:
                     part.values += sent
                     group.copies += sum(piece.numel * piece.itemsize for piece in pieces)
-                else:
+                else:  # (an MX weight's copies, forward's and backward's, both counted: an overestimate)
                     part.codec[purpose] += sent
-                    group.copies += nbytes(p) if purpose == "forward" else 0  # (MX copies: planned as the values)
+                    group.copies += sum(piece.numel * piece.itemsize for piece in pieces)
             if p.requires_grad:
+                group.accumulated += p.numel() * reduce_size
                 slot_numel = _slot_rows(p, world, cfg) * (p.numel() // max(_rows(p), 1))
                 part.reduce += slot_numel * reduce_size
                 group.slot += slot_numel * p.element_size()
@@ -328,7 +328,7 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
     settling: list[int] = []  # the finished groups, in the order they finished
     new_grads = [0] * len(groups)  # unsharded gradients backward has made so far, per group
     keep_whole = accumulation > 1 and not sync_every  # no_sync: every micro-batch's whole gradients kept
-    accumulated = [group.full if keep_whole else 0 for group in groups]
+    accumulated = [group.accumulated if keep_whole else 0 for group in groups]
     # reduced every micro-batch: the gradient shards of the micro-batches before, from the start
     carried = sum(group.slot for group in groups if group.trainable) if accumulation > 1 and sync_every else 0
     unfinished_grads = sum(accumulated)  # new and accumulated gradients of the groups still in backward

@@ -18,7 +18,7 @@ every figure extrapolated linearly to the whole depth), whose micro-batches are 
 per tp, micro-batch and recompute with every expert and shared by every ep and split (an
 expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of`; not cut, and
 so overestimated, are the bf16 copies autocast makes of the experts' weights when they are
-float32). The best CONFIRMED x top screened layouts are then planned whole, each as `hyperparallel
+float32 and not gathered in bf16). The best CONFIRMED x top screened layouts are then planned whole, each as `hyperparallel
 plan` plans its --set lines (its own simulation), and ranked on those plans. When the screen finds
 none that fits, the layouts it puts least over the budget are planned whole instead: what does not
 grow by the layer extrapolates high (measured: Qwen3-30B-A3B over 8 H100s, ep 8, recompute full,

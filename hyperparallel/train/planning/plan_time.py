@@ -151,7 +151,7 @@ def op_cost(func, args, kwargs, out) -> tuple[int, int, str, bool, int] | None:
     packet, name = func.overloadpacket, str(func)
     packet = _OUT_OF_PLACE.get(packet, packet)  # (an in-place product counts as its out-of-place twin)
     if packet in flop_registry:
-        flops = flop_registry[packet](*args, **(kwargs or {}), out_val=args[0] if func._schema.is_mutable else out)
+        flops = flop_registry[packet](*args, **(kwargs or {}), out_val=out)
         attention = "attention" in name
         if attention:
             size = flops // max(math.prod(inputs[0].shape[:-2]), 1)

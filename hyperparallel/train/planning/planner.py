@@ -170,14 +170,14 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if simulations is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
         model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers)
-        timeline = simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu)
+        timeline = simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu")
         whole_config = _whole_config(cfg, model, layout, layers)
     else:  # (screening: one simulation with every expert per micro-batch shape, shared by every ep)
         key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute)
         if key not in simulations:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
-            simulations[key] = (simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu),
+            simulations[key] = (simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu"),
                                 _whole_config(cfg, model, MeshShape(tp=layout.tp), layers))
         timeline, whole_config = simulations[key]
         shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
@@ -188,9 +188,11 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         if layout.ep_enabled:
             timeline = timeline.with_gradients_of(list(model.parameters()))
     tag_as_built(cfg, model, layout.fsdp_enabled)  # (what its gathers and dispatches carry)
-    # FSDP under bf16 mixed precision gathers the products' weights in bf16: autocast makes no copies of them
-    timeline = timeline.without_casts_of(gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16"))
     params = list(model.parameters())
+    # FSDP under bf16 mixed precision gathers the products' weights in bf16: autocast makes no
+    # copies of them, and their gradients are bf16 until the reduce-scatter
+    bf16 = gathered_in_bf16(model, sharded and cfg.training.mixed_precision == "bf16")
+    timeline = timeline.without_casts_of({j: params[j].numel() * torch.bfloat16.itemsize for j in bf16})
     whole = {id(p): nbytes(p) for p in params}
     grads_whole = sum(whole[id(p)] for p in params if p.requires_grad)
     experts = ({id(p) for module, _ in routed_experts(model) for p in module.parameters()} if layout.ep_enabled

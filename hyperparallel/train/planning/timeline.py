@@ -160,15 +160,19 @@ class Timeline:
         events = [("alloc", e[1], size[e[1]]) if e[0] == "alloc" and e[1] in size else e for e in self.events]
         return Timeline(events, self.grad_serial, self.n_layers, self.costs)
 
-    def without_casts_of(self, params: frozenset[int]) -> Timeline:
-        """This timeline as the step runs when FSDP gathers `params` (by index) in the products'
-        dtype (bf16 under bf16 mixed precision): autocast's copies of them, and their gradients in
-        that dtype before the cast back to the parameter's, are never made (the gathered copy
-        itself is FSDP's, counted with its buffers; its gradient is the parameter's)."""
+    def without_casts_of(self, grads: dict[int, int]) -> Timeline:
+        """This timeline as the step runs when FSDP gathers the parameters of `grads` (index -> the
+        bytes of its gradient in the gathered dtype) in the products' dtype (bf16 under bf16 mixed
+        precision): autocast's copies of them, and their gradients' casts back to the parameter's
+        dtype, are never made; the gradient is the gathered copy's, in its dtype (the copy itself
+        is FSDP's, counted with its buffers)."""
+        params = frozenset(grads)
         gone = {storage for storage, j in self.costs.cast_storages.items() if j in params}
         if not gone:
             return self
-        events = [("alloc", e[1], 0) if e[0] == "alloc" and e[1] in gone else e for e in self.events]
+        resized = {serial: grads[j] for serial, j in self.grad_serial.items() if j in params}
+        events = [("alloc", e[1], 0 if e[1] in gone else resized[e[1]]) if e[0] == "alloc" and (e[1] in gone or e[1] in resized)
+                  else e for e in self.events]
         return Timeline(events, self.grad_serial, self.n_layers, self.costs.without_casts_of(params))
 
 
@@ -271,11 +275,11 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
     for j, p in enumerate(params):
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(lambda p, j=j: recorder.mark("grad", j)))
-    # every module call (the CPU's Python time per module: plan_time)
-    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_called))
     bf16 = cfg.training.mixed_precision == "bf16"
-    balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
     try:
+        balancer = build_balancer(cfg, model)  # (what its routers keep for the MoE auxiliary loss)
+        # every module call (the CPU's Python time per module: plan_time); process-wide, so last
+        handles.append(torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_called))
         attention = _attention_as_on_gpu() if gpu_attention else contextlib.nullcontext()
         with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder), attention:
             ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
