@@ -399,6 +399,26 @@ def test_search_ranks_the_layouts_that_fit():
     assert off and all(settings.get("parallel.sync_every_micro_batch") for settings in off), off
 
 
+def test_a_search_whose_screen_fits_none_plans_the_least_over_whole(monkeypatch):
+    """The screen (plans of the first layers, extrapolated) overestimates what does not grow by the
+    layer (DeepSeek-V3's: every expert on one rank). Made to overestimate 1000-fold here, it puts
+    every layout over the budget: the least over of each mesh (its smallest micro-batch) are
+    planned whole, and each that fits is tried with larger micro-batches, planned whole too."""
+    from dataclasses import replace
+
+    from hyperparallel.train.planning import plan_search
+    from hyperparallel.train.planning.device_model import GPUS
+
+    deeper = {**yaml.safe_load((ROOT / "configs/models/qwen3_moe_tiny.yaml").read_text()), "num_hidden_layers": 4}
+    cfg = tiny(model={"family": "qwen3_moe", "config": deeper}, training={"global_batch": 8, "micro_batch": 1})
+    device = replace(GPUS["h100"], ranks_per_node=4)
+    extrapolated = plan_search._extrapolated
+    monkeypatch.setattr(plan_search, "_extrapolated", lambda *a: replace(extrapolated(*a), tensors=10**15))
+    found = plan_search.search(cfg, 4, device, top=50)
+    assert found and all(c.plan.total <= 0.9 * device.memory_bytes for c in found)
+    assert max(c.settings["training.micro_batch"] for c in found) > 1  # (grown past the screen's first)
+
+
 def test_search_skips_the_layouts_a_model_refuses_and_tries_its_experts():
     """Mixtral (its experts counted as num_local_experts) and DeepSeek-V3 (its first layer dense,
     no experts): expert parallelism among the layouts found; GPT-2 (no tensor-parallel plan, its

@@ -167,8 +167,7 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
     screened: list[Candidate] = []
     over: list[Candidate] = []  # (the first of each mesh and recompute mode the screen puts over the budget)
     for mesh in layouts(cfg, world, device.ranks_per_node, config, experts):
-        data_ranks = world // (mesh["parallel.tp"] * mesh["parallel.cp"])  # (each reads its share of a batch)
-        rows = cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
+        rows = _rows(cfg, world, mesh)  # (each data-parallel rank reads its share of a batch)
         micros = [m for m in _powers_of_two(rows) if rows % m == 0]
         for recompute in ("off", "selective", "full"):
             best = None  # the largest micro-batch that fits (fewer FSDP gathers per step)
@@ -190,16 +189,30 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
                     break  # (more recompute at the same micro-batch is only slower)
     if not screened and refusals and not over:
         raise ConfigError("\n".join(dict.fromkeys(refusals)))
-    if not screened:  # (none fits by the screen, which overestimates at the edge: the least over, planned whole)
+    least_over = not screened
+    if least_over:  # (none fits by the screen, which overestimates at the edge: the least over, planned whole)
         screened = sorted(over, key=lambda c: c.plan.total)[:top * CONFIRMED]
     screened.sort(key=lambda c: -c.tokens_per_s)
-    confirmed = []
-    for c in screened[:top * CONFIRMED]:  # (each planned as `hyperparallel plan` plans its --set lines)
-        whole = plan(configured(cfg, c.settings), world, device_model=device, runtime=runtime, device="cpu")
-        if whole.total <= budget:
-            confirmed.append(Candidate(c.settings, whole))
+
+    def whole(settings: dict) -> Candidate | None:  # (planned as `hyperparallel plan` plans its --set lines)
+        planned = plan(configured(cfg, settings), world, device_model=device, runtime=runtime, device="cpu")
+        return Candidate(settings, planned) if planned.total <= budget else None
+
+    confirmed = [c for c in map(whole, (c.settings for c in screened[:top * CONFIRMED])) if c is not None]
+    if least_over:  # (each was its mesh's first micro-batch over by the screen: a larger one may fit whole too)
+        for c in list(confirmed):
+            micro, rows = c.settings["training.micro_batch"], _rows(cfg, world, c.settings)
+            while 2 * micro <= rows and rows % (2 * micro) == 0 and (larger := whole({**c.settings, "training.micro_batch": 2 * micro})):
+                confirmed.append(larger)
+                micro *= 2
     confirmed.sort(key=lambda c: -c.tokens_per_s)
     return confirmed[:top]
+
+
+def _rows(cfg: TrainConfig, world: int, settings: dict) -> int:
+    """The sequences each data-parallel rank reads a step (0 where the batch does not divide)."""
+    data_ranks = world // (settings["parallel.tp"] * settings["parallel.cp"])
+    return cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
 
 
 def _depth(cfg: TrainConfig) -> int:
