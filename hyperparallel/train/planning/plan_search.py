@@ -20,10 +20,10 @@ expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of
 so overestimated, are the bf16 copies autocast makes of the experts' weights when they are
 float32 and not gathered in bf16). The best CONFIRMED x top screened layouts are then planned whole, each as `hyperparallel
 plan` plans its --set lines (its own simulation), and ranked on those plans. When the screen finds
-none that fits, the layouts it puts least over the budget are planned whole instead: what does not
-grow by the layer extrapolates high (measured: Qwen3-30B-A3B over 8 H100s, ep 8, recompute full,
-screened at 82 GiB, planned whole at 70; DeepSeek-V3 over 256 H200s, ep 32, screened at 224 GiB,
-planned whole at 102).
+none that fits, the layouts it puts least over the budget are planned whole instead, and each that
+fits is tried whole with larger micro-batches: what does not grow by the layer extrapolates high
+(the screen of a MoE runs every expert on one rank; DeepSeek-V3's over 256 H100s is over by more
+than a micro-batch: docs/train.md, "Published predictions").
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if layout.tp_enabled and cfg.parallel.sequence_parallel:
         unaccounted.append("sequence_parallel: activations planned as without it (the residual stream whole on "
                            "every tp rank: an overestimate)")
-    if on_gpu and device.type == "cpu" and _narrower_values(whole_config["config"]):
+    if timeline.padded_attention:
         unaccounted.append("attention with value heads narrower than the query's (MLA): simulated as a fused kernel "
                            "on zero-padded values (what a GPU's memory-efficient kernel keeps, plus the padded output; "
                            "the value product counted at the padded width)")
@@ -329,12 +329,6 @@ def _step_time(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole: dic
                    attention_factor=float(layout.cp), mx=cfg.low_precision.enabled, moe_exposed_s=moe_exposed,
                    tokens_per_step=cfg.training.global_batch * cfg.data.seq_len, model_flops_per_token=flops_per_token,
                    world=layout.world, compiled=cfg.training.compile != "none")
-
-
-def _narrower_values(config) -> bool:
-    """Whether the model's value heads are narrower than its query and key heads (MLA's)."""
-    values, queries = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
-    return values is not None and queries is not None and values < queries
 
 
 def describe_shape(shape: MeshShape) -> str:

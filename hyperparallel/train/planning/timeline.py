@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +147,7 @@ class Timeline:
     grad_serial: dict[int, int]  # serial of a storage that ended as a parameter's .grad -> the parameter's index
     n_layers: int
     costs: OpCosts = field(default_factory=OpCosts)  # the micro-batch's operators (plan_time.py)
+    padded_attention: bool = False  # whether an attention ran on zero-padded values (`_attention_as_on_gpu`)
 
     def activations(self) -> int:
         """The most bytes alive at once that are not parameters' gradients."""
@@ -158,7 +159,7 @@ class Timeline:
         timeline of one simulation with every expert, its expert gradients cut to a rank's)."""
         size = {serial: nbytes(params[j]) for serial, j in self.grad_serial.items()}
         events = [("alloc", e[1], size[e[1]]) if e[0] == "alloc" and e[1] in size else e for e in self.events]
-        return Timeline(events, self.grad_serial, self.n_layers, self.costs)
+        return replace(self, events=events)
 
     def without_casts_of(self, grads: dict[int, int]) -> Timeline:
         """This timeline as the step runs when FSDP gathers the parameters of `grads` (index -> the
@@ -173,7 +174,7 @@ class Timeline:
         resized = {serial: grads[j] for serial, j in self.grad_serial.items() if j in params}
         events = [("alloc", e[1], 0 if e[1] in gone else resized[e[1]]) if e[0] == "alloc" and (e[1] in gone or e[1] in resized)
                   else e for e in self.events]
-        return Timeline(events, self.grad_serial, self.n_layers, self.costs.without_casts_of(params))
+        return replace(self, events=events, costs=self.costs.without_casts_of(params))
 
 
 @contextlib.contextmanager
@@ -216,17 +217,18 @@ def _attention_as_on_gpu():
     the padded width (MLA's 192 / 128: a fifth more attention FLOPs). (transformers looks the
     function up on torch.nn.functional at each call, recompute's replays included.)"""
     original = F.scaled_dot_product_attention
+    padded: list[bool] = []  # (yielded: whether any call was padded)
 
     def attention(query, key, value, *args, **kwargs):
         width = value.shape[-1]
         if width < query.shape[-1] == key.shape[-1]:
-            padded = F.pad(value, (0, query.shape[-1] - width))
-            return original(query, key, padded, *args, **kwargs)[..., :width]
+            padded.append(True)
+            return original(query, key, F.pad(value, (0, query.shape[-1] - width)), *args, **kwargs)[..., :width]
         return original(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = attention
     try:
-        yield
+        yield padded
     finally:
         F.scaled_dot_product_attention = original
 
@@ -281,7 +283,7 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
         # every module call (the CPU's Python time per module: plan_time); process-wide, so last
         handles.append(torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_called))
         attention = _attention_as_on_gpu() if gpu_attention else contextlib.nullcontext()
-        with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder), attention:
+        with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder), attention as padded:
             ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
@@ -304,4 +306,4 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
             p.grad = None
     grad_serial.pop(None, None)
     recorder.costs.weights_cast(stored, grad_serial)
-    return Timeline(recorder.events, grad_serial, len(layers), recorder.costs)
+    return Timeline(recorder.events, grad_serial, len(layers), recorder.costs, padded_attention=bool(padded))
