@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hyperparallel import traffic
-from hyperparallel.models.loss import IGNORE_INDEX
+from hyperparallel.models.loss import IGNORE_INDEX, softmax_numerators
 from hyperparallel.parallel.tp_collectives import gather_last_dim
 
 
@@ -41,7 +41,7 @@ class VocabShard:
         peak = logits.amax(dim=1, keepdim=True)
         traffic.all_reduce("tp", peak, self.group)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
-        exp = (logits - peak).exp_()
+        exp = softmax_numerators(logits, peak)
         sums_and_picked = torch.stack([exp.sum(dim=1), torch.where(mine, logits.gather(1, safe).squeeze(1), 0.0)])
         traffic.all_reduce("tp", sums_and_picked, self.group)
         dist.all_reduce(sums_and_picked, group=self.group)

@@ -92,6 +92,22 @@ def test_compiled_chunks_give_the_same_numbers():
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
+def test_terms_far_below_the_row_peak_are_zero_and_the_loss_is_hfs():
+    logits = torch.tensor([[3.0, 3.0 - 49.9, 3.0 - 50.1, -300.0]])
+    got = loss_module.softmax_numerators(logits, logits.amax(dim=1, keepdim=True))
+    assert got[0, 0] == 1 and got[0, 1] == torch.exp(torch.tensor(-49.9)) and got[0, 2] == got[0, 3] == 0
+    # logits spread over hundreds (a trained head's are over tens): the dropped terms change nothing
+    h, w, labels = inputs(seed=5)
+    w = (w.detach() * 60).requires_grad_()
+    spread = F.linear(h, w).amax(-1) - F.linear(h, w).amin(-1)
+    assert spread.min() > 100
+    want = loss_and_grads(lambda: hf_loss(h, w, labels), h, w)
+    got = loss_and_grads(lambda: linear_cross_entropy(h, w, labels, compile="inductor"), h, w)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    for g, ref in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+
+
 def tiny_model():
     config = yaml.safe_load((CONFIGS / "qwen3_tiny.yaml").read_text())
     return build_model("qwen3", config={**config, "vocab_size": VOCAB, "tie_word_embeddings": True}, seed=5)
