@@ -84,7 +84,8 @@ def test_bf16_autocast_computes_the_head_in_bf16_like_hf():
         torch.testing.assert_close(g, ref, rtol=2e-2, atol=2.0**-6 * ref.abs().max().item())
 
 
-def test_compiled_chunks_give_the_same_numbers():
+def test_compiled_chunks_give_the_same_numbers(monkeypatch):
+    monkeypatch.setattr(loss_module, "_WHOLE_ELEMENTS", 0)  # (chunks at every size)
     h, w, labels = inputs(seed=4)
     want = loss_and_grads(lambda: linear_cross_entropy(h, w, labels), h, w)
     got = loss_and_grads(lambda: linear_cross_entropy(h, w, labels, compile="dvm"), h, w)
@@ -92,7 +93,26 @@ def test_compiled_chunks_give_the_same_numbers():
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
-def test_terms_far_below_the_row_peak_are_zero_and_the_loss_is_hfs():
+@pytest.mark.parametrize("backend", ["inductor", "dvm"])
+def test_small_logits_compiled_whole_give_hfs_numbers(backend):
+    h, w, labels = inputs(seed=6)
+    kwargs = {"num_items_in_batch": torch.tensor(40)}
+    want = loss_and_grads(lambda: hf_loss(h, w, labels, **kwargs), h, w)
+    got = loss_and_grads(lambda: linear_cross_entropy(h, w, labels, compile=backend, **kwargs), h, w)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+    for g, ref in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the products in bf16, as the chunks and HF compute them
+        want = loss_and_grads(lambda: hf_loss(h, w, labels), h, w)
+        got = loss_and_grads(lambda: linear_cross_entropy(h, w, labels, compile=backend), h, w)
+    assert got[1].dtype == got[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=0)
+    for g, ref in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, ref, rtol=2e-2, atol=2.0**-6 * ref.abs().max().item())
+
+
+def test_terms_far_below_the_row_peak_are_zero_and_the_loss_is_hfs(monkeypatch):
+    monkeypatch.setattr(loss_module, "_WHOLE_ELEMENTS", 0)  # (the chunks, which compute the numerators)
     logits = torch.tensor([[3.0, 3.0 - 49.9, 3.0 - 50.1, -300.0]])
     got = loss_module.softmax_numerators(logits, logits.amax(dim=1, keepdim=True))
     assert got[0, 0] == 1 and got[0, 1] == torch.exp(torch.tensor(-49.9)) and got[0, 2] == got[0, 3] == 0
