@@ -43,6 +43,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench fusion
 	$(PY) -m hyperparallel bench moe
 	$(PY) -m hyperparallel bench parallel
+	$(PY) -m hyperparallel bench pipeline
 	$(PY) -m hyperparallel bench kernels
 	$(PY) -m hyperparallel bench data
 

@@ -20,7 +20,7 @@ DOCS = "docs/train.md"
 # would be the `kernels` module transformers probes for, in every benchmark run from there)
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
               "fusion": "fusion.py", "moe": "moe.py", "parallel": "parallel.py", "kernels": "fused_kernels.py",
-              "data": "data.py"}
+              "data": "data.py", "pipeline": "pipeline.py"}
 
 
 def _benchmark_path(name: str) -> Path:

@@ -138,6 +138,29 @@ def _publish(tmp: Path, final: Path, manifest: dict) -> None:
         shutil.rmtree(old)
 
 
+def _every_ranks_groups(groups: list | None) -> list | None:
+    """The optimizer's param_groups with every rank's parameter names: ranks holding different
+    parameters (pipeline stages) each list their own, and a load in another layout finds each
+    parameter's group by its name. Groups match by their "name" (the trainer's optimizers name
+    each), else by position; their settings are the same on every rank."""
+    if groups is None or _world() == 1:
+        return groups
+    everyone: list = [None] * _world()
+    dist.all_gather_object(everyone, groups)
+    merged: dict = {}
+    listed: dict = {}  # (per group, the names in it: a set, for the ranks of a large model)
+    for rank_groups in everyone:
+        for i, group in enumerate(rank_groups):
+            key = group.get("name", i)
+            if key not in merged:
+                merged[key], listed[key] = {**group, "params": []}, set()
+            for name in group["params"]:
+                if name not in listed[key]:
+                    listed[key].add(name)
+                    merged[key]["params"].append(name)
+    return list(merged.values())
+
+
 def _manifest(groups: list | None, extra: dict | None) -> dict:
     return {"format": FORMAT, "world_size": _world(), "param_groups": groups, "extra": extra or {}}
 
@@ -151,6 +174,7 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extr
     with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardedSavePlanner(chunks))
+    groups = _every_ranks_groups(groups)
     _barrier()
     if _rank() == 0:
         _publish(tmp, final, _manifest(groups, extra))

@@ -147,6 +147,28 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
             group.gradient_sync = sync
 
 
+def regather_root_in_backward(module: nn.Module) -> None:
+    """`module`'s root frees its full parameters after forward and gathers them again when backward
+    reaches its outputs, as every other group does (a pipeline stage: several forwards run before
+    their backwards, and each backward pass reshards what it is done with)."""
+    for sub in module.modules():  # (a stage without parameters of its own outside its layers has no
+        # root group: each layer is then the root of its own schedule)
+        group = getattr(sub, _GROUP, None)
+        if group is not None and group.schedule is not None:
+            group.schedule.root_stays_gathered = False
+
+
+def reduce_accumulated_gradients(module: nn.Module) -> None:
+    """Reduce into the shards' gradients, now, what backward passes without gradient sync
+    accumulated (set_requires_gradient_sync(False)), and turn sync back on: for a pipeline
+    schedule, whose stages' last backward passes come at times of its choosing."""
+    groups = [group for sub in module.modules() if (group := getattr(sub, _GROUP, None)) is not None]
+    for group in groups:
+        group.gradient_sync = True
+    for group in groups:
+        group.reduce_accumulated()
+
+
 def clip_grad_norm_(module: nn.Module, max_norm: float, process_group=None,
                     replicas: dict[str, int] | None = None) -> torch.Tensor:
     """The global gradient norm over every rank's shards; scales the shards' grads to max_norm.

@@ -83,6 +83,10 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     _S.SHARDED: frozenset({
         _S.UNSHARDED,  # forward begins
         _S.UNSHARDED_FOR_BACKWARD,  # backward of an earlier forward, after a no-grad forward resharded it
+        # gradients of an earlier forward, after another micro-batch's backward pass ended: a
+        # pipeline schedule runs several forwards before their backwards, and a root (which keeps
+        # its parameters after forward, with no hook to gather them again) is resharded by the first
+        _S.BACKWARD_DONE,
     }),
     _S.UNSHARDED: frozenset({
         _S.SHARDED,  # a no-grad forward ends
@@ -93,6 +97,10 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     _S.RESHARDED_AFTER_FORWARD: frozenset({
         _S.UNSHARDED,  # another forward before backward (another micro-batch, or a recompute)
         _S.UNSHARDED_FOR_BACKWARD,  # backward reaches the module's outputs
+        # gradients that needed none of the parameters' values, by a path that passed none of the
+        # module's outputs (a pipeline's first stage: its embedding, whose output went on through
+        # the stage's layers, not out of the model)
+        _S.BACKWARD_DONE,
     }),
     _S.UNSHARDED_FOR_BACKWARD: frozenset({
         _S.SHARDED,  # a no-grad forward ends (a group that is never done: every parameter frozen)
@@ -347,6 +355,12 @@ class FSDPGroup:
         self._finish_reduce()
         self._grads_ready = 0
         self._become(GroupState.SHARDED)
+
+    def reduce_accumulated(self) -> None:
+        """Reduce what no-sync backward passes accumulated (a no-op where nothing was)."""
+        if any(p.accumulated is not None for p in self.params):
+            self._start_reduce()
+            self._finish_reduce()
 
     def _reduce_dtype(self) -> torch.dtype:
         return self.mp.reduce_dtype or self.mp.param_dtype or self.params[0].shard.dtype

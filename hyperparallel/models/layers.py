@@ -21,9 +21,27 @@ from torch import nn
 from ..errors import ConfigError
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Hugging Face causal LM (see the module docstring); ConfigError
-    naming the class where it has none."""
+class LayerOnAnotherStage(nn.Module):
+    """The place of a decoder layer another pipeline stage holds (parallel/pipeline.py): no
+    parameters, so the layers this rank holds keep their names (`model.layers.5` stays 5). The
+    model's loop may pass through it on the way to this stage's layers; what it returns is
+    replaced by the previous stage's activations before the first layer held here."""
+
+    def __init__(self, index: int, returns_tuple: bool):
+        super().__init__()
+        self.index = index
+        self.returns_tuple = returns_tuple  # (what the model's loop unpacks from its layers)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return (hidden_states,) if self.returns_tuple else hidden_states
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}, held by another pipeline stage"
+
+
+def layer_list(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder layers as it is, with the places of layers other pipeline
+    stages hold (LayerOnAnotherStage); ConfigError naming the class where it has none."""
     layers = _find_layers(model)
     if layers is None:
         raise ConfigError(f"{type(model).__name__} has no decoder layers hyperparallel can find: no nn.ModuleList of "
@@ -31,11 +49,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Hugging Face causal LM this rank holds (see the module docstring;
+    all of them but under pipeline parallelism), in order; ConfigError naming the class where it
+    has none."""
+    return [layer for layer in layer_list(model) if not isinstance(layer, LayerOnAnotherStage)]
+
+
 def decoder_layer_names(model: nn.Module) -> list[str]:
-    """Each decoder layer's qualified name in `model` (what checkpoints and plans call it)."""
-    layers = decoder_layers(model)
+    """Each decoder layer's qualified name in `model` (what checkpoints and plans call it), of the
+    layers this rank holds."""
+    layers = layer_list(model)
     prefix = next(name for name, module in model.named_modules() if module is layers)
-    return [f"{prefix}.{i}" for i in range(len(layers))]
+    return [f"{prefix}.{i}" for i, layer in enumerate(layers) if not isinstance(layer, LayerOnAnotherStage)]
 
 
 def _no_split(model: nn.Module) -> set[str]:
@@ -48,7 +74,8 @@ def _no_split(model: nn.Module) -> set[str]:
 def _find_layers(model: nn.Module) -> nn.ModuleList | None:
     blocks = _no_split(model)
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)]
-    declared = [m for m in lists if all(type(layer).__name__ in blocks for layer in m)]
+    declared = [m for m in lists if all(type(layer).__name__ in blocks or isinstance(layer, LayerOnAnotherStage)
+                                        for layer in m) and not all(isinstance(layer, LayerOnAnotherStage) for layer in m)]
     if declared:
         return max(declared, key=len)  # (the first of the longest: the outermost list)
     # no class declared: the longest list of one class of block (models whose class sets no

@@ -15,7 +15,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ),
     "expert_parallel": ("ExpertLayout", "apply_expert_parallel", "expert_layout", "expert_layout_of"),
     "fsdp_plan": ("shard_model",),
-    "mesh": ("CP_MODES", "MeshShape", "ParallelMesh", "build_mesh"),
+    "mesh": ("CP_MODES", "PP_SCHEDULES", "MeshShape", "ParallelMesh", "build_mesh"),
     "recompute": ("RECOMPUTE_MODES", "apply_recompute"),
     "tensor_parallel": (
         "TensorParallelState",

@@ -1,6 +1,8 @@
-"""The ranks of a run laid out as a device mesh: dp_replicate x dp_shard x cp x tp, row-major,
-tensor parallelism innermost (consecutive ranks, the fastest links), expert parallelism
-borrowed from dp_shard x cp within each replica.
+"""The ranks of a run laid out as a device mesh: pp x dp_replicate x dp_shard x cp x tp,
+row-major, tensor parallelism innermost (consecutive ranks, the fastest links), pipeline stages
+outermost (each stage's ranks a block of consecutive ranks: a whole mesh of the other dimensions,
+whose groups are laid out within it as in a run without pp), expert parallelism borrowed from
+dp_shard x cp within each replica.
 
 `MeshShape` is the layout as numbers, every axis present (size 1 when unused): a pure value that
 `hyperparallel plan` reasons about without ranks, and the one place that validates a layout
@@ -14,7 +16,8 @@ the same world (every rank builds all of them, in the same order), all described
 `MeshShape.meshes` and listed, rank by rank, by `MeshShape.groups` (a pure function: what
 `build_mesh` makes, and what the run summary prints):
 
-- (dp_replicate, dp_shard, cp, tp): `tp` (the ranks splitting each weight), `cp` (the ranks
+- (pp, dp_replicate, dp_shard, cp, tp): `pp` (the ranks holding the pipeline's stages, one of
+  each: activations pass along it), `tp` (the ranks splitting each weight), `cp` (the ranks
   splitting each sequence) and `dp_replicate` (HSDP: the ranks holding the same shards);
 - (dp_replicate, dp_shard x cp, tp): `fsdp`, the ranks FSDP shards the TP-local weights over,
   within one replica (a context-parallel rank holds the same weights as its peers, so they shard
@@ -43,9 +46,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hyperparallel.errors import ConfigError
 
+# pipeline schedules (parallel.pp_schedule), torch.distributed.pipelining's: one stage a rank
+# (gpipe, 1f1b), several (interleaved_1f1b), or two in a V with the backward split into its input
+# and weight gradients (zbv: zero bubble; dualpipev: DeepSeek's DualPipe on a V)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
 CP_MODES = ("ring", "ulysses")  # how context parallelism's attention exchanges the sequence (parallel.cp_mode)
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")  # the device mesh's dimensions, outermost first
-GROUPS = ("tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the device mesh's dimensions, outermost first
+GROUPS = ("pp", "tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
 
 
 @dataclass(frozen=True)
@@ -56,18 +64,25 @@ class MeshShape:
     ep: int = 1
     dp_replicate: int = 1  # HSDP: copies of the dp_shard x cp sharding (1: plain FSDP); with ddp, the ranks
     ddp: bool = False  # the config names no dimension: its dp_replicate ranks each hold the whole model (DDP)
+    pp: int = 1  # pipeline stages (the outermost dimension)
 
     @classmethod
     def of(cls, parallel, world: int) -> MeshShape:
         """The layout `parallel` (the trainer's parallel: section, or anything with its fields) names
         over `world` ranks; naming none on several ranks is data parallelism (DDP) over them."""
-        if parallel.dp_replicate * parallel.dp_shard * parallel.cp * parallel.tp == 1 and world > 1:
+        pp = getattr(parallel, "pp", 1)
+        if pp * parallel.dp_replicate * parallel.dp_shard * parallel.cp * parallel.tp == 1 and world > 1:
             return cls(dp_replicate=world, ep=parallel.ep, ddp=True)
         return cls(dp_shard=parallel.dp_shard, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep,
-                   dp_replicate=parallel.dp_replicate)
+                   dp_replicate=parallel.dp_replicate, pp=pp)
 
     @property
     def world(self) -> int:
+        return self.pp * self.stage_world
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks of one pipeline stage (all of them without pp)."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
@@ -107,20 +122,25 @@ class MeshShape:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def dims(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp,
-                "ep": self.ep}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp, "ep": self.ep}
 
     def meshes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """The device meshes the groups are read from: name -> (sizes, dimension names), each laid
         over the ranks 0 .. world - 1 in row-major order (as init_device_mesh lays them). The
         experts mesh only with expert parallelism: without, its groups are the fsdp group and one
         rank alone, and building it would only open connections again (one new_group per group)."""
-        r, s, c, t = self.dp_replicate, self.dp_shard, self.cp, self.tp
-        meshes = {"ranks": ((r, s, c, t), MESH_DIMS),
-                  "fsdp": ((r, s * c, t), ("dp_replicate", "fsdp", "tp"))}
+        p, r, s, c, t = self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
+        meshes = {"ranks": ((p, r, s, c, t), MESH_DIMS),
+                  "fsdp": ((p, r, s * c, t), ("pp", "dp_replicate", "fsdp", "tp"))}
         if self.ep_enabled:
-            meshes["experts"] = ((r, s * c // self.ep, self.ep, t), ("dp_replicate", "expert_shard", "ep", "tp"))
+            meshes["experts"] = ((p, r, s * c // self.ep, self.ep, t),
+                                 ("pp", "dp_replicate", "expert_shard", "ep", "tp"))
         return meshes
 
     def groups(self) -> dict[str, list[list[int]]]:
@@ -137,7 +157,8 @@ class MeshShape:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """`rank`'s place on each of MESH_DIMS."""
-        place, sizes = {}, dict(zip(MESH_DIMS, (self.dp_replicate, self.dp_shard, self.cp, self.tp), strict=True))
+        place, sizes = {}, dict(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                    strict=True))
         for name in reversed(MESH_DIMS):
             rank, place[name] = divmod(rank, sizes[name])
         return place
@@ -154,18 +175,21 @@ def layout_problems(parallel, world: int) -> list[str]:
     heads that tp must divide, are preflight's)."""
     problems = []
     p = parallel
-    ep, dp_replicate, dp_shard, tp, cp = p.ep, p.dp_replicate, p.dp_shard, p.tp, p.cp
-    named = dp_replicate * dp_shard * cp * tp
-    if dp_replicate == 1 and tp * cp == 1:
+    ep, dp_replicate, dp_shard, tp, cp, pp = p.ep, p.dp_replicate, p.dp_shard, p.tp, p.cp, getattr(p, "pp", 1)
+    named = pp * dp_replicate * dp_shard * cp * tp
+    if dp_replicate == 1 and pp * tp * cp == 1:
         if dp_shard > 1 and dp_shard != world:
             replicate = (f", or parallel.dp_replicate: {world // dp_shard} to replicate that sharding over the "
                          f"{world} ranks (HSDP)" if world > dp_shard and world % dp_shard == 0 else "")
             problems.append(f"parallel.dp_shard = {dp_shard} shards the model over that many ranks, but this "
                             f"run has {world}; launch it with hyperparallel train --nproc {dp_shard}{replicate}")
     elif named != world:
-        problems.append(f"parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) x parallel.cp ({cp}) "
-                        f"x parallel.tp ({tp}) = {named} ranks, but this run has {world}; make their product {world}, "
-                        f"or launch hyperparallel train --nproc {named}")
+        stages = f"parallel.pp ({pp}) x " if pp > 1 else ""
+        problems.append(f"{stages}parallel.dp_replicate ({dp_replicate}) x parallel.dp_shard ({dp_shard}) x "
+                        f"parallel.cp ({cp}) x parallel.tp ({tp}) = {named} ranks, but this run has {world}; make "
+                        f"their product {world}, or launch hyperparallel train --nproc {named}")
+    if pp > 1:
+        problems += pipeline_layout_problems(p)
     borrowed = dp_shard * cp
     if ep > 1 and (borrowed == 1 or borrowed % ep):
         if dp_replicate == 1:
@@ -192,11 +216,41 @@ def layout_problems(parallel, world: int) -> list[str]:
     return problems
 
 
+def pipeline_layout_problems(parallel) -> list[str]:
+    """What the pipeline settings ask of each other (the model's layer count is the build's)."""
+    p, problems = parallel, []
+    stages_per_rank = p.pp_virtual_stages
+    if p.pp_schedule in ("1f1b", "gpipe") and stages_per_rank != 1:
+        problems.append(f"parallel.pp_schedule: {p.pp_schedule} runs one stage a rank, and parallel.pp_virtual_stages "
+                        f"is {stages_per_rank}; use pp_schedule: interleaved_1f1b, or pp_virtual_stages: 1")
+    if p.pp_schedule == "interleaved_1f1b" and stages_per_rank < 2:
+        problems.append("parallel.pp_schedule: interleaved_1f1b interleaves several stages a rank; set "
+                        "parallel.pp_virtual_stages: 2 or more (or use 1f1b)")
+    if p.pp_schedule in V_SCHEDULES and stages_per_rank != 2:
+        problems.append(f"parallel.pp_schedule: {p.pp_schedule} runs two stages a rank, in a V; set "
+                        f"parallel.pp_virtual_stages: 2")
+    if p.pp_schedule in V_SCHEDULES:
+        problems.append(f"parallel.pp_schedule: {p.pp_schedule} splits each backward into its input and weight "
+                        f"gradients and writes the weights' outside FSDP's gradient hooks: not supported yet; use "
+                        f"1f1b, gpipe or interleaved_1f1b")
+    if p.cp > 1:
+        problems.append(f"parallel.pp = {p.pp} with parallel.cp = {p.cp}: context parallelism inside pipeline stages "
+                        f"is not supported yet; use one of them")
+    if p.sync_every_micro_batch:
+        problems.append("parallel.sync_every_micro_batch with parallel.pp: a pipeline reduces its stages' gradients "
+                        "once, after the schedule's last backward; set sync_every_micro_batch: false")
+    stages = p.pp * stages_per_rank
+    if p.pp_layers is not None and (len(p.pp_layers) != stages or min(p.pp_layers) < 1):
+        problems.append(f"parallel.pp_layers gives {len(p.pp_layers)} stage(s) ({p.pp_layers}); the pipeline has "
+                        f"pp x pp_virtual_stages = {stages}, each with at least one decoder layer")
+    return problems
+
+
 def _check_fits(shape: MeshShape, world: int) -> None:
     """What build_mesh refuses of a shape a caller made (a config's layout was checked, with the
     fixes to name, by layout_problems before any work)."""
     if shape.world != world:
-        raise ConfigError(f"parallel.dp_replicate ({shape.dp_replicate}) x parallel.dp_shard ({shape.dp_shard}) x "
+        raise ConfigError(f"parallel.pp ({shape.pp}) x parallel.dp_replicate ({shape.dp_replicate}) x parallel.dp_shard ({shape.dp_shard}) x "
                           f"parallel.cp ({shape.cp}) x parallel.tp ({shape.tp}) = {shape.world} ranks, but this run has "
                           f"{world}; make their product {world}, or launch {shape.world} ranks (--nproc {shape.world})")
     if shape.shard_size % shape.ep:
@@ -214,6 +268,20 @@ class ParallelMesh:
     groups: dict[str, dist.ProcessGroup]  # GROUPS' names -> this rank's group of that kind
 
     # the shape's answers, asked of the mesh
+    @property
+    def pp_enabled(self) -> bool:
+        return self.shape.pp_enabled
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (its first, with virtual stages: parallel/pipeline.py)."""
+        return self.coordinates["pp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks with this rank's place in every other stage: one rank of each stage."""
+        return self.groups["pp"]
+
     @property
     def fsdp_enabled(self) -> bool:
         return self.shape.fsdp_enabled
@@ -299,7 +367,7 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
     meshes = {name: init_device_mesh(device_type, sizes, mesh_dim_names=names)
               for name, (sizes, names) in shape.meshes().items()}
     ranks, fsdp = meshes["ranks"], meshes["fsdp"]
-    groups = {"tp": ranks.get_group("tp"), "cp": ranks.get_group("cp"),
+    groups = {"pp": ranks.get_group("pp"), "tp": ranks.get_group("tp"), "cp": ranks.get_group("cp"),
               "dp_replicate": ranks.get_group("dp_replicate"), "fsdp": fsdp.get_group("fsdp"),
               "world": dist.group.WORLD}
     if shape.ep_enabled:

@@ -60,6 +60,7 @@ from hyperparallel.models.layers import (
 from hyperparallel.models.loss import FusedLossHead
 from hyperparallel.moe import GroupedExperts
 from hyperparallel.parallel.partial_grads import PartialGradSum
+from hyperparallel.parallel.pipeline import HeldByLastStage, StageInput
 from hyperparallel.parallel.tp_collectives import enter_tp, exit_tp, reduce_tp, split_sequence
 from hyperparallel.parallel.vocab_loss import VocabShard
 
@@ -415,28 +416,34 @@ def _plan_vocab(planner: _Planner, model: nn.Module) -> None:
     state = planner.state
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear | FusedLossHead):
+    # (a pipeline stage holds the embedding, the head, both or neither: the others' places stand in)
+    has_embedding, has_head = isinstance(embedding, nn.Embedding), isinstance(head, nn.Linear | FusedLossHead)
+    if not (has_embedding or isinstance(embedding, StageInput)) or not (has_head or isinstance(head, HeldByLastStage)):
         raise ConfigError(f"parallel.tp: {type(model).__name__} has no input embedding and linear output head to make "
                           f"vocab-parallel")
-    vocab = embedding.weight.shape[0]
+    if not (has_embedding or has_head):
+        return
+    vocab = (embedding if has_embedding else head).weight.shape[0]
     if vocab % state.tp:
         raise ConfigError(f"parallel.tp ({state.tp}) must divide the vocabulary ({vocab}; pad vocab_size to a multiple "
                           f"of tp)")
     per_rank = vocab // state.tp
     start = state.vocab_start = state.rank * per_rank
-    tied = head.weight is embedding.weight  # (tied: one Parameter, split once)
-    _keep_rows(head.weight, start, per_rank)
-    head.out_features = per_rank
-    if not tied:
-        _keep_rows(embedding.weight, start, per_rank)
-    embedding.num_embeddings = per_rank
-    padding = embedding.padding_idx  # (its row, where this rank holds it)
-    embedding.padding_idx = padding - start if padding is not None and 0 <= padding - start < per_rank else None
-    for p in (embedding.weight, head.weight):
-        planner.record(state.replicas, p, 1)
+    tied = has_head and has_embedding and head.weight is embedding.weight  # (tied: one Parameter, split once)
     names = {id(m): n for n, m in model.named_modules()}
-    state.plan.append((names[id(embedding)], "vocab-parallel (rows), outputs summed over tp"))
-    state.plan.append((names[id(head)], "vocab-parallel (rows), vocab-parallel cross-entropy"))
+    if has_head:
+        _keep_rows(head.weight, start, per_rank)
+        head.out_features = per_rank
+        planner.record(state.replicas, head.weight, 1)
+        state.plan.append((names[id(head)], "vocab-parallel (rows), vocab-parallel cross-entropy"))
+    if has_embedding:
+        if not tied:
+            _keep_rows(embedding.weight, start, per_rank)
+        embedding.num_embeddings = per_rank
+        padding = embedding.padding_idx  # (its row, where this rank holds it)
+        embedding.padding_idx = padding - start if padding is not None and 0 <= padding - start < per_rank else None
+        planner.record(state.replicas, embedding.weight, 1)
+        state.plan.append((names[id(embedding)], "vocab-parallel (rows), outputs summed over tp"))
 
 
 def _local_head_counts(block: nn.Module, config, tp: int, kv_shared: bool) -> None:
@@ -501,7 +508,8 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     state = split_tensor_parallel(model, plan, dist.get_world_size(group), dist.get_rank(group),
                                   sequence_parallel=sequence_parallel)
     state.group = group
-    make_embedding_vocab_parallel(model.get_input_embeddings(), group, state.vocab_start)
+    if isinstance(model.get_input_embeddings(), nn.Embedding):  # (not on a later pipeline stage)
+        make_embedding_vocab_parallel(model.get_input_embeddings(), group, state.vocab_start)
     for name, biased in state.blocks.items():
         _hook_block(model.get_submodule(name), group, sequence_parallel, biased)
     if sequence_parallel:
@@ -527,6 +535,8 @@ def make_head_vocab_parallel(model: nn.Module) -> None:
     this rank's rows); without a fused loss head the logits would be whole: refused."""
     state = tensor_parallel_state(model)
     head = getattr(model, "lm_head", None)
+    if isinstance(head, HeldByLastStage):  # (a pipeline stage before the last: no head here)
+        return
     if not isinstance(head, FusedLossHead):
         raise ConfigError("parallel.tp needs training.fused_loss: true (the vocab-parallel loss computes the "
                           "cross-entropy without whole logits on any rank)")

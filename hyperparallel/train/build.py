@@ -16,7 +16,7 @@ from torch import nn
 from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp import MixedPrecision
+from hyperparallel.fsdp import MixedPrecision, regather_root_in_backward
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss, training_flops_per_token
 from hyperparallel.models.build import declared_config_keys
@@ -40,6 +40,7 @@ from hyperparallel.parallel.mixed_precision import (
     keep_float32_outside_products,
     round_embedding_outputs,
 )
+from hyperparallel.parallel.pipeline import Pipeline, hold_stages, stage_layout
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
@@ -117,6 +118,7 @@ class BuiltModel:
     # transformers' model adds its own auxiliary loss (MoE layers with transformers' routers under
     # moe.load_balance aux_loss): forward asks for it (output_router_logits)
     transformers_aux_loss: bool = False
+    pipeline: Pipeline | None = None  # this rank's pipeline stages and their schedule (parallel.pp > 1)
 
     @property
     def sharded(self) -> bool:
@@ -147,6 +149,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
     n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
     flops_per_token = training_flops_per_token(shadow, cfg.data.seq_len)
+    layout_of_stages, stages = None, ()
+    if mesh.pp_enabled:  # this rank keeps its stages' layers alone, before anything gets memory
+        layout_of_stages = stage_layout(model, p.pp, p.pp_virtual_stages, p.pp_schedule, p.pp_layers)
+        stages = tuple(hold_stages(model, layout_of_stages, mesh.pp_rank))
     k = cfg.kernels
     kernels = use_kernels(model, mega_gate=k.mega_gate, mega_mhc=k.mega_mhc).summary(mega_gate=k.mega_gate,
                                                                                    mega_mhc=k.mega_mhc)
@@ -199,6 +205,14 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     else:  # a checkpoint fills every parameter and persistent buffer; the rest is computed
         fill_from_init(model, shadow, cfg.training.seed, rt.device,
                        only=set(local_targets(model)) - set(model.state_dict(keep_vars=True)))
+    pipeline = None
+    if layout_of_stages is not None:
+        regather_root_in_backward(model)  # (several forwards run before their backwards)
+        dtype = next(q.dtype for q in model.parameters() if q.is_floating_point())
+        forward_kwargs = ({"output_router_logits": transformers_aux}
+                          if hasattr(model.config, "output_router_logits") else {})
+        pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, cfg.grad_accumulation(rt.world),
+                            dtype, forward_kwargs)
     trained = model
     if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
         trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)
@@ -212,7 +226,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                                  else "checkpoint")
     return BuiltModel(model=model, trained=trained, card=card, n_params=n_params, conversion_summary=summary, mesh=mesh,
                       balancer=balancer, waves=waves, context_parallel=context, kernels=kernels, memory=memory,
-                      flops_per_token=flops_per_token, transformers_aux_loss=transformers_aux)
+                      flops_per_token=flops_per_token, transformers_aux_loss=transformers_aux,
+                      pipeline=pipeline)
 
 
 def _meta_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:

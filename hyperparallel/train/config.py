@@ -33,7 +33,7 @@ from hyperparallel.models.compile import BACKENDS as COMPILE_BACKENDS
 from hyperparallel.models.kernels import KernelsConfig
 from hyperparallel.moe.config import MoEConfig
 from hyperparallel.optim import OptimizerConfig, SchedulerConfig
-from hyperparallel.parallel import CP_MODES, RECOMPUTE_MODES
+from hyperparallel.parallel import CP_MODES, PP_SCHEDULES, RECOMPUTE_MODES
 from hyperparallel.schema import Section, choice, problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
@@ -208,6 +208,15 @@ class ParallelSection(Section):
     # the dtype gradients are summed in across ranks (FSDP's reduce-scatter, HSDP's and DDP's
     # all-reduce): float32, or bfloat16 for half the bytes (parallel/mixed_precision.py)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # pipeline parallelism: the decoder layers split into pp stages (the outermost dimension: ranks
+    # = pp x dp_replicate x dp_shard x cp x tp), the step's micro-batches flowing through them by
+    # pp_schedule (torch.distributed.pipelining's); pp_virtual_stages: stages a rank holds
+    # (interleaved_1f1b: 2 or more; zbv and dualpipev: 2, in a V); pp_layers: decoder layers per
+    # stage, first to last (default: as even as they divide, docs/parallel.md "Pipeline")
+    pp: int = Field(1, ge=1)
+    pp_schedule: choice(PP_SCHEDULES) = "1f1b"
+    pp_virtual_stages: int = Field(1, ge=1)
+    pp_layers: list[int] | None = None
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -216,9 +225,9 @@ class ParallelSection(Section):
         return "off" if value is False else value
 
     def model_parallel(self) -> int:
-        """Ranks that read one batch together (tp x cp): the world's ranks over this are the
+        """Ranks that read one batch together (pp x tp x cp): the world's ranks over this are the
         data-parallel ranks (dp_replicate x dp_shard)."""
-        return self.tp * self.cp
+        return self.pp * self.tp * self.cp
 
 
 class CheckpointSection(Section):

@@ -21,14 +21,18 @@ from hyperparallel.train.peak_flops import Peak
 
 def describe_layout(p: ParallelSection, shape: MeshShape, waves: int | None = None) -> str:
     """The ranks as they run: `1 rank`; `N ranks, replicated (DDP)`; or the mesh's dimensions above
-    1 (dp_replicate x dp_shard x cp x tp, ep borrowed from dp_shard x cp), with FSDP's geometry only
+    1 (pp x dp_replicate x dp_shard x cp x tp, ep borrowed from dp_shard x cp), with FSDP's geometry only
     where it shards over more than one rank (its group is dp_shard x cp: tp alone shards nothing)."""
     world = shape.world
     if world == 1:
         return "1 rank"
     if shape.ddp:
         return f"{world} ranks, replicated (DDP)"
-    dims = [f"dp_replicate {shape.dp_replicate} (HSDP)" if shape.hsdp_enabled else "",
+    stages = ""
+    if shape.pp_enabled:
+        per_rank = f", {p.pp_virtual_stages} stages a rank" if p.pp_virtual_stages > 1 else ""
+        stages = f"pp {shape.pp} ({p.pp_schedule}{per_rank})"
+    dims = [stages, f"dp_replicate {shape.dp_replicate} (HSDP)" if shape.hsdp_enabled else "",
             f"dp_shard {shape.dp_shard}" if shape.dp_shard > 1 else "",
             f"cp {shape.cp} ({p.cp_mode} attention)" if shape.cp_enabled else "",
             f"tp {shape.tp}" + (" (sequence parallel)" if p.sequence_parallel else "") if shape.tp_enabled else ""]
@@ -55,6 +59,10 @@ def announce(console: Console, cfg: TrainConfig, built, dataset, accumulation: i
                   f"{len(dataset.train):,} sequences of {cfg.data.seq_len}")
     console.print(_validation(cfg, dataset))
     console.print("layout: " + describe_layout(p, built.mesh.shape, waves=built.waves))
+    if built.pipeline is not None:
+        bounds = built.pipeline.layout.layers
+        console.print("pipeline stages (decoder layers): " + " | ".join(
+            f"{start}" if stop - start == 1 else f"{start}-{stop - 1}" for start, stop in bounds))
     console.print(f"grad accumulation {accumulation}, recompute {p.recompute}, mixed precision "
                   f"{cfg.training.mixed_precision}, compile {cfg.training.compile}")
     console.print(f"MFU against {peak.tflops:.3g} TFLOP/s: {peak.source}")

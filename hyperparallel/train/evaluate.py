@@ -21,7 +21,7 @@ from hyperparallel.models import fused_loss
 from hyperparallel.train import data
 from hyperparallel.train.build import BuiltModel
 from hyperparallel.train.distributed import Runtime, sum_over_ranks
-from hyperparallel.train.step import language_model_loss
+from hyperparallel.train.step import language_model_loss, stacked
 
 
 class Evaluator:
@@ -44,6 +44,9 @@ class Evaluator:
         model.eval()
         try:
             for batch in range(self.eval_batches):
+                if self.built.pipeline is not None:
+                    total, tokens = self._through_pipeline(batch, total, tokens)
+                    continue
                 for micro in self.batches.micro_batches(batch):
                     counted = int((micro.labels[:, 1:] != data.IGNORE).sum())  # (the loss predicts each next token)
                     autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16
@@ -54,6 +57,25 @@ class Evaluator:
                     tokens += counted
         finally:
             model.train()
+        # (with pp, every stage's rank has every loss and count: the readers count pp too)
         total_sum, token_sum = sum_over_ranks([total.item(), float(tokens)])
         mean = total_sum / max(token_sum, 1.0)
         return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0)), "val_tokens": int(token_sum) // self.readers}
+
+    def _through_pipeline(self, batch: int, total: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        """One global batch's micro-batches through the pipeline stages (forward only)."""
+        micro = list(self.batches.micro_batches(batch))
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
+        pipeline = self.built.pipeline
+        kwargs, pipeline.forward_kwargs = pipeline.forward_kwargs, {**pipeline.forward_kwargs,
+                                                                    **self.cross_entropy_only}
+        try:
+            with fused_loss(self.built.model), autocast:
+                losses = pipeline.evaluate(*stacked(micro, self.device))
+        finally:
+            pipeline.forward_kwargs = kwargs
+        for loss, m in zip(losses.cpu(), micro, strict=True):
+            counted = int((m.labels[:, 1:] != data.IGNORE).sum())
+            total += loss * counted
+            tokens += counted
+        return total, tokens

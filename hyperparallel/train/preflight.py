@@ -225,7 +225,7 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
     except HyperparallelError as error:
         return [f"{where}: {line}" for line in str(error).splitlines()]
     experts = _expert_problems(cfg, meta) + _moe_problems(cfg, meta)
-    experts += _parallel_problems(cfg, meta, given or tokenizer_vocab)
+    experts += _parallel_problems(cfg, meta, given or tokenizer_vocab) + _pipeline_problems(cfg, meta)
     if cfg.model.path is not None and not experts:
         experts += _weight_file_problems(cfg, meta)
     if given is None or tokenizer_vocab is None or given >= tokenizer_vocab:
@@ -244,6 +244,41 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
                       f"data.vocab_size ({cfg.data.vocab_size}); " + (
                           "give data.tokenizer: null to tokenize with model.path's own tokenizer (its ids are the "
                           "model's)" if own else f"set data.vocab_size: {given}")]
+
+
+def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
+    """What pipeline stages need of the model (`meta`: on the meta device): enough decoder layers,
+    an output head of its own, and no auxiliary loss summed over every stage's routers."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return []
+    from hyperparallel.models.families import load_balance_rule
+    from hyperparallel.models.layers import layer_list
+    from hyperparallel.moe.balance import balanced_layers
+    from hyperparallel.parallel.pipeline import tied_head
+
+    problems = []
+    layers, stages = len(layer_list(meta)), p.pp * p.pp_virtual_stages
+    if p.pp_layers is not None and sum(p.pp_layers) != layers:
+        problems.append(f"parallel.pp_layers {p.pp_layers} adds up to {sum(p.pp_layers)} decoder layers, and the "
+                        f"model has {layers}")
+    elif layers < stages:
+        problems.append(f"parallel.pp = {p.pp} x pp_virtual_stages = {p.pp_virtual_stages} makes {stages} pipeline "
+                        f"stages, and the model has {layers} decoder layers; every stage needs at least one")
+    if tied_head(meta):
+        problems.append(f"parallel.pp = {p.pp}: {type(meta).__name__} ties its output head to its input embedding "
+                        f"(tie_word_embeddings), which the first and last stages would each hold: not supported yet; "
+                        f"use pp: 1, or a model with tie_word_embeddings: false")
+    if balanced_layers(meta):
+        rule = cfg.moe.load_balance or load_balance_rule(get_family(cfg.model.family), meta)
+        coef = cfg.moe.aux_loss_coef
+        if coef is None:
+            coef = getattr(meta.config, "router_aux_loss_coef", None) or 0.0
+        if rule == "aux_loss" and coef:
+            problems.append(f"parallel.pp = {p.pp} with moe.load_balance: aux_loss: each stage's routers would need "
+                            f"their loss's gradient where the stage runs (not supported yet); use moe.load_balance: "
+                            f"bias or none, or moe.aux_loss_coef: 0")
+    return problems
 
 
 def _weight_file_problems(cfg: TrainConfig, meta) -> list[str]:

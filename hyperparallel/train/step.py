@@ -43,6 +43,15 @@ def model_outputs(built: BuiltModel, batch: MicroBatch, device: torch.device, **
                          num_items_in_batch=items.to(device), **extra)
 
 
+def stacked(micro_batches: list[MicroBatch], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The micro-batches' ids, labels and positions, each one tensor (a pipeline schedule splits
+    them again); positions counting from 0 where a batch has none of its own."""
+    ids = torch.cat([b.ids for b in micro_batches])
+    positions = torch.cat([b.positions if b.positions is not None else
+                           torch.arange(b.ids.shape[1]).expand_as(b.ids) for b in micro_batches])
+    return ids.to(device), torch.cat([b.labels for b in micro_batches]).to(device), positions.to(device)
+
+
 def language_model_loss(built: BuiltModel, batch: MicroBatch, device: torch.device, **extra) -> torch.Tensor:
     """The language-model loss alone on one micro-batch (`model_outputs`, no auxiliary loss)."""
     if hasattr(built.model.config, "output_router_logits"):
@@ -78,6 +87,23 @@ class TrainStep:
         self.params = [p for p in built.model.parameters() if p.requires_grad]
         # (by parameter name, which sharding and checkpoint loads keep: made once)
         self.replicas = grad_replicas(built.model)
+        self.pipeline = built.pipeline
+        if self.pipeline is not None and self.pipeline.n_microbatches != accumulation:
+            raise ValueError(f"the pipeline runs {self.pipeline.n_microbatches} micro-batches a step, the step "
+                             f"{accumulation}")
+
+    def _pipeline_step(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Every micro-batch through the pipeline's schedule; each stage's gradients kept whole
+        until the last backward, then reduced once (FSDP's no-sync accumulation, reduced here
+        rather than with a last micro-batch: the schedule orders the backward passes)."""
+        ids, labels, positions = stacked(micro_batches, self.device)
+        model = self.built.model
+        fsdp.set_requires_gradient_sync(model, False)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
+        with fused_loss(model), autocast:
+            total = self.pipeline.step(ids, labels, positions)
+        fsdp.reduce_accumulated_gradients(model)
+        return total
 
     def _sync(self, last_micro: bool):
         """Gradients are reduced over the ranks on the step's last micro-batch only (sharded, with
@@ -93,6 +119,9 @@ class TrainStep:
     def __call__(self, micro_batches: Iterable[MicroBatch]) -> StepResult:
         model, balancer = self.built.model, self.built.balancer
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.pipeline is not None:  # (the mean of the micro-batches' losses, times their count below)
+            loss_sum = self._pipeline_step(list(micro_batches)) * self.accumulation
+            micro_batches = ()
         for i, batch in enumerate(micro_batches):
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
             with self._sync(i == self.accumulation - 1), fused_loss(model):

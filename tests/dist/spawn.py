@@ -52,6 +52,7 @@ PARTS = (
          ("tests.dist.test_parallel_layouts", "tests.dist.test_context_parallel")),
     Part("weights", "tests.dist.test_sharded_weights:on_ranks", (4,), ("tests.dist.test_sharded_weights",),
          before="tests.dist.test_sharded_weights:before_ranks"),
+    Part("pipeline", "tests.dist.test_pipeline:on_ranks", (4,), ("tests.dist.test_pipeline",)),
     Part("trainer", "tests.train.test_cli_train:trainer_runs", (2,),
          ("tests.train.test_cli_train", "tests.train.test_deepseek_v4", "tests.train.test_fault_tolerance")),
     Part("parallel_trainer", "tests.dist.test_parallel_layouts:trainer_runs", (4,), ("tests.dist.test_parallel_layouts",)),
