@@ -24,8 +24,8 @@ def test_tp_innermost_then_cp_then_dp_shard_then_dp_replicate():
     # ranks as every other shard (the experts mesh's dp_replicate groups are the mesh's)
     assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["expert_shard"] == [[r] for r in range(8)]
-    assert [shape.coordinates(r) for r in (0, 5)] == [{"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0},
-                                                      {"dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}]
+    assert [shape.coordinates(r) for r in (0, 5)] == [{"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0},
+                                                      {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}]
 
 
 def test_every_rank_is_in_one_group_of_each_kind():
