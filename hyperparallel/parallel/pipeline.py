@@ -183,23 +183,29 @@ def hold_stages(model: nn.Module, layout: StageLayout, pp_rank: int) -> list[int
         raise ConfigError(f"parallel.pp = {layout.pp}: {type(model).__name__} ties its output head to its input "
                           f"embedding (tie_word_embeddings), which the first and last stages would each hold; not "
                           f"supported yet: use pp: 1, or a model with tie_word_embeddings: false")
+    tail = _last_stage_modules(model, "", {id(layers), id(embedding)})
     if not first:
         model.set_input_embeddings(StageInput(embedding.weight.shape[1], embedding.weight.dtype))
-    if not last:
-        keep = {id(layers)} | ({id(embedding)} if first else set())
-        _hand_to_last_stage(model, "", keep, type(model).__name__)
+    for parent, name, where in tail:
+        if not last:
+            setattr(parent, name, HeldByLastStage(where, type(model).__name__))
+    model._hp_last_stage_modules = [(where, name) for _, name, where in tail]
     return stages
 
 
-def _hand_to_last_stage(module: nn.Module, prefix: str, keep: set[int], model_name: str) -> None:
-    for name, child in list(module.named_children()):
+def _last_stage_modules(module: nn.Module, prefix: str, keep: set[int]) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, qualified name) of each module with parameters outside the decoder
+    layers and the input embedding (`keep`): what the last stage holds."""
+    found = []
+    for name, child in module.named_children():
         if id(child) in keep or next(child.parameters(), None) is None:
             continue
         where = f"{prefix}{name}"
         if any(id(m) in keep for m in child.modules()):
-            _hand_to_last_stage(child, f"{where}.", keep, model_name)
+            found += _last_stage_modules(child, f"{where}.", keep)
         else:
-            setattr(module, name, HeldByLastStage(where, model_name))
+            found.append((module, name, where))
+    return found
 
 
 class PipelineStageModule(nn.Module):
@@ -229,6 +235,14 @@ class PipelineStageModule(nn.Module):
                   if i not in self.layers and not isinstance(layer, LayerOnAnotherStage)}
         for i in others:  # (this rank's other stages' layers: only this stage's run)
             layers[i] = LayerOnAnotherStage(i, returns_tuple)
+        tail = {}  # (a rank holding the last stage too: its tail stands aside for this stage's run)
+        if not self.last:
+            for where, name in self.model._hp_last_stage_modules:
+                parent = self.model.get_submodule(where.rpartition(".")[0])
+                module = getattr(parent, name)
+                if not isinstance(module, HeldByLastStage):
+                    tail[(parent, name)] = module
+                    setattr(parent, name, HeldByLastStage(where, type(self.model).__name__))
         state = _StageRun()
         stand_ins = [m for m in self.model.modules() if isinstance(m, HeldByLastStage)]
         for m in stand_ins:
@@ -249,6 +263,8 @@ class PipelineStageModule(nn.Module):
                 handle.remove()
             for i, layer in others.items():
                 layers[i] = layer
+            for (parent, name), module in tail.items():
+                setattr(parent, name, module)
             for m in stand_ins:
                 m.run = None
         if self.last:
