@@ -152,6 +152,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if world < 1:
         raise ConfigError(f"the number of ranks must be at least 1, got {world}")
     problems = layout_problems(cfg, world)
+    if cfg.parallel.pp > 1:
+        problems.append(f"parallel.pp = {cfg.parallel.pp}: hyperparallel plan does not model pipeline stages yet "
+                        f"(each stage's memory, the bubble, the stages' exchanges); plan with pp: 1")
     if problems:
         raise ConfigError("\n".join(problems))
     layout = MeshShape.of(cfg.parallel, world)
