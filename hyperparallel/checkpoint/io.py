@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,12 +139,18 @@ def _publish(tmp: Path, final: Path, manifest: dict) -> None:
         shutil.rmtree(old)
 
 
-def _every_ranks_groups(groups: list | None) -> list | None:
+def every_ranks_groups(groups: list | None) -> list | None:
     """The optimizer's param_groups with every rank's parameter names: ranks holding different
     parameters (pipeline stages) each list their own, and a load in another layout finds each
     parameter's group by its name. Groups match by their "name" (the trainer's optimizers name
-    each), else by position; their settings are the same on every rank."""
+    each), else by position; their settings are the same on every rank. (Collective: the ranks
+    first compare a digest of their names, and gather the names only where they differ.)"""
     if groups is None or _world() == 1:
+        return groups
+    digest = zlib.crc32("\n".join(f"{i}:{name}" for i, g in enumerate(groups) for name in g["params"]).encode())
+    digests: list = [None] * _world()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
         return groups
     everyone: list = [None] * _world()
     dist.all_gather_object(everyone, groups)
@@ -174,7 +181,7 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *, extr
     with no_gc_pauses():
         tensors, groups, chunks = _tensors(model, optimizer, per_rank)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardedSavePlanner(chunks))
-    groups = _every_ranks_groups(groups)
+    groups = every_ranks_groups(groups)
     _barrier()
     if _rank() == 0:
         _publish(tmp, final, _manifest(groups, extra))
@@ -252,7 +259,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
         model_sd = tensors["model"]
         optim_state = tensors.get("optim")
         saved_groups = _as_saved(manifest["param_groups"], groups) if optimizer is not None else None
-        same_groups = optimizer is None or [g["params"] for g in saved_groups] == [g["params"] for g in groups]
+        same_groups = optimizer is None or _own_names(saved_groups, groups) == [g["params"] for g in groups]
         if same_groups and _loaded_in_place(model, model_sd, optimizer, optim_state):
             if optimizer is not None:
                 _set_hyperparameters(optimizer, saved_groups)
@@ -262,6 +269,13 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer=None, *,
             set_state_dict(model, optimizer, model_state_dict=model_sd,
                            optim_state_dict={"state": optim_state, "param_groups": saved_groups})
     return manifest
+
+
+def _own_names(saved_groups: list[dict], groups: list[dict]) -> list[list[str]]:
+    """The saved groups' parameter names this rank's optimizer holds (the saved lists have every
+    rank's: pipeline stages each hold their own)."""
+    mine = {name for g in groups for name in g["params"]}
+    return [[name for name in g["params"] if name in mine] for g in saved_groups]
 
 
 def _loaded_in_place(model: nn.Module, model_sd: dict, optimizer, optim_state: dict | None) -> bool:

@@ -39,6 +39,7 @@ from hyperparallel.checkpoint.io import (
     _publish,
     _rank,
     _tensors,
+    every_ranks_groups,
     hush_single_process_notice,
     no_gc_pauses,
 )
@@ -109,5 +110,6 @@ def async_save(directory: str | os.PathLike, model: nn.Module, optimizer=None, *
         future = dcp.async_save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
                                 planner=ShardedSavePlanner(chunks),
                                 process_group=process_group or _background_group())
+    groups = every_ranks_groups(groups)  # (collective: before the manifest, on every rank)
     manifest = _manifest(groups, extra) if _rank() == 0 else None
     return PendingSave(final, tmp, future, manifest)

@@ -147,15 +147,17 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
             group.gradient_sync = sync
 
 
-def regather_root_in_backward(module: nn.Module) -> None:
-    """`module`'s root frees its full parameters after forward and gathers them again when backward
-    reaches its outputs, as every other group does (a pipeline stage: several forwards run before
-    their backwards, and each backward pass reshards what it is done with)."""
+def run_as_pipeline_stage(module: nn.Module) -> None:
+    """`module` runs as a pipeline stage, several forwards before their backwards: its root frees
+    its full parameters after forward and gathers them again when backward reaches its outputs, as
+    every other group does (each backward pass reshards what it is done with), and gradients that
+    need no parameter values may arrive in a group already resharded (group.py's
+    _PIPELINE_TRANSITIONS)."""
     for sub in module.modules():  # (a stage without parameters of its own outside its layers has no
         # root group: each layer is then the root of its own schedule)
         group = getattr(sub, _GROUP, None)
         if group is not None and group.schedule is not None:
-            group.schedule.root_stays_gathered = False
+            group.schedule.pipelined = True
 
 
 def reduce_accumulated_gradients(module: nn.Module) -> None:

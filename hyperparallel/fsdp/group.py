@@ -83,10 +83,6 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     _S.SHARDED: frozenset({
         _S.UNSHARDED,  # forward begins
         _S.UNSHARDED_FOR_BACKWARD,  # backward of an earlier forward, after a no-grad forward resharded it
-        # gradients of an earlier forward, after another micro-batch's backward pass ended: a
-        # pipeline schedule runs several forwards before their backwards, and a root (which keeps
-        # its parameters after forward, with no hook to gather them again) is resharded by the first
-        _S.BACKWARD_DONE,
     }),
     _S.UNSHARDED: frozenset({
         _S.SHARDED,  # a no-grad forward ends
@@ -97,10 +93,6 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     _S.RESHARDED_AFTER_FORWARD: frozenset({
         _S.UNSHARDED,  # another forward before backward (another micro-batch, or a recompute)
         _S.UNSHARDED_FOR_BACKWARD,  # backward reaches the module's outputs
-        # gradients that needed none of the parameters' values, by a path that passed none of the
-        # module's outputs (a pipeline's first stage: its embedding, whose output went on through
-        # the stage's layers, not out of the model)
-        _S.BACKWARD_DONE,
     }),
     _S.UNSHARDED_FOR_BACKWARD: frozenset({
         _S.SHARDED,  # a no-grad forward ends (a group that is never done: every parameter frozen)
@@ -111,6 +103,13 @@ _TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
     }),
 }
 _UNSHARDED = frozenset({_S.UNSHARDED, _S.UNSHARDED_FOR_BACKWARD})
+# Only in a pipeline stage (fsdp.run_as_pipeline_stage), whose schedule runs several forwards
+# before their backwards: gradients that needed none of the parameters' values, arriving by a path
+# that passed none of the module's outputs (the first stage's embedding, whose output went on
+# through the stage's layers, not out of the model), in a group still freed after its forward or
+# already resharded by another micro-batch's backward pass. Elsewhere they are a second backward
+# over a graph whose gradients were reduced: an error, not a second reduce.
+_PIPELINE_TRANSITIONS = frozenset({(_S.SHARDED, _S.BACKWARD_DONE), (_S.RESHARDED_AFTER_FORWARD, _S.BACKWARD_DONE)})
 
 
 class FSDPGroup:
@@ -150,7 +149,8 @@ class FSDPGroup:
         return self.state in _UNSHARDED
 
     def _become(self, state: GroupState) -> None:
-        if state not in _TRANSITIONS[self.state]:
+        pipelined = self.schedule is not None and self.schedule.pipelined
+        if state not in _TRANSITIONS[self.state] and not (pipelined and (self.state, state) in _PIPELINE_TRANSITIONS):
             raise RuntimeError(
                 f"FSDP group of {type(self.module).__name__}: cannot go from {self.state.value!r} to {state.value!r} "
                 f"(was the module run again after its gradients were reduced in the same backward?)"

@@ -24,10 +24,10 @@ class PrefetchSchedule:
         self.position: dict[int, int] = {}
         self.recording = True
         self.reducing: FSDPGroup | None = None  # the last group whose reduce-scatter was launched
-        # the root's parameters stay gathered after forward (its head is the first thing backward
-        # needs); a pipeline stage frees them as any group's (its backward passes do not follow
-        # their forwards: regather_root_in_backward)
-        self.root_stays_gathered = True
+        # a pipeline stage's (fsdp.run_as_pipeline_stage): several forwards run before their
+        # backwards, so the root frees its parameters after forward as any group does (else it
+        # keeps them: its head is the first thing backward needs)
+        self.pipelined = False
         for g in groups:  # an outer root takes over the schedule of an inner one
             g.schedule = self
 
@@ -88,7 +88,7 @@ def _after_forward(group: FSDPGroup, output):
     elif group.state is GroupState.UNSHARDED_FOR_BACKWARD:
         pass  # a recompute inside backward: the parameters stay gathered until the group's gradients are done
     elif group.reshard_after_forward and not (schedule is not None and schedule.root is group
-                                              and schedule.root_stays_gathered):
+                                              and not schedule.pipelined):
         # (the root's parameters stay: its output head is the first thing backward needs)
         _regather_before_backward(group, output)
         group.free_after_forward()

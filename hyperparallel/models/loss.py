@@ -53,7 +53,9 @@ def softmax_numerators(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor
 # by one compiled function (the head's product, log-softmax and their backward, fused by the
 # compiler), when a compile backend is given: chunking saves memory only where logits are large,
 # and at this size the whole function is faster (1.48x for the loss, forward and backward, at
-# 1024 x 4096 in bf16 on the CPU). Above it, and uncompiled, the chunks.
+# 1024 x 4096 in bf16 on the CPU). Above it, and uncompiled, the chunks. (Compiled for each row
+# count it meets, as a step's micro-batches all have one; its softmax takes the terms far below
+# a row's peak as they come, the denormal slowdown the chunks avoid included.)
 _WHOLE_ELEMENTS = 1 << 22
 
 
@@ -175,6 +177,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight = grad_weight.float().add_(grad_logits.t() @ h)
         if want_grads:
+            if grad_weight is None:  # (no rows)
+                grad_weight = torch.zeros_like(weight)
+            elif grad_weight.dtype != weight.dtype and grad_weight.dtype == torch.float32:
+                grad_weight = grad_weight.to(weight.dtype)  # (summed in float32; kept until backward in the weight's)
             ctx.weight_dtype = weight.dtype
             ctx.save_for_backward(grad_hidden, grad_weight)
         return total / denominator
@@ -182,7 +188,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # scaled and cast in one pass: a one-chunk bf16 product becomes the weight's dtype here
+        # scaled in the weight's dtype (a one-chunk product in a lower one is cast in the same pass)
         scaled_weight = torch.mul(grad_weight, grad_loss.to(ctx.weight_dtype).view(1, 1))
         return grad_hidden * grad_loss.to(grad_hidden.dtype), scaled_weight, None, None, None, None, None, None
 

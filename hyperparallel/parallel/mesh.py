@@ -47,10 +47,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from hyperparallel.errors import ConfigError
 
 # pipeline schedules (parallel.pp_schedule), torch.distributed.pipelining's: one stage a rank
-# (gpipe, 1f1b), several (interleaved_1f1b), or two in a V with the backward split into its input
-# and weight gradients (zbv: zero bubble; dualpipev: DeepSeek's DualPipe on a V)
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")
+# (gpipe, 1f1b) or several (interleaved_1f1b). Not yet: its zero-bubble ones (zbv, dualpipev),
+# whose backward writes the weights' gradients outside FSDP's gradient hooks.
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 CP_MODES = ("ring", "ulysses")  # how context parallelism's attention exchanges the sequence (parallel.cp_mode)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the device mesh's dimensions, outermost first
 GROUPS = ("pp", "tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
@@ -226,13 +225,9 @@ def pipeline_layout_problems(parallel) -> list[str]:
     if p.pp_schedule == "interleaved_1f1b" and stages_per_rank < 2:
         problems.append("parallel.pp_schedule: interleaved_1f1b interleaves several stages a rank; set "
                         "parallel.pp_virtual_stages: 2 or more (or use 1f1b)")
-    if p.pp_schedule in V_SCHEDULES and stages_per_rank != 2:
-        problems.append(f"parallel.pp_schedule: {p.pp_schedule} runs two stages a rank, in a V; set "
-                        f"parallel.pp_virtual_stages: 2")
-    if p.pp_schedule in V_SCHEDULES:
-        problems.append(f"parallel.pp_schedule: {p.pp_schedule} splits each backward into its input and weight "
-                        f"gradients and writes the weights' outside FSDP's gradient hooks: not supported yet; use "
-                        f"1f1b, gpipe or interleaved_1f1b")
+    if p.sequence_parallel:
+        problems.append(f"parallel.pp = {p.pp} with parallel.sequence_parallel: the stages would hand each other "
+                        f"a part of the sequence (not supported yet); set sequence_parallel: false")
     if p.cp > 1:
         problems.append(f"parallel.pp = {p.pp} with parallel.cp = {p.cp}: context parallelism inside pipeline stages "
                         f"is not supported yet; use one of them")

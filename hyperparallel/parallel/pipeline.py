@@ -5,8 +5,9 @@ step's micro-batches run through them by one of torch.distributed.pipelining's s
 Stages. The decoder layers are split into pp x pp_virtual_stages stages of consecutive layers,
 by hand (parallel.pp_layers) or balanced by each layer's parameters (a decoder layer's work per
 token is twice its parameters; the last stage also carries the output head's, the first the
-embedding's lookup, which costs nothing). A rank holds one stage, several (interleaved_1f1b:
-stages r, r + pp, ...), or two in a V (zbv, dualpipev: stages r and 2 pp - 1 - r).
+embedding's lookup, which costs nothing; an MoE layer's count is all its experts', more than a
+token's work: its share is overstated). A rank holds one stage, or several (interleaved_1f1b:
+stages r, r + pp, ...).
 
 What a rank holds. Its model is the whole model's object with, in the places of the layers other
 ranks hold, `LayerOnAnotherStage` (no parameters: the layers it holds keep their names, so
@@ -41,7 +42,6 @@ from torch import nn
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.models.layers import LayerOnAnotherStage, layer_list
-from hyperparallel.parallel.mesh import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,8 @@ class StageLayout:
         return self.pp * self.per_rank
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        """The stages pipeline rank `pp_rank` holds, in the order the schedule takes them."""
-        if self.schedule in V_SCHEDULES:
-            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        """The stages pipeline rank `pp_rank` holds, in the order the schedule takes them (looped:
+        r, r + pp, ...)."""
         return [pp_rank + v * self.pp for v in range(self.per_rank)]
 
 
@@ -233,30 +232,29 @@ class PipelineStageModule(nn.Module):
         returns_tuple = _returns_tuple(layers[self.layers.start])
         others = {i: layer for i, layer in enumerate(layers)
                   if i not in self.layers and not isinstance(layer, LayerOnAnotherStage)}
-        for i in others:  # (this rank's other stages' layers: only this stage's run)
-            layers[i] = LayerOnAnotherStage(i, returns_tuple)
-        tail = {}  # (a rank holding the last stage too: its tail stands aside for this stage's run)
-        if not self.last:
-            for where, name in self.model._hp_last_stage_modules:
-                parent = self.model.get_submodule(where.rpartition(".")[0])
-                module = getattr(parent, name)
-                if not isinstance(module, HeldByLastStage):
-                    tail[(parent, name)] = module
-                    setattr(parent, name, HeldByLastStage(where, type(self.model).__name__))
+        tail, handles, stand_ins = {}, [], []  # (what the run below changes, put back whatever happens)
         state = _StageRun()
-        stand_ins = [m for m in self.model.modules() if isinstance(m, HeldByLastStage)]
-        for m in stand_ins:
-            m.run = state
-        handles = []
-        if hidden is not None:
-            handles.append(layers[self.layers.start].register_forward_pre_hook(
-                lambda module, args, kwargs: _with_hidden(hidden, args, kwargs), with_kwargs=True))
-        if not self.last:
-            def keep(module, args, output):
-                state.output = output[0] if isinstance(output, tuple) else output
-
-            handles.append(layers[self.layers.stop - 1].register_forward_hook(keep))
         try:
+            for i in others:  # (this rank's other stages' layers: only this stage's run)
+                layers[i] = LayerOnAnotherStage(i, returns_tuple)
+            if not self.last:  # (a rank holding the last stage too: its tail stands aside for this run)
+                for where, name in self.model._hp_last_stage_modules:
+                    parent = self.model.get_submodule(where.rpartition(".")[0])
+                    module = getattr(parent, name)
+                    if not isinstance(module, HeldByLastStage):
+                        tail[(parent, name)] = module
+                        setattr(parent, name, HeldByLastStage(where, type(self.model).__name__))
+            stand_ins = [m for m in self.model.modules() if isinstance(m, HeldByLastStage)]
+            for m in stand_ins:
+                m.run = state
+            if hidden is not None:
+                handles.append(layers[self.layers.start].register_forward_pre_hook(
+                    lambda module, args, kwargs: _with_hidden(hidden, args, kwargs), with_kwargs=True))
+            if not self.last:
+                def keep(module, args, output):
+                    state.output = output[0] if isinstance(output, tuple) else output
+
+                handles.append(layers[self.layers.stop - 1].register_forward_hook(keep))
             outputs = self.run(self.model, ids, labels if self.last else None, positions)
         finally:
             for handle in handles:
@@ -297,6 +295,7 @@ class Pipeline:
     # the model's forward's other keywords (output_router_logits where it has the option)
     forward_kwargs: dict = field(default_factory=dict)
     schedule: object = None  # a torch.distributed.pipelining schedule, made at the first step
+    _no_outputs: dict = field(default_factory=dict)  # (step's keywords: made with the schedule)
 
     def run(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor):
         """The model's forward as a stage runs it (no context parallelism under pp)."""
@@ -333,11 +332,13 @@ class Pipeline:
             return loss / n
 
         classes = {"1f1b": pp_schedules.Schedule1F1B, "gpipe": pp_schedules.ScheduleGPipe,
-                   "interleaved_1f1b": pp_schedules.ScheduleInterleaved1F1B,
-                   "zbv": pp_schedules.ScheduleZBVZeroBubble, "dualpipev": pp_schedules.ScheduleDualPipeV}
+                   "interleaved_1f1b": pp_schedules.ScheduleInterleaved1F1B}
         cls = classes[self.layout.schedule]
         single = self.layout.schedule in ("1f1b", "gpipe")
         self.schedule = cls(stages[0] if single else stages, n, loss_fn=loss_fn, scale_grads=False)
+        # (the last stage's outputs are not merged and returned: torch >= 2.10 asks, 2.9 never does)
+        takes = "return_outputs" in inspect.signature(self.schedule.step).parameters
+        self._no_outputs = {"return_outputs": False} if takes else {}
 
     def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each micro-batch's loss (forward only, no gradients), on every rank of the pp group."""
@@ -347,8 +348,7 @@ class Pipeline:
         args = (ids, labels, positions) if self.holds_first else ()
         target = labels if self.holds_last else None
         with torch.no_grad():
-            self.schedule.eval(*args, target=target, losses=losses if self.holds_last else None,
-                               return_outputs=False)
+            self.schedule.eval(*args, target=target, losses=losses if self.holds_last else None, **self._no_outputs)
         each = (torch.stack([loss.double() for loss in losses]) * self.n_microbatches if losses
                 else torch.zeros(self.n_microbatches, dtype=torch.float64, device=ids.device))
         dist.all_reduce(each, group=self.group)  # (the last stage's; the others add 0)
@@ -364,7 +364,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (ids, labels, positions) if self.holds_first else ()
         target = labels if self.holds_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, **self._no_outputs)
         total = torch.stack([loss.detach().double() for loss in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float64, device=ids.device)
         dist.all_reduce(total, group=self.group)  # (the last stage's; the others add 0)

@@ -16,7 +16,7 @@ from torch import nn
 from hyperparallel.checkpoint import ModelCard
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.errors import ConfigError
-from hyperparallel.fsdp import MixedPrecision, regather_root_in_backward
+from hyperparallel.fsdp import MixedPrecision, run_as_pipeline_stage
 from hyperparallel.lowp import convert
 from hyperparallel.models import build_model, compile_layers, get_family, install_fused_loss, training_flops_per_token
 from hyperparallel.models.build import declared_config_keys
@@ -207,7 +207,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                        only=set(local_targets(model)) - set(model.state_dict(keep_vars=True)))
     pipeline = None
     if layout_of_stages is not None:
-        regather_root_in_backward(model)  # (several forwards run before their backwards)
+        run_as_pipeline_stage(model)  # (several forwards run before their backwards)
         dtype = next(q.dtype for q in model.parameters() if q.is_floating_point())
         forward_kwargs = ({"output_router_logits": transformers_aux}
                           if hasattr(model.config, "output_router_logits") else {})

@@ -125,9 +125,15 @@ def layout_problems(cfg: TrainConfig, world: int) -> list[str]:
     lp = cfg.low_precision
     problems += cfg.moe.dispatch_problems(ep, lp.enabled and "experts" in lp.modules)
     try:
-        cfg.grad_accumulation(world)
+        micro_batches = cfg.grad_accumulation(world)
     except HyperparallelError as error:
         problems.append(str(error))
+    else:
+        if p.pp > 1 and micro_batches < p.pp:
+            problems.append(f"parallel.pp = {p.pp} runs {micro_batches} micro-batch(es) a step through {p.pp} stages "
+                            f"(training.global_batch {cfg.training.global_batch} / micro_batch "
+                            f"{cfg.training.micro_batch} / data-parallel ranks); a pipeline needs at least one a stage: "
+                            f"raise global_batch or lower micro_batch")
     return problems
 
 
@@ -277,7 +283,10 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
         if rule == "aux_loss" and coef:
             problems.append(f"parallel.pp = {p.pp} with moe.load_balance: aux_loss: each stage's routers would need "
                             f"their loss's gradient where the stage runs (not supported yet); use moe.load_balance: "
-                            f"bias or none, or moe.aux_loss_coef: 0")
+                            f"none, or moe.aux_loss_coef: 0")
+        if rule == "bias":
+            problems.append(f"parallel.pp = {p.pp} with moe.load_balance: bias: each stage would count and move its "
+                            f"own routers' biases (not supported yet); use moe.load_balance: none")
     return problems
 
 

@@ -56,7 +56,6 @@ def test_the_balanced_split_is_the_least_costly_stage_of_every_split():
 def test_each_schedule_deals_its_stages_to_the_ranks():
     bounds = tuple((i, i + 1) for i in range(8))
     assert StageLayout(4, 2, "interleaved_1f1b", bounds).stages_of(1) == [1, 5]
-    assert StageLayout(4, 2, "zbv", bounds).stages_of(1) == [1, 6]  # a V
     assert StageLayout(2, 1, "1f1b", bounds[:2]).stages_of(1) == [1]
 
 
@@ -70,7 +69,7 @@ def parallel(**settings):
     ({"pp": 2, "dp_shard": 2}, 2, "parallel.pp (2) x parallel.dp_replicate (1) x parallel.dp_shard (2)"),
     ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, 2, "set parallel.pp_virtual_stages: 2 or more"),
     ({"pp": 2, "pp_virtual_stages": 2}, 2, "1f1b runs one stage a rank"),
-    ({"pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 2}, 2, "outside FSDP's gradient hooks"),
+    ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "set sequence_parallel: false"),
     ({"pp": 2, "cp": 2}, 4, "context parallelism inside pipeline stages"),
     ({"pp": 2, "pp_layers": [1, 1, 2]}, 2, "the pipeline has pp x pp_virtual_stages = 2"),
 ])
