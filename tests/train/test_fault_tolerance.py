@@ -107,8 +107,13 @@ def kill_rank_1(tmp_path: Path, *options: str, **how) -> tuple[subprocess.Popen,
     return proc, pids, run_dir
 
 
-def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
-    proc, pids, run_dir = kill_rank_1(tmp_path, "--nproc", "2")
+# rank 1: the second shard of the model, or its pipeline's second (last) stage
+LAYOUTS = {"dp_shard": (), "pp": ("--set", "parallel.pp=2", "--set", "model.config.tie_word_embeddings=false")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, layout):
+    proc, pids, run_dir = kill_rank_1(tmp_path, "--nproc", "2", *LAYOUTS[layout])
     out, err = proc.communicate(timeout=TIMEOUT_S)  # within training.timeout_s, or this raises: never a hang
     assert proc.returncode == 1
     assert "Traceback" not in err + out
