@@ -109,18 +109,21 @@ class VocabSplit(Protocol):
         ...
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[tuple, object] = {}
+
+
+def _compiled_with(fn, backend: str):
+    """`fn` compiled with `backend`, once per function and backend."""
+    if (fn, backend) not in _compiled:
+        if backend == "dvm":
+            import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
+        _compiled[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
+    return _compiled[fn, backend]
 
 
 def _loss_and_grad_fn(backend: str | None):
-    """The chunk function, compiled with `backend` (once per backend) or as it is."""
-    if backend in (None, "none"):
-        return _chunk_loss_and_grad
-    if backend not in _compiled:
-        if backend == "dvm":
-            import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
-        _compiled[backend] = torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
-    return _compiled[backend]
+    """The chunk function, compiled with `backend` or as it is."""
+    return _chunk_loss_and_grad if backend in (None, "none") else _compiled_with(_chunk_loss_and_grad, backend)
 
 
 def _whole_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, denominator: torch.Tensor,
@@ -128,17 +131,6 @@ def _whole_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     """The loss from whole logits, products in `dtype` and the rest in float32 as the chunks compute it."""
     logits = (hidden.to(dtype) @ weight.to(dtype).t()).float()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / denominator
-
-
-_compiled_whole: dict[str, object] = {}
-
-
-def _whole_loss_fn(backend: str):
-    if backend not in _compiled_whole:
-        if backend == "dvm":
-            import hyperparallel.fusion  # noqa: F401  (registers the "dvm" backend)
-        _compiled_whole[backend] = torch.compile(_whole_loss, backend=backend, dynamic=False)
-    return _compiled_whole[backend]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -231,7 +223,7 @@ def linear_cross_entropy(
     if compile not in (None, "none") and vocab_shard is None and flat.shape[0] * weight.shape[0] <= _WHOLE_ELEMENTS:
         dtype = compute_dtype(flat)
         with torch.autocast(hidden.device.type, enabled=False):
-            return _whole_loss_fn(compile)(flat, weight, targets, denominator, dtype)
+            return _compiled_with(_whole_loss, compile)(flat, weight, targets, denominator, dtype)
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(flat, weight, targets, denominator, compute_dtype(flat), want_grads, compile,
                                     vocab_shard)

@@ -71,6 +71,14 @@ def balanced_layers(model: nn.Module) -> list[BalancedLayer]:
     return layers
 
 
+def aux_loss_coefficient(config, model: nn.Module) -> float:
+    """`config`'s (the trainer's `moe:` section) auxiliary-loss coefficient: its own, or where null
+    the model config's router_aux_loss_coef (0 without one)."""
+    if config.aux_loss_coef is not None:
+        return config.aux_loss_coef
+    return getattr(getattr(model, "config", None), "router_aux_loss_coef", None) or 0.0
+
+
 class LoadBalancer:
     def __init__(self, model: nn.Module, mode: str, *, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  process_group=None):
@@ -99,10 +107,8 @@ class LoadBalancer:
         """The balancing `config` (the trainer's `moe:` section) asks for: its rule, or the model
         family's `family_rule`; a null aux_loss_coef is the model config's router_aux_loss_coef
         (0 without one)."""
-        coef = config.aux_loss_coef
-        if coef is None:
-            coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None) or 0.0
-        return cls(model, config.rule(family_rule), aux_loss_coef=coef, bias_update_rate=config.bias_update_rate)
+        return cls(model, config.rule(family_rule), aux_loss_coef=aux_loss_coefficient(config, model),
+                   bias_update_rate=config.bias_update_rate)
 
     def aux_loss(self) -> torch.Tensor | None:
         """coef * the mean over layers of the last forward's auxiliary losses (None when off, or where

@@ -222,30 +222,36 @@ class PipelineStageModule(nn.Module):
         self.activations = activations  # the shape the stages declared to each other
         self.first, self.last = stage == 0, stage == layout.stages - 1
         self.layers = range(*layout.layers[stage])
+        # What each run changes and puts back, found once (the model's structure is settled: built,
+        # sharded and compiled): this rank's other stages' layers, set aside for places; on a rank
+        # holding the last stage too, for a stage before it, the tail set aside for stand-ins.
+        # (kept outside nn.Module's registry: the layers are the model's, registered there)
+        object.__setattr__(self, "_layer_list", layer_list(model))
+        returns_tuple = _returns_tuple(self._layer_list[self.layers.start])
+        self._others = {i: (layer, LayerOnAnotherStage(i, returns_tuple)) for i, layer in enumerate(self._layer_list)
+                        if i not in self.layers and not isinstance(layer, LayerOnAnotherStage)}
+        self._tail = []  # (parent, attribute, the module, its stand-in)
+        if not self.last:
+            for where, name in model._hp_last_stage_modules:
+                parent = model.get_submodule(where.rpartition(".")[0])
+                module = getattr(parent, name)
+                if not isinstance(module, HeldByLastStage):
+                    self._tail.append((parent, name, module, HeldByLastStage(where, type(model).__name__)))
+        self._stand_ins = [m for m in model.modules() if isinstance(m, HeldByLastStage)]
+        self._stand_ins += [stand_in for *_, stand_in in self._tail]
 
     def forward(self, *inputs: torch.Tensor):
         if self.first:
             hidden, (ids, labels, positions) = None, inputs
         else:
             hidden, ids, labels, positions = inputs
-        layers = layer_list(self.model)
-        returns_tuple = _returns_tuple(layers[self.layers.start])
-        others = {i: layer for i, layer in enumerate(layers)
-                  if i not in self.layers and not isinstance(layer, LayerOnAnotherStage)}
-        tail, handles, stand_ins = {}, [], []  # (what the run below changes, put back whatever happens)
-        state = _StageRun()
+        layers, handles, state = self._layer_list, [], _StageRun()
         try:
-            for i in others:  # (this rank's other stages' layers: only this stage's run)
-                layers[i] = LayerOnAnotherStage(i, returns_tuple)
-            if not self.last:  # (a rank holding the last stage too: its tail stands aside for this run)
-                for where, name in self.model._hp_last_stage_modules:
-                    parent = self.model.get_submodule(where.rpartition(".")[0])
-                    module = getattr(parent, name)
-                    if not isinstance(module, HeldByLastStage):
-                        tail[(parent, name)] = module
-                        setattr(parent, name, HeldByLastStage(where, type(self.model).__name__))
-            stand_ins = [m for m in self.model.modules() if isinstance(m, HeldByLastStage)]
-            for m in stand_ins:
+            for i, (_, place) in self._others.items():  # (only this stage's layers run)
+                layers[i] = place
+            for parent, name, _, stand_in in self._tail:
+                setattr(parent, name, stand_in)
+            for m in self._stand_ins:
                 m.run = state
             if hidden is not None:
                 handles.append(layers[self.layers.start].register_forward_pre_hook(
@@ -256,14 +262,14 @@ class PipelineStageModule(nn.Module):
 
                 handles.append(layers[self.layers.stop - 1].register_forward_hook(keep))
             outputs = self.run(self.model, ids, labels if self.last else None, positions)
-        finally:
+        finally:  # (put back whatever happened)
             for handle in handles:
                 handle.remove()
-            for i, layer in others.items():
+            for i, (layer, _) in self._others.items():
                 layers[i] = layer
-            for (parent, name), module in tail.items():
+            for parent, name, module, _ in self._tail:
                 setattr(parent, name, module)
-            for m in stand_ins:
+            for m in self._stand_ins:
                 m.run = None
         if self.last:
             return outputs.loss

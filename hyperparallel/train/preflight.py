@@ -260,7 +260,7 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
         return []
     from hyperparallel.models.families import load_balance_rule
     from hyperparallel.models.layers import layer_list
-    from hyperparallel.moe.balance import balanced_layers
+    from hyperparallel.moe.balance import aux_loss_coefficient, balanced_layers
     from hyperparallel.parallel.pipeline import tied_head
 
     problems = []
@@ -276,11 +276,8 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
                         f"(tie_word_embeddings), which the first and last stages would each hold: not supported yet; "
                         f"use pp: 1, or a model with tie_word_embeddings: false")
     if balanced_layers(meta):
-        rule = cfg.moe.load_balance or load_balance_rule(get_family(cfg.model.family), meta)
-        coef = cfg.moe.aux_loss_coef
-        if coef is None:
-            coef = getattr(meta.config, "router_aux_loss_coef", None) or 0.0
-        if rule == "aux_loss" and coef:
+        rule = cfg.moe.rule(load_balance_rule(get_family(cfg.model.family), meta))
+        if rule == "aux_loss" and aux_loss_coefficient(cfg.moe, meta):
             problems.append(f"parallel.pp = {p.pp} with moe.load_balance: aux_loss: each stage's routers would need "
                             f"their loss's gradient where the stage runs (not supported yet); use moe.load_balance: "
                             f"none, or moe.aux_loss_coef: 0")
