@@ -153,6 +153,7 @@ class ShardedParam:
         full_dtype = param.dtype if keeps_dtype(param) else (param_dtype or param.dtype)
         empty = torch.empty(0, dtype=full_dtype, device=local.device)
         full = nn.Parameter(empty.set_(empty.untyped_storage(), 0, shape), requires_grad=param.requires_grad)
+        full.untyped_storage().resize_(0)  # (set_ gave the storage the shape's bytes)
         row_numel = full_2d.shape[1]
         return cls(places, info, shard, full, row_numel, padded_rows(info.rows, world, geometry, align), placement,
                    [length * row_numel for _, length in placement.ranges], full.numel() * full.element_size(),

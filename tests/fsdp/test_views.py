@@ -44,7 +44,7 @@ def test_gathered_views_fill_every_full_parameter(world, geometry, align, param_
     if param_dtype is not None:  # (as fully_shard's MixedPrecision would make them, every other one kept)
         for params in ranks:
             for p in params[::2]:
-                p.full.data = p.full.data.to(param_dtype)
+                p.full.data = torch.empty(p.full.shape, dtype=param_dtype)  # (its bytes: the gather's below)
                 p.full_nbytes = p.full.numel() * p.full.element_size()
     views = [gather_views(params, world, r) for r, params in enumerate(ranks)]
     for v, params in zip(views, ranks, strict=True):
@@ -107,6 +107,14 @@ def one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     leave()
+
+
+def test_a_full_parameter_has_no_bytes_before_its_first_gather(one_rank):
+    """Sharding gives each rank its shards alone: the full parameters get their bytes from the
+    first all-gather (a model built on the meta device holds its shards alone until its first step)."""
+    model = fully_shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3, device="meta")), device=torch.device("cpu"))
+    for p in getattr(model, _GROUP).params:
+        assert p.full.untyped_storage().nbytes() == 0 and p.shard.untyped_storage().nbytes() > 0
 
 
 def test_a_group_makes_its_views_once_and_frees_its_buffers_between_collectives(one_rank):
