@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from torch.profiler import ProfilerActivity, profile
 
 from hyperparallel.models import build_model, install_fused_loss
 from hyperparallel.models.kernels import use_kernels
@@ -27,6 +26,7 @@ from hyperparallel.train.config import from_mapping, load_config
 from hyperparallel.train.data import MicroBatch, tokenizer_vocab_size
 from hyperparallel.train.distributed import joined
 from hyperparallel.train.step import TrainStep
+from tests.allocator import allocator_peak
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CPU = torch.device("cpu")
@@ -116,15 +116,9 @@ def _step_peak(cfg, built, vocab: int) -> int:
     batches = [MicroBatch(i, i, None) for i in ids]
     step(batches)  # the optimizer's state exists from here on
     start = nbytes(built.model.parameters()) + state_bytes(optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_peak() as peak:
         step(batches)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return start + peak
+    return start + peak[0]
 
 
 @pytest.mark.parametrize("training, parallel", [

@@ -21,6 +21,7 @@ from hyperparallel.models.kernels import use_kernels
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.expert_parallel import keep_local_experts, routed_experts
 from hyperparallel.parallel.mixed_precision import attach_mx_gather, keep_float32_outside_products
+from hyperparallel.parallel.pipeline import StageLayout, hold_stages, stage_layout
 from hyperparallel.parallel.tensor_parallel import split_tensor_parallel
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import TrainConfig
@@ -88,13 +89,16 @@ def whole_model_config(cfg: TrainConfig, vocab: int) -> dict:
 
 
 def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp: int = 1, ep: int = 1,
-               layers: int | None = None) -> nn.Module:
+               layers: int | None = None, stages: StageLayout | None = None, pp_rank: int = 0) -> nn.Module:
     """The model the trainer trains, its tensors fake tensors of `mode` on `device` (meta storage:
     no bytes), with the fused kernels, the fused loss and recompute applied (MXFP8 and compilation
     are not). With `tp` and `ep`: one rank's part (the first expert-parallel rank's experts, the most
     when they do not divide), its MoE layers computing every routed row as a rank receiving its
-    share under uniform routing does."""
+    share under uniform routing does. With `stages`: what pipeline rank `pp_rank` holds of it, cut
+    as the trainer cuts it (`parallel.pipeline.hold_stages`)."""
     model = meta_model(cfg, tp, layers)
+    if stages is not None:
+        hold_stages(model, stages, pp_rank)
     use_kernels(model, mega_gate=cfg.kernels.mega_gate, mega_mhc=cfg.kernels.mega_mhc)
     with mode:
         model.to_empty(device=device)
@@ -107,6 +111,17 @@ def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp:
         install_fused_loss(model)  # (its element-wise work eager: compiled it keeps the same tensors)
     apply_recompute(model, cfg.parallel.recompute)
     return model
+
+
+def pipeline_stages(cfg: TrainConfig, layers: int | None = None) -> StageLayout:
+    """The pipeline's stages as the trainer splits the model (`parallel.pipeline.stage_layout`).
+    With `layers` (plan_search's screening of the model's first layers): one first stage of them
+    all, the others empty, which is what `planner.plan` screens every stage as."""
+    p = cfg.parallel
+    if layers is None:
+        return stage_layout(meta_model(cfg), p.pp, p.pp_virtual_stages, p.pp_schedule, p.pp_layers)
+    stages = p.pp * p.pp_virtual_stages
+    return StageLayout(p.pp, p.pp_virtual_stages, p.pp_schedule, ((0, layers),) + ((layers, layers),) * (stages - 1))
 
 
 def tag_as_built(cfg: TrainConfig, model: nn.Module, sharded: bool) -> nn.Module:

@@ -71,27 +71,32 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
-def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: int = 0) -> list[dict]:
+def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: int = 0, depth: int = 1) -> list[dict]:
     """The mesh shapes of `cfg`'s model (its HF `config`, `experts` routed experts per MoE layer,
-    0: dense) over `world` ranks to try (as config settings), without recompute and micro-batch
-    (`search` picks those): shard groups of whole machines, or of every data-parallel rank."""
+    0: dense; `depth` decoder layers) over `world` ranks to try (as config settings), without
+    recompute and micro-batch (`search` picks those): shard groups of whole machines, or of every
+    data-parallel rank; pipeline stages (1F1B, the outermost dimension) of whole machines, at least
+    two decoder layers each, and without cp (the trainer refuses it inside stages)."""
     heads = config_values(config, "num_attention_heads")  # (per layer, where the config lets them vary)
     seq = cfg.data.seq_len
     out = []
-    for tp in [t for t in _powers_of_two(min(ranks_per_node, world))
-               if all(h % t == 0 for h in heads) and world % t == 0]:
-        for cp in [c for c in _powers_of_two(max(seq // CP_TOKENS, 1)) if (world // tp) % c == 0]:
-            if tp > 1 and cp > 1:
-                continue
-            dp = world // (tp * cp)
-            for dp_shard in _divisors(dp):
-                group = dp_shard * cp * tp
-                if dp_shard != dp and group % ranks_per_node:
+    for pp in [q for q in _powers_of_two(world) if q == 1 or (world // q % ranks_per_node == 0 and 2 * q <= depth)]:
+        stage = world // pp
+        for tp in [t for t in _powers_of_two(min(ranks_per_node, stage))
+                   if all(h % t == 0 for h in heads) and stage % t == 0]:
+            for cp in [c for c in _powers_of_two(max(seq // CP_TOKENS, 1)) if (stage // tp) % c == 0]:
+                if cp > 1 and (tp > 1 or pp > 1):
                     continue
-                eps = [e for e in _powers_of_two(dp_shard * cp) if e <= experts] if experts else [1]
-                for ep in eps:
-                    out.append({"parallel.tp": tp, "parallel.cp": cp, "parallel.dp_replicate": dp // dp_shard,
-                                "parallel.dp_shard": dp_shard, "parallel.ep": ep})
+                dp = stage // (tp * cp)
+                for dp_shard in _divisors(dp):
+                    group = dp_shard * cp * tp
+                    if dp_shard != dp and group % ranks_per_node:
+                        continue
+                    eps = [e for e in _powers_of_two(dp_shard * cp) if e <= experts] if experts else [1]
+                    for ep in eps:
+                        out.append({"parallel.pp": pp, "parallel.tp": tp, "parallel.cp": cp,
+                                    "parallel.dp_replicate": dp // dp_shard, "parallel.dp_shard": dp_shard,
+                                    "parallel.ep": ep})
     return out
 
 
@@ -156,17 +161,19 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         except ConfigError:
             return None
         options = {"device_model": device, "runtime": runtime, "device": "cpu", "simulations": simulations}
+        # (a pipeline's screen: its first stage, holding all the rank's share of the layers)
+        held = depth if candidate.parallel.pp == 1 else -(-depth // candidate.parallel.pp)
         try:
-            if depth <= db:
-                return plan(candidate, world, **options)
-            return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, depth)
+            if held <= db:  # (a pipeline's: its first stage of `held` layers alone)
+                return plan(candidate, world, layers=None if held == depth else held, **options)
+            return _extrapolated(*(plan(candidate, world, layers=n, **options) for n in (da, db)), da, db, held)
         except ConfigError as error:  # what this layout asks of the model it cannot do (no TP plan, no CP, ...)
             refusals.append(str(error).splitlines()[0])
             return None
 
     screened: list[Candidate] = []
     over: list[Candidate] = []  # (the first of each mesh and recompute mode the screen puts over the budget)
-    for mesh in layouts(cfg, world, device.ranks_per_node, config, experts):
+    for mesh in layouts(cfg, world, device.ranks_per_node, config, experts, depth):
         rows = _rows(cfg, world, mesh)  # (each data-parallel rank reads its share of a batch)
         micros = [m for m in _powers_of_two(rows) if rows % m == 0]
         for recompute in ("off", "selective", "full"):
@@ -211,7 +218,7 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
 
 def _rows(cfg: TrainConfig, world: int, settings: dict) -> int:
     """The sequences each data-parallel rank reads a step (0 where the batch does not divide)."""
-    data_ranks = world // (settings["parallel.tp"] * settings["parallel.cp"])
+    data_ranks = world // (settings["parallel.pp"] * settings["parallel.tp"] * settings["parallel.cp"])
     return cfg.training.global_batch // data_ranks if cfg.training.global_batch % data_ranks == 0 else 0
 
 

@@ -64,18 +64,19 @@ from hyperparallel.train.planning.device_model import DeviceModel
 aten = torch.ops.aten
 
 COLLECTIVE_STEPS = {"all_gather": lambda w: w - 1, "reduce_scatter": lambda w: w - 1,
-                    "all_reduce": lambda w: 2 * (w - 1), "all_to_all": lambda w: w - 1}
+                    "all_reduce": lambda w: 2 * (w - 1), "all_to_all": lambda w: w - 1, "send": lambda w: 1}
 
 
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective of a step: `calls` of them per optimizer step, each over `ranks` ranks
     of mesh dimension `dimension`, of `nbytes` (all-gather / reduce-scatter: one rank's slot;
-    all-reduce: the tensor; all-to-all: all the rows this rank sends and keeps)."""
+    all-reduce: the tensor; all-to-all: all the rows this rank sends and keeps; send: what one
+    rank sends the next, `ranks` 2)."""
 
     name: str
-    dimension: str  # dp_shard (FSDP's group, or DDP's ranks) | dp_replicate | tp | cp | ep
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    dimension: str  # dp_shard (FSDP's group, or DDP's ranks) | dp_replicate | tp | cp | ep | pp
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send
     ranks: int
     nbytes: int
     calls: int
@@ -93,6 +94,8 @@ class Collective:
             return (w - 1) * self.nbytes
         if self.kind == "all_reduce":
             return 2 * (w - 1) * self.nbytes // w
+        if self.kind == "send":
+            return self.nbytes
         return (w - 1) * self.nbytes // w
 
     def sent(self) -> int:
@@ -317,6 +320,7 @@ class StepTime:
     tokens_per_s: float
     mfu: float  # model FLOPs (models.flops: 6 x active parameters + attention) per second over the ranks' peak BF16
     device_source: str = ""
+    bubble_s: float = 0.0  # pipeline parallelism: the time stages wait in the schedule's fill and drain
 
     def to_json(self) -> dict:
         return asdict(self)

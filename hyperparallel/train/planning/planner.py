@@ -52,7 +52,7 @@ copies.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -62,6 +62,7 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.optim import split_for_muon
 from hyperparallel.parallel.expert_parallel import routed_experts
 from hyperparallel.parallel.mesh import MeshShape
+from hyperparallel.parallel.pipeline import StageLayout
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.planning.communication import COMM_FORMULA, megamoe_exposed_s, step_collectives
 from hyperparallel.train.planning.device_model import DeviceModel
@@ -77,8 +78,16 @@ from hyperparallel.train.planning.memory import (
     shard_bytes,
     timeline_peak,
 )
-from hyperparallel.train.planning.model import fake_model, meta_model, tag_as_built
-from hyperparallel.train.planning.plan_time import Collective, OpCosts, StepTime, gathered_in_bf16, predict
+from hyperparallel.train.planning.model import fake_model, meta_model, pipeline_stages, tag_as_built
+from hyperparallel.train.planning.pipeline import StageWork, in_flight, pipeline_buffers, pipeline_step_s, stage_sends
+from hyperparallel.train.planning.plan_time import (
+    Collective,
+    OpCosts,
+    StepTime,
+    gathered_in_bf16,
+    predict,
+    spans_nodes,
+)
 from hyperparallel.train.planning.timeline import simulate
 from hyperparallel.train.preflight import layout_problems
 
@@ -119,6 +128,9 @@ class Plan:
     # and by "dimension/kind" of collective: the keys of the counter's (a run's metrics.jsonl, comm_bytes)
     comm_by_dimension_and_kind: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # the predicted step time (with a device model)
+    # pipeline parallelism: the schedule, each stage's decoder layers, the rank figured (pp_rank)
+    # and every pipeline rank's total (planning/pipeline.py)
+    pipeline: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -134,7 +146,8 @@ class Plan:
 
 
 def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: torch.device | str | None = None,
-         device_model: DeviceModel | None = None, layers: int | None = None, simulations: dict | None = None) -> Plan:
+         device_model: DeviceModel | None = None, layers: int | None = None, simulations: dict | None = None,
+         _stages: tuple[StageLayout, int] | None = None) -> Plan:
     """The memory and communication plan of one rank of `cfg` run over `world` ranks, and with
     `device_model` its predicted step time (plan_time.py).
 
@@ -146,18 +159,28 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     `plan_search` extrapolates from); `simulations`: a cache of simulated micro-batches, shared by
     plans of one config that differ in their layout only (their expert-parallel timelines are one
     simulation's with every expert, its expert gradients cut to a rank's).
+
+    With pipeline parallelism the plan is of the pipeline rank holding the most (its stages' own
+    model, micro-batches in flight and the schedule's buffers: planning/pipeline.py), its time the
+    pipeline's (the slowest rank's, and the bubble), `Plan.pipeline` every rank's total; with
+    `layers` (screening) of a first stage holding them all, every stage taken as it.
+    `_stages`: (the stages, the pipeline rank) of one rank's plan, made here.
     """
     from hyperparallel.train.distributed import device_for_this_rank
 
     if world < 1:
         raise ConfigError(f"the number of ranks must be at least 1, got {world}")
     problems = layout_problems(cfg, world)
-    if cfg.parallel.pp > 1:
-        problems.append(f"parallel.pp = {cfg.parallel.pp}: hyperparallel plan does not model pipeline stages yet "
-                        f"(each stage's memory, the bubble, the stages' exchanges); plan with pp: 1")
     if problems:
         raise ConfigError("\n".join(problems))
     layout = MeshShape.of(cfg.parallel, world)
+    if layout.pp_enabled and _stages is None:  # each pipeline rank's plan, then the pipeline's
+        stages = pipeline_stages(cfg, layers)
+        options = {"runtime": runtime, "device": device, "device_model": device_model, "layers": layers,
+                   "simulations": simulations}
+        ranks = range(1 if layers is not None else layout.pp)
+        return _pipeline_plan(cfg, stages, [plan(cfg, world, **options, _stages=(stages, r)) for r in ranks])
+    stages, pp_rank = _stages if _stages is not None else (None, 0)
     accumulation = cfg.grad_accumulation(world)
     device = torch.device(device) if device is not None else device_for_this_rank()
     if device.type == "cuda" and device.index is None:
@@ -172,21 +195,26 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
     if simulations is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # (the meta model's tensors become fake ones)
-        model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers)
-        timeline = simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu")
+        model = fake_model(cfg, mode, device, tp=layout.tp, ep=layout.ep, layers=layers, stages=stages,
+                           pp_rank=pp_rank)
+        timeline = simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu",
+                            stages=stages, pp_rank=pp_rank)
         whole_config = _whole_config(cfg, model, layout, layers)
     else:  # (screening: one simulation with every expert per micro-batch shape, shared by every ep)
-        key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute)
+        # (a screened first stage of the pipeline is the same model at any pp: the first layers, no head)
+        cut = {"stages": stages, "pp_rank": pp_rank}
+        staged = tuple(stages.layers[s] for s in stages.stages_of(pp_rank)) if stages is not None else None
+        key = (layout.tp, layers, seq_len, cfg.training.micro_batch, cfg.parallel.recompute, staged)
         if key not in simulations:
             mode = FakeTensorMode(allow_non_fake_inputs=True)
-            model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers)
-            simulations[key] = (simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu"),
-                                _whole_config(cfg, model, MeshShape(tp=layout.tp), layers))
+            model = fake_model(cfg, mode, device, tp=layout.tp, layers=layers, **cut)
+            simulations[key] = (simulate(model, mode, cfg, device, seq_len, gpu_attention=on_gpu and device.type == "cpu",
+                                         **cut), _whole_config(cfg, model, MeshShape(tp=layout.tp, pp=layout.pp), layers))
         timeline, whole_config = simulations[key]
-        shapes = ("model", layout.tp, layout.ep, layers)  # (only its parameters' shapes are read)
+        shapes = ("model", layout.tp, layout.ep, layers, staged)  # (only its parameters' shapes are read)
         if shapes not in simulations:
             simulations[shapes] = fake_model(cfg, FakeTensorMode(allow_non_fake_inputs=True), device, tp=layout.tp,
-                                             ep=layout.ep, layers=layers)
+                                             ep=layout.ep, layers=layers, **cut)
         model = simulations[shapes]
         if layout.ep_enabled:
             timeline = timeline.with_gradients_of(list(model.parameters()))
@@ -233,6 +261,12 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         description = describe_shape(layout)
     if not sharded:
         peak += buffers
+    if stages is not None:  # the schedule's micro-batches in flight and its receive buffers (planning/pipeline.py)
+        n, rows, hidden = accumulation, cfg.training.micro_batch, whole_config["config"].get_text_config(decoder=True).hidden_size
+        element = next(q.element_size() for q in params if q.is_floating_point())
+        kept = int((in_flight(stages, pp_rank, n) - 1) * timeline.kept_for_backward())
+        received = pipeline_buffers(stages, pp_rank, n, rows, seq_len, hidden, element)
+        activations, buffers, peak = activations + kept, buffers + received, peak + kept + received
     target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
     optimizer_step = grads + optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, target)
     optimizer_step += 0 if sharded else buffers
@@ -243,6 +277,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     ranks_per_node = device_model.ranks_per_node if device_model is not None else world
     collectives = step_collectives(cfg, layout, model, whole_config["config"], groups, grads_whole, accumulation,
                                    muon_sent, experts, ranks_per_node)
+    if stages is not None:
+        collectives += stage_sends(stages, pp_rank, n, rows, seq_len, hidden, element,
+                                   spans_nodes(layout.stage_world, 2, ranks_per_node))
     comm: dict[str, int] = {}
     by_dimension: dict[str, int] = {}
     by_kind: dict[str, int] = {}  # "dimension/kind", as the trainer's first step record has them (traffic.py)
@@ -293,7 +330,28 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         activations=activations, buffers=buffers, tensors=tensors, runtime=runtime,
         comm_bytes_per_step=sum(comm.values()), build=build, comm=comm, unaccounted=tuple(unaccounted),
         mesh=layout.dims(), comm_by_dimension=by_dimension, comm_by_dimension_and_kind=by_kind, time=step_time,
+        pipeline={} if stages is None else {"schedule": stages.schedule, "pp_rank": pp_rank,
+                                            "stages": [list(bounds) for bounds in stages.layers],
+                                            "stages_of_rank": stages.stages_of(pp_rank)},
     )
+
+
+def _pipeline_plan(cfg: TrainConfig, stages: StageLayout, plans: list[Plan]) -> Plan:
+    """The pipeline's plan from each pipeline rank's (one: a screened first stage, every stage
+    taken as it): the figures of the rank holding the most, every rank's total beside them, and
+    the pipeline's step (planning/pipeline.py)."""
+    figured = max(plans, key=lambda p: p.total)
+    pipeline = {**figured.pipeline, "totals": [p.total for p in plans]}
+    if figured.time is None:
+        return replace(figured, pipeline=pipeline)
+    ranks = plans if len(plans) > 1 else plans * stages.pp
+    work = [StageWork(p.time.predicted_step_s, p.time.compute_s / p.accumulation) for p in ranks]
+    step, bubble = pipeline_step_s(work, stages.per_rank)
+    slowest = max(ranks, key=lambda p: p.time.predicted_step_s).time
+    tokens_per_s = cfg.training.global_batch * cfg.data.seq_len / step
+    time = replace(slowest, predicted_step_s=step, bubble_s=bubble, tokens_per_s=tokens_per_s,
+                   mfu=slowest.mfu * slowest.predicted_step_s / step)
+    return replace(figured, pipeline=pipeline, time=time)
 
 
 def _whole_config(cfg: TrainConfig, model: nn.Module, layout: MeshShape, layers: int | None) -> dict:
@@ -301,7 +359,8 @@ def _whole_config(cfg: TrainConfig, model: nn.Module, layout: MeshShape, layers:
     one rank's part)."""
     from hyperparallel.models.flops import training_flops_per_token
 
-    whole = model if not layout.tp_enabled and not layout.ep_enabled and layers is None else meta_model(cfg)
+    whole = (model if not layout.tp_enabled and not layout.ep_enabled and not layout.pp_enabled and layers is None
+             else meta_model(cfg))
     return {"n_params": sum(p.numel() for p in whole.parameters()), "config": whole.config,
             "flops_per_token": training_flops_per_token(whole, cfg.data.seq_len)}
 

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from hyperparallel.models import fused_loss
 from hyperparallel.models import loss as loss_module
 from hyperparallel.models.layers import decoder_layers
+from hyperparallel.parallel.pipeline import PipelineStageModule, StageLayout
 from hyperparallel.train.build import build_balancer
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.planning.memory import nbytes, timeline_peak
@@ -153,6 +154,21 @@ class Timeline:
         """The most bytes alive at once that are not parameters' gradients."""
         return timeline_peak(self, None, 1, 1, 0)[0]
 
+    def kept_for_backward(self) -> int:
+        """The bytes alive when backward starts that are not gradients: what the micro-batch's
+        forward keeps for its backward (a pipeline schedule keeps it for each micro-batch in flight)."""
+        alloc_bytes: dict[int, int] = {}
+        live = 0
+        for event in self.events:
+            if event[0] == "alloc" and event[1] not in self.grad_serial:
+                alloc_bytes[event[1]] = event[2]
+                live += event[2]
+            elif event[0] == "free":
+                live -= alloc_bytes.pop(event[1], 0)
+            elif event[0] == "mark" and event[1] == "backward":
+                return live
+        return live
+
     def with_gradients_of(self, params: list[torch.Tensor]) -> Timeline:
         """This timeline with each parameter's gradient the size of `params[j]` (the same model's
         parameters with fewer experts: `plan_search` screens expert-parallel layouts on the
@@ -253,12 +269,51 @@ def _loss_chunks_as_graphs(recorder: _Recorder):
         loss_module._chunk_loss_and_grad = original
 
 
+class _StagePass:
+    """A micro-batch through the stages pipeline rank `pp_rank` holds, as the schedule runs it:
+    each stage's module (`parallel.pipeline.PipelineStageModule`, the trainer's) forward, the
+    first from the token ids, the others from activations received (a leaf of the schedule's
+    buffers); then backward from the last stage's loss, or from the gradient of what a stage sends
+    on. The received activations and gradients are made at construction, outside the recording."""
+
+    def __init__(self, model: nn.Module, mode, stages: StageLayout, pp_rank: int, shape: tuple[int, int],
+                 device: torch.device):
+        hidden_size = model.config.get_text_config(decoder=True).hidden_size
+        dtype = next(q.dtype for q in model.parameters() if q.is_floating_point())
+        activations = (*shape, hidden_size)
+        self.modules = [PipelineStageModule(model, stages, s, _run, activations) for s in stages.stages_of(pp_rank)]
+        with mode:
+            self.received = [torch.empty(activations, dtype=dtype, device=device, requires_grad=True)
+                             for _ in self.modules]
+            self.gradients = [torch.empty(activations, dtype=dtype, device=device) for _ in self.modules]
+
+    def forward(self, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What backward starts from (a loss, or each sent activation) and its gradients."""
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        outputs, gradients = [], []
+        for module, received, gradient in zip(self.modules, self.received, self.gradients, strict=True):
+            inputs = (ids, ids, positions) if module.first else (received, ids, ids, positions)
+            out = module(*inputs)
+            outputs.append(out if module.last else out[0])
+            gradients.append(None if module.last else gradient)
+        return outputs, gradients
+
+
+def _run(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor):
+    return model(input_ids=ids, labels=labels, position_ids=positions)
+
+
 def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq_len: int | None = None,
-             gpu_attention: bool = False) -> Timeline:
+             gpu_attention: bool = False, stages: StageLayout | None = None, pp_rank: int = 0) -> Timeline:
     """One micro-batch's forward and backward on `mode`'s fake tensors, recorded (a real model
     with a null context for `mode` is recorded the same way, on real tensors). `seq_len`: the
     tokens of each sequence this rank holds (context parallelism's part; default the whole);
-    `gpu_attention`: attention as a GPU runs it (`_attention_as_on_gpu`), for a GPU's plan."""
+    `gpu_attention`: attention as a GPU runs it (`_attention_as_on_gpu`), for a GPU's plan. With
+    `stages`: `model` is what pipeline rank `pp_rank` holds (`model.fake_model`), and the micro-batch
+    runs through each of its stages as the schedule runs them (`_StagePass`): forward, then
+    backward from the loss or from the gradient the next stage sends (the activations the
+    previous stage sends, and the gradients, arrive in the schedule's buffers, made before: not
+    in the recording, `memory.pipeline_buffers` counts them)."""
     layers = list(decoder_layers(model))
     params = list(model.parameters())
     recorder = _Recorder()
@@ -283,22 +338,27 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
         # every module call (the CPU's Python time per module: plan_time); process-wide, so last
         handles.append(torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_called))
         attention = _attention_as_on_gpu() if gpu_attention else contextlib.nullcontext()
+        shape = (cfg.training.micro_batch, seq_len or cfg.data.seq_len)
+        stage_pass = _StagePass(model, mode, stages, pp_rank, shape, device) if stages is not None else None
         with mode, recorder, _masks_as_on_real_tensors(), _loss_chunks_as_graphs(recorder), attention as padded:
-            ids = torch.zeros(cfg.training.micro_batch, seq_len or cfg.data.seq_len, dtype=torch.long, device=device)
+            ids = torch.zeros(shape, dtype=torch.long, device=device)
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                    loss = model(input_ids=ids, labels=ids).loss
+                    if stage_pass is not None:
+                        loss, gradients = stage_pass.forward(ids)
+                    else:
+                        loss, gradients = [model(input_ids=ids, labels=ids).loss], None
                 aux = balancer.aux_loss() if balancer is not None else None
                 if aux is not None:
-                    loss = loss + aux
+                    loss = [loss[0] + aux]
                 recorder.mark("backward")
-                loss.backward()
+                torch.autograd.backward(loss, gradients)
             if balancer is not None:
                 balancer.after_backward()
             recorder.mark("end")
             grad_serial = {recorder.serial_of(p.grad): j for j, p in enumerate(params) if p.grad is not None}
             stored = {recorder._storage_id(p): j for j, p in enumerate(params)}
-            del loss, ids
+            del loss, gradients, ids, stage_pass
     finally:
         for handle in handles:
             handle.remove()
