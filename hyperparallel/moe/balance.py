@@ -17,11 +17,22 @@ Three rules (`mode`):
 
 Whatever the rule, each step reports per MoE layer its imbalance: the most tokens any expert got
 over the mean per expert (1.0 is perfect balance; E when one expert takes everything).
+
+[Note: balancing pipeline stages] Under pipeline parallelism a rank holds some of the MoE layers
+and its schedule runs several forwards before their backwards (`hold_stages`). Each stage's
+forward is recorded as it runs (`begin_stage` / `end_stage`: the routers record only then, so
+recompute's replays in backward record nothing) and its loads folded at once; the loads are
+summed over the ranks holding the same stage, the figures gathered over the pipeline into the
+whole model's layer order. The auxiliary loss is the whole model's, made of every stage's part
+(its layers' losses over the model's layer count, times the coefficient): a stage's part is
+differentiated where the stage runs, attached to what the stage hands on (`_AuxLossGradient`:
+the value passes unchanged, backward gives the part the gradient 1 / micro-batches, the weight
+every micro-batch's loss has), the logged figure the parts' sum over the pipeline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -99,8 +110,9 @@ class LoadBalancer:
                 layer.counter.load_balance = mode
             layer.counter.recording = True
             layer.counter.clear_record()
-        self._step_counts: list[torch.Tensor] | None = None  # per layer [E]: this rank's, this step's
+        self._step_counts: list[torch.Tensor | None] | None = None  # per layer [E]: this rank's, this step's
         self._aux_values: list[torch.Tensor] = []  # this step's, per micro-batch (read at its end)
+        self.pipeline: _Pipeline | None = None  # set by hold_stages
 
     @classmethod
     def from_config(cls, model: nn.Module, config: MoEConfig, *, family_rule: str) -> LoadBalancer:
@@ -128,25 +140,83 @@ class LoadBalancer:
         that transformers' model added itself, reported as ours is."""
         if model_aux is not None:
             self._aux_values.append(model_aux.detach().float())
-        counts = [layer.counter.last_counts for layer in self.layers]
-        if self.layers and all(c is not None for c in counts):
-            if self._step_counts is None:
-                self._step_counts = counts
-            else:
-                self._step_counts = [total + c for total, c in zip(self._step_counts, counts, strict=True)]
-        for layer in self.layers:
+        self._fold()
+
+    def _fold(self) -> None:
+        """The routers' records into the step's loads, per layer (a pipeline stage's forward
+        records its own layers only), and the records cleared."""
+        if self._step_counts is None:
+            self._step_counts = [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            c = layer.counter.last_counts
+            if c is not None:
+                total = self._step_counts[i]
+                self._step_counts[i] = c if total is None else total + c
             layer.counter.clear_record()
+
+    def hold_stages(self, model: nn.Module, stage_group, pp_group, micro_batches: int) -> None:
+        """Balance the MoE layers this rank holds of a pipeline's (`model`: cut to its stages),
+        with the ranks holding the same stages (`stage_group`) and the other stages (`pp_group`),
+        over `micro_batches` a step ([Note: balancing pipeline stages]). Collective over pp_group."""
+        from hyperparallel.models.layers import layer_list
+
+        where = {}  # each balanced layer's decoder layer
+        for i, layer in enumerate(layer_list(model)):
+            for module in layer.modules():
+                where[id(module)] = i
+        order = torch.tensor([where[id(layer.counter)] for layer in self.layers], dtype=torch.float64)
+        held = torch.tensor([len(self.layers), len(self.routers)], dtype=torch.int64)
+        dist.all_reduce(held, group=pp_group)
+        most = torch.tensor([len(self.layers)], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pp_group)
+        padded = torch.full((int(most),), float("inf"), dtype=torch.float64)
+        padded[:len(self.layers)] = order
+        gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather(gathered, padded, group=pp_group)
+        everywhere = torch.cat(gathered)  # (each pp rank's layers' decoder indices, padded with inf)
+        placed = torch.argsort(everywhere)[:int(held[0])]  # (the whole model's layers, in its order)
+        self.process_group = stage_group
+        self.pipeline = _Pipeline(pp_group, micro_batches, int(held[1]), int(most), placed)
+        for layer in self.layers:
+            layer.counter.recording = False  # (on only while a stage's forward runs)
+
+    def begin_stage(self) -> None:
+        """A pipeline stage's forward starts: its routers record it."""
+        for layer in self.layers:
+            layer.counter.recording = True
+
+    def end_stage(self, handed_on: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage's forward ended with `handed_on` (its activations, or the last stage's
+        loss): its loads folded, its routers' recording off, and its part of the auxiliary loss
+        attached to `handed_on`, for backward ([Note: balancing pipeline stages])."""
+        part = None
+        if self.mode == "aux_loss":
+            losses = [loss for loss in (r.aux_loss() for r in self.routers) if loss is not None]
+            if losses:
+                part = torch.stack(losses).sum() / self.pipeline.routers
+                self._aux_values.append(part.detach())
+        self._fold()
+        for layer in self.layers:
+            layer.counter.recording = False
+        if part is None or not self.aux_loss_coef:
+            return handed_on
+        return _AuxLossGradient.apply(handed_on, self.aux_loss_coef * part / self.pipeline.micro_batches)
 
     @torch.no_grad()
     def after_step(self) -> dict[str, torch.Tensor]:
         """The step's global loads: update the biases (mode bias); return the step's figures as
         device tensors, read nothing back (`read_figures` turns them into numbers, when logging)."""
         figures: dict[str, torch.Tensor] = {}
-        if self._aux_values:
+        pipeline = self.pipeline
+        if pipeline is not None and self.mode == "aux_loss":  # (every stage's parts, each micro-batch's)
+            parts = torch.stack(self._aux_values).sum() if self._aux_values else torch.zeros((), dtype=torch.float32)
+            dist.all_reduce(parts, group=pipeline.group)
+            figures["aux_loss"] = parts / pipeline.micro_batches
+        elif self._aux_values:
             figures["aux_loss"] = torch.stack(self._aux_values).mean()
         self._aux_values = []
         per_layer, self._step_counts = self._step_counts, None
-        if per_layer is None:
+        if not per_layer or any(c is None for c in per_layer):
             return figures
         counts = torch.cat(per_layer)  # one all-reduce for every layer
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
@@ -159,7 +229,43 @@ class LoadBalancer:
             if self.mode == "bias" and bias is not None:
                 bias.add_(self.bias_update_rate * torch.sign(mean - load).to(bias.dtype))
         figures["moe_imbalance_per_layer"] = torch.stack(imbalance)
+        if pipeline is not None:  # (the whole model's layers, in order)
+            figures["moe_imbalance_per_layer"] = pipeline.gathered(figures["moe_imbalance_per_layer"])
         return figures
+
+
+@dataclass
+class _Pipeline:
+    """What a pipeline rank's balancer knows of the others ([Note: balancing pipeline stages])."""
+
+    group: object  # the pp group
+    micro_batches: int
+    routers: int  # the whole model's routers (the auxiliary loss's mean is over them)
+    most: int  # the most MoE layers a pipeline rank holds
+    placed: torch.Tensor = field(repr=False)  # where each of the model's layers is in the gathered figures
+
+    def gathered(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """Every pipeline rank's per-layer figures, in the whole model's layer order."""
+        padded = torch.zeros(self.most, dtype=per_layer.dtype, device=per_layer.device)
+        padded[:per_layer.numel()] = per_layer
+        out = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, padded, group=self.group)
+        return torch.cat(out)[self.placed.to(per_layer.device)]
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """`handed_on` unchanged forward; backward, its gradient passes and `part` gets 1: the part is
+    differentiated with what it is attached to, and adds nothing to its value."""
+
+    @staticmethod
+    def forward(ctx, handed_on: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(part)
+        return handed_on.view_as(handed_on)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (part,) = ctx.saved_tensors
+        return grad, torch.ones_like(part)
 
 
 def read_figures(figures: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:

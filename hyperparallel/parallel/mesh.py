@@ -52,7 +52,7 @@ from hyperparallel.errors import ConfigError
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 CP_MODES = ("ring", "ulysses")  # how context parallelism's attention exchanges the sequence (parallel.cp_mode)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the device mesh's dimensions, outermost first
-GROUPS = ("pp", "tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
+GROUPS = ("pp", "stage", "tp", "cp", "dp_replicate", "fsdp", "ep", "expert_shard", "world")  # a ParallelMesh's process groups
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ class MeshShape:
                 groups.setdefault(name, ranks.movedim(dim, -1).reshape(-1, sizes[dim]).tolist())
         if not self.ep_enabled:  # (every rank holds every expert: its fsdp group shards them)
             groups.update(expert_shard=groups["fsdp"], ep=[[rank] for rank in range(self.world)])
+        groups["stage"] = torch.arange(self.world).view(self.pp, self.stage_world).tolist()
         return groups
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -278,6 +279,11 @@ class ParallelMesh:
         return self.groups["pp"]
 
     @property
+    def stage_group(self) -> dist.ProcessGroup:
+        """The ranks holding this rank's pipeline stages (every rank without pp)."""
+        return self.groups["stage"]
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.shape.fsdp_enabled
 
@@ -369,6 +375,12 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
         groups.update(ep=meshes["experts"].get_group("ep"), expert_shard=meshes["experts"].get_group("expert_shard"))
     else:  # every rank holds every expert: one rank splits them, the fsdp group shards them
         groups.update(ep=_alone(), expert_shard=groups["fsdp"])
+    groups["stage"] = dist.group.WORLD
+    if shape.pp_enabled:  # (every rank makes every stage's group: new_group is collective)
+        for ranks_of_stage in shape.groups()["stage"]:
+            group = dist.new_group(ranks_of_stage)
+            if dist.get_rank() in ranks_of_stage:
+                groups["stage"] = group
     return ParallelMesh(shape, dist.get_rank(), groups)
 
 

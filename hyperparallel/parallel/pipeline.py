@@ -215,10 +215,11 @@ class PipelineStageModule(nn.Module):
 
 
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int, run: Callable,
-                 activations: tuple[int, ...]):
+                 activations: tuple[int, ...], balancer=None):
         super().__init__()
         self.model = model  # (the rank's stages share it: its parameters are theirs)
         self.stage, self.run = stage, run
+        self.balancer = balancer  # the MoE load balancing: records each stage's forward (moe/balance.py)
         self.activations = activations  # the shape the stages declared to each other
         self.first, self.last = stage == 0, stage == layout.stages - 1
         self.layers = range(*layout.layers[stage])
@@ -261,6 +262,8 @@ class PipelineStageModule(nn.Module):
                     state.output = output[0] if isinstance(output, tuple) else output
 
                 handles.append(layers[self.layers.stop - 1].register_forward_hook(keep))
+            if self.balancer is not None:
+                self.balancer.begin_stage()
             outputs = self.run(self.model, ids, labels if self.last else None, positions)
         finally:  # (put back whatever happened)
             for handle in handles:
@@ -271,13 +274,14 @@ class PipelineStageModule(nn.Module):
                 setattr(parent, name, module)
             for m in self._stand_ins:
                 m.run = None
-        if self.last:
-            return outputs.loss
-        if tuple(state.output.shape) != self.activations:
+        handed_on = outputs.loss if self.last else state.output
+        if not self.last and tuple(handed_on.shape) != self.activations:
             raise ConfigError(f"parallel.pp: {type(self.model).__name__}'s decoder layers hand each other "
-                              f"{tuple(state.output.shape)}, not [rows, sequence, hidden_size] {self.activations}; "
+                              f"{tuple(handed_on.shape)}, not [rows, sequence, hidden_size] {self.activations}; "
                               f"this model cannot be split into pipeline stages yet (use pp: 1)")
-        return state.output, ids, labels, positions
+        if self.balancer is not None:  # (its loads folded, its part of the auxiliary loss attached)
+            handed_on = self.balancer.end_stage(handed_on)
+        return handed_on if self.last else (handed_on, ids, labels, positions)
 
 
 def _with_hidden(hidden: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -300,6 +304,7 @@ class Pipeline:
     hidden_dtype: torch.dtype  # what the decoder layers hand each other
     # the model's forward's other keywords (output_router_logits where it has the option)
     forward_kwargs: dict = field(default_factory=dict)
+    balancer: object = None  # the MoE load balancing (moe.LoadBalancer, hold_stages'), if any
     schedule: object = None  # a torch.distributed.pipelining schedule, made at the first step
     _no_outputs: dict = field(default_factory=dict)  # (step's keywords: made with the schedule)
 
@@ -326,7 +331,7 @@ class Pipeline:
         passed = (hidden, tokens, tokens, tokens)
         stages = []
         for s in self.stages:
-            module = PipelineStageModule(self.model, self.layout, s, self.run, (rows, seq, hidden_size))
+            module = PipelineStageModule(self.model, self.layout, s, self.run, (rows, seq, hidden_size), self.balancer)
             inputs = (tokens, tokens, tokens) if s == 0 else passed
             loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
             outputs = (loss,) if s == self.layout.stages - 1 else passed

@@ -211,8 +211,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         dtype = next(q.dtype for q in model.parameters() if q.is_floating_point())
         forward_kwargs = ({"output_router_logits": transformers_aux}
                           if hasattr(model.config, "output_router_logits") else {})
-        pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, cfg.grad_accumulation(rt.world),
-                            dtype, forward_kwargs)
+        n = cfg.grad_accumulation(rt.world)
+        if balancer is not None:
+            balancer.hold_stages(model, mesh.stage_group, mesh.pp_group, n)
+        pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, n, dtype, forward_kwargs, balancer)
     trained = model
     if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
         trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)

@@ -254,13 +254,14 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
 
 def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
     """What pipeline stages need of the model (`meta`: on the meta device): enough decoder layers,
-    an output head of its own, and no auxiliary loss summed over every stage's routers."""
+    an output head of its own, and no auxiliary loss that transformers' model sums over every
+    stage's routers (ours balance by stage: moe/balance.py)."""
     p = cfg.parallel
     if p.pp == 1:
         return []
     from hyperparallel.models.families import load_balance_rule
     from hyperparallel.models.layers import layer_list
-    from hyperparallel.moe.balance import aux_loss_coefficient, balanced_layers
+    from hyperparallel.moe.balance import aux_loss_coefficient, balanced_layers, routers
     from hyperparallel.parallel.pipeline import tied_head
 
     problems = []
@@ -275,15 +276,12 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
         problems.append(f"parallel.pp = {p.pp}: {type(meta).__name__} ties its output head to its input embedding "
                         f"(tie_word_embeddings), which the first and last stages would each hold: not supported yet; "
                         f"use pp: 1, or a model with tie_word_embeddings: false")
-    if balanced_layers(meta):
+    if balanced_layers(meta) and not routers(meta):  # (transformers' own routers: its model adds their loss)
         rule = cfg.moe.rule(load_balance_rule(get_family(cfg.model.family), meta))
         if rule == "aux_loss" and aux_loss_coefficient(cfg.moe, meta):
-            problems.append(f"parallel.pp = {p.pp} with moe.load_balance: aux_loss: each stage's routers would need "
-                            f"their loss's gradient where the stage runs (not supported yet); use moe.load_balance: "
-                            f"none, or moe.aux_loss_coef: 0")
-        if rule == "bias":
-            problems.append(f"parallel.pp = {p.pp} with moe.load_balance: bias: each stage would count and move its "
-                            f"own routers' biases (not supported yet); use moe.load_balance: none")
+            problems.append(f"parallel.pp = {p.pp} with moe.load_balance: aux_loss: {type(meta).__name__} keeps "
+                            f"transformers' routers, whose auxiliary loss its model adds over every layer at the "
+                            f"last stage (not supported under pp); use moe.load_balance: none, or moe.aux_loss_coef: 0")
     return problems
 
 

@@ -10,6 +10,12 @@ pipeline's.
   all `n`; interleaved 1F1B `warmup + 1` chunks (a chunk: one of the rank's stages on one
   micro-batch), its warmup as `_get_warmup_ops` counts it. What one micro-batch keeps is the
   timeline's bytes alive when its backward starts.
+- Gradients: a stage's are reduced once, after the schedule's last backward (train/step.py), so
+  its whole gradients accumulate from the first backward on and nothing is reduce-scattered in
+  backward (`memory.timeline_peak`'s `pipelined`). The first backward has every micro-batch in
+  flight and no accumulated gradients yet; the later ones the accumulated gradients and, where
+  the step has more micro-batches than the schedule keeps, as many in flight: the peak is the
+  larger (`stage_peak`).
 - The schedule's buffers: a stage after the first receives each micro-batch's activations and
   its ids, labels and positions into buffers of its own, made once for all the step's
   micro-batches; a stage before the last likewise receives the gradients of what it sent.
@@ -26,7 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperparallel.parallel.pipeline import StageLayout
+from hyperparallel.train.planning.memory import Group, timeline_peak
 from hyperparallel.train.planning.plan_time import Collective
+from hyperparallel.train.planning.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,22 @@ def in_flight(stages: StageLayout, pp_rank: int, n: int) -> float:
     rounds = max(1, n // stages.pp)
     warmup = min((v - 1) * (n // rounds) + 2 * (stages.pp - 1 - pp_rank), n * v)  # (torch's _get_warmup_ops)
     return min(warmup + 1, n * v) / v
+
+
+def stage_peak(timeline: Timeline, groups: list[Group], world: int, n: int, grads_whole: int, copies: int,
+               stages: StageLayout, pp_rank: int) -> tuple[int, int, int]:
+    """(activations, buffers, their peak with the gradients) of pipeline rank `pp_rank`'s step, as
+    `memory.timeline_peak` gives them for one micro-batch, at the first backward and the later ones
+    (the module's note)."""
+    kept = timeline.kept_for_backward()
+    first = in_flight(stages, pp_rank, n)
+    best = (0, 0, -1)
+    for backward, count in (("first", first), ("later", min(first, n - 1))):
+        activations, buffers, peak = timeline_peak(timeline, groups, world, n, grads_whole, copies, pipelined=backward)
+        extra = int((count - 1) * kept)
+        if peak + extra > best[2]:
+            best = (activations + extra, buffers, peak + extra)
+    return best
 
 
 def pipeline_buffers(stages: StageLayout, pp_rank: int, n: int, rows: int, seq: int, hidden: int,

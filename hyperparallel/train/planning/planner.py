@@ -79,7 +79,7 @@ from hyperparallel.train.planning.memory import (
     timeline_peak,
 )
 from hyperparallel.train.planning.model import fake_model, meta_model, pipeline_stages, tag_as_built
-from hyperparallel.train.planning.pipeline import StageWork, in_flight, pipeline_buffers, pipeline_step_s, stage_sends
+from hyperparallel.train.planning.pipeline import StageWork, pipeline_buffers, pipeline_step_s, stage_peak, stage_sends
 from hyperparallel.train.planning.plan_time import (
     Collective,
     OpCosts,
@@ -246,8 +246,12 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         # (measured: an aten::clone of [ranks x slot] inside c10d::_reduce_scatter_base_), which
         # the work holds until fsdp settles it (the next group's reduce-scatter): two copies on the CPU
         copies = 1 if on_gpu else 2
-        activations, buffers, peak = timeline_peak(timeline, groups, layout.shard_size, accumulation, grads_whole,
-                                                   copies, cfg.parallel.sync_every_micro_batch, layout.hsdp_enabled)
+        if stages is None:
+            activations, buffers, peak = timeline_peak(timeline, groups, layout.shard_size, accumulation, grads_whole,
+                                                       copies, cfg.parallel.sync_every_micro_batch, layout.hsdp_enabled)
+        else:  # (a pipeline's: always sharded, if over one rank)
+            activations, buffers, peak = stage_peak(timeline, groups, layout.shard_size, accumulation, grads_whole,
+                                                    copies, stages, pp_rank)
         muon_sent, muon_buffers = muon_exchange(matrices, rank)
         geometry = f"FSDP {cfg.parallel.shard_geometry}, align {cfg.parallel.align}"
         description = f"sharded ({describe_shape(layout)}; {geometry})"
@@ -261,12 +265,11 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
         description = describe_shape(layout)
     if not sharded:
         peak += buffers
-    if stages is not None:  # the schedule's micro-batches in flight and its receive buffers (planning/pipeline.py)
+    if stages is not None:  # the schedule's receive buffers (planning/pipeline.py)
         n, rows, hidden = accumulation, cfg.training.micro_batch, whole_config["config"].get_text_config(decoder=True).hidden_size
         element = next(q.element_size() for q in params if q.is_floating_point())
-        kept = int((in_flight(stages, pp_rank, n) - 1) * timeline.kept_for_backward())
         received = pipeline_buffers(stages, pp_rank, n, rows, seq_len, hidden, element)
-        activations, buffers, peak = activations + kept, buffers + received, peak + kept + received
+        buffers, peak = buffers + received, peak + received
     target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
     optimizer_step = grads + optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, target)
     optimizer_step += 0 if sharded else buffers
