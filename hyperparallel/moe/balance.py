@@ -19,7 +19,7 @@ Whatever the rule, each step reports per MoE layer its imbalance: the most token
 over the mean per expert (1.0 is perfect balance; E when one expert takes everything).
 
 [Note: balancing pipeline stages] Under pipeline parallelism a rank holds some of the MoE layers
-and its schedule runs several forwards before their backwards (`hold_stages`). Each stage's
+and its schedule runs several forwards before their backwards (`for_pipeline`). Each stage's
 forward is recorded as it runs (`begin_stage` / `end_stage`: the routers record only then, so
 recompute's replays in backward record nothing) and its loads folded at once; the loads are
 summed over the ranks holding the same stage, the figures gathered over the pipeline into the
@@ -112,7 +112,7 @@ class LoadBalancer:
             layer.counter.clear_record()
         self._step_counts: list[torch.Tensor | None] | None = None  # per layer [E]: this rank's, this step's
         self._aux_values: list[torch.Tensor] = []  # this step's, per micro-batch (read at its end)
-        self.pipeline: _Pipeline | None = None  # set by hold_stages
+        self.pipeline: _Pipeline | None = None  # set by for_pipeline
 
     @classmethod
     def from_config(cls, model: nn.Module, config: MoEConfig, *, family_rule: str) -> LoadBalancer:
@@ -154,7 +154,7 @@ class LoadBalancer:
                 self._step_counts[i] = c if total is None else total + c
             layer.counter.clear_record()
 
-    def hold_stages(self, model: nn.Module, stage_group, pp_group, micro_batches: int) -> None:
+    def for_pipeline(self, model: nn.Module, stage_group, pp_group, micro_batches: int) -> None:
         """Balance the MoE layers this rank holds of a pipeline's (`model`: cut to its stages),
         with the ranks holding the same stages (`stage_group`) and the other stages (`pp_group`),
         over `micro_batches` a step ([Note: balancing pipeline stages]). Collective over pp_group."""

@@ -178,18 +178,29 @@ def hold_stages(model: nn.Module, layout: StageLayout, pp_rank: int) -> list[int
             layers[i] = LayerOnAnotherStage(i, returns_tuple)
     first, last = 0 in stages, layout.stages - 1 in stages
     embedding = model.get_input_embeddings()
-    if tied_head(model) and not (first and last):
-        raise ConfigError(f"parallel.pp = {layout.pp}: {type(model).__name__} ties its output head to its input "
-                          f"embedding (tie_word_embeddings), which the first and last stages would each hold; not "
-                          f"supported yet: use pp: 1, or a model with tie_word_embeddings: false")
     tail = _last_stage_modules(model, "", {id(layers), id(embedding)})
-    if not first:
+    # (a head tied to the embedding: the last stage keeps the embedding module too, its weight the
+    # head's under the embedding's name, its lookup's output replaced before the first layer)
+    if not first and not (last and tied_head(model)):
         model.set_input_embeddings(StageInput(embedding.weight.shape[1], embedding.weight.dtype))
     for parent, name, where in tail:
         if not last:
             setattr(parent, name, HeldByLastStage(where, type(model).__name__))
     model._hp_last_stage_modules = [(where, name) for _, name, where in tail]
     return stages
+
+
+def tied_embedding_groups(stage_world: int, pp: int, rank: int) -> dist.ProcessGroup | None:
+    """Groups of two ranks, each of the first stage with the rank in the same place of the last
+    stage (the tied embedding's two holders); returns this rank's, or None. Collective: every rank
+    makes every group."""
+    mine = None
+    for place in range(stage_world):
+        pair = [place, (pp - 1) * stage_world + place]
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
 
 
 def _last_stage_modules(module: nn.Module, prefix: str, keep: set[int]) -> list[tuple[nn.Module, str, str]]:
@@ -304,7 +315,10 @@ class Pipeline:
     hidden_dtype: torch.dtype  # what the decoder layers hand each other
     # the model's forward's other keywords (output_router_logits where it has the option)
     forward_kwargs: dict = field(default_factory=dict)
-    balancer: object = None  # the MoE load balancing (moe.LoadBalancer, hold_stages'), if any
+    # a head tied to the input embedding, on the ranks of the first and last stages: the weight's
+    # name and the group of this rank and its partner (`tied_embedding_groups`)
+    tied: tuple[str, dist.ProcessGroup] | None = None
+    balancer: object = None  # the MoE load balancing (a moe.LoadBalancer, after its for_pipeline), if any
     schedule: object = None  # a torch.distributed.pipelining schedule, made at the first step
     _no_outputs: dict = field(default_factory=dict)  # (step's keywords: made with the schedule)
 
@@ -350,6 +364,14 @@ class Pipeline:
         # (the last stage's outputs are not merged and returned: torch >= 2.10 asks, 2.9 never does)
         takes = "return_outputs" in inspect.signature(self.schedule.step).parameters
         self._no_outputs = {"return_outputs": False} if takes else {}
+
+    def sum_tied_gradients(self) -> None:
+        """The first stage's embedding and the last stage's head are one weight, held on two ranks:
+        each gets the sum of both gradients (then both step it alike). After FSDP's reduce."""
+        if self.tied is not None:
+            name, group = self.tied
+            weight = dict(self.model.named_parameters())[name]
+            dist.all_reduce(weight.grad, group=group)
 
     def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each micro-batch's loss (forward only, no gradients), on every rank of the pp group."""

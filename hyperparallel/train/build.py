@@ -40,7 +40,7 @@ from hyperparallel.parallel.mixed_precision import (
     keep_float32_outside_products,
     round_embedding_outputs,
 )
-from hyperparallel.parallel.pipeline import Pipeline, hold_stages, stage_layout
+from hyperparallel.parallel.pipeline import Pipeline, hold_stages, stage_layout, tied_embedding_groups, tied_head
 from hyperparallel.parallel.tensor_parallel import apply_tensor_parallel, make_head_vocab_parallel
 from hyperparallel.train import data
 from hyperparallel.train.config import TrainConfig
@@ -149,10 +149,16 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                           f"the tokenizer's ({vocab_size}); give data.tokenizer the model's own")
     n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
     flops_per_token = training_flops_per_token(shadow, cfg.data.seq_len)
-    layout_of_stages, stages = None, ()
+    layout_of_stages, stages, tied = None, (), None
     if mesh.pp_enabled:  # this rank keeps its stages' layers alone, before anything gets memory
         layout_of_stages = stage_layout(model, p.pp, p.pp_virtual_stages, p.pp_schedule, p.pp_layers)
+        ties = tied_head(model)
         stages = tuple(hold_stages(model, layout_of_stages, mesh.pp_rank))
+        if ties:  # (the first and last stages each hold the weight, under the embedding's name)
+            group = tied_embedding_groups(mesh.shape.stage_world, p.pp, mesh.rank)
+            if group is not None:
+                weight = model.get_input_embeddings().weight
+                tied = (next(n for n, q in model.named_parameters() if q is weight), group)
     k = cfg.kernels
     kernels = use_kernels(model, mega_gate=k.mega_gate, mega_mhc=k.mega_mhc).summary(mega_gate=k.mega_gate,
                                                                                    mega_mhc=k.mega_mhc)
@@ -213,8 +219,9 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                           if hasattr(model.config, "output_router_logits") else {})
         n = cfg.grad_accumulation(rt.world)
         if balancer is not None:
-            balancer.hold_stages(model, mesh.stage_group, mesh.pp_group, n)
-        pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, n, dtype, forward_kwargs, balancer)
+            balancer.for_pipeline(model, mesh.stage_group, mesh.pp_group, n)
+        pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, n, dtype, forward_kwargs,
+                            balancer=balancer, tied=tied)
     trained = model
     if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
         trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)

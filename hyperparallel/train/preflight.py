@@ -254,7 +254,7 @@ def model_problems(cfg: TrainConfig, tokenizer_vocab: int | None) -> list[str]:
 
 def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
     """What pipeline stages need of the model (`meta`: on the meta device): enough decoder layers,
-    an output head of its own, and no auxiliary loss that transformers' model sums over every
+    and no auxiliary loss that transformers' model sums over every
     stage's routers (ours balance by stage: moe/balance.py)."""
     p = cfg.parallel
     if p.pp == 1:
@@ -262,7 +262,6 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
     from hyperparallel.models.families import load_balance_rule
     from hyperparallel.models.layers import layer_list
     from hyperparallel.moe.balance import aux_loss_coefficient, balanced_layers, routers
-    from hyperparallel.parallel.pipeline import tied_head
 
     problems = []
     layers, stages = len(layer_list(meta)), p.pp * p.pp_virtual_stages
@@ -272,10 +271,6 @@ def _pipeline_problems(cfg: TrainConfig, meta) -> list[str]:
     elif layers < stages:
         problems.append(f"parallel.pp = {p.pp} x pp_virtual_stages = {p.pp_virtual_stages} makes {stages} pipeline "
                         f"stages, and the model has {layers} decoder layers; every stage needs at least one")
-    if tied_head(meta):
-        problems.append(f"parallel.pp = {p.pp}: {type(meta).__name__} ties its output head to its input embedding "
-                        f"(tie_word_embeddings), which the first and last stages would each hold: not supported yet; "
-                        f"use pp: 1, or a model with tie_word_embeddings: false")
     if balanced_layers(meta) and not routers(meta):  # (transformers' own routers: its model adds their loss)
         rule = cfg.moe.rule(load_balance_rule(get_family(cfg.model.family), meta))
         if rule == "aux_loss" and aux_loss_coefficient(cfg.moe, meta):

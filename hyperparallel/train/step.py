@@ -88,6 +88,9 @@ class TrainStep:
         # (by parameter name, which sharding and checkpoint loads keep: made once)
         self.replicas = grad_replicas(built.model)
         self.pipeline = built.pipeline
+        if self.pipeline is not None and self.pipeline.tied is not None:  # (one weight, on two ranks: its norm once)
+            name = self.pipeline.tied[0]
+            self.replicas = {**(self.replicas or {}), name: (self.replicas or {}).get(name, 1) * 2}
         if self.pipeline is not None and self.pipeline.n_microbatches != accumulation:
             raise ValueError(f"the pipeline runs {self.pipeline.n_microbatches} micro-batches a step, the step "
                              f"{accumulation}")
@@ -103,6 +106,7 @@ class TrainStep:
         with fused_loss(model), autocast:
             total = self.pipeline.step(ids, labels, positions)
         fsdp.reduce_accumulated_gradients(model)
+        self.pipeline.sum_tied_gradients()
         return total
 
     def _sync(self, last_micro: bool):

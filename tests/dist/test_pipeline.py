@@ -56,6 +56,7 @@ VOCAB = 512
 MODELS = {
     "qwen3": ("qwen3", tiny("qwen3_tiny.yaml", tie_word_embeddings=False, num_hidden_layers=4)),
     "qwen3_8": ("qwen3", tiny("qwen3_tiny.yaml", tie_word_embeddings=False, num_hidden_layers=8)),
+    "qwen3_tied": ("qwen3", tiny("qwen3_tiny.yaml", num_hidden_layers=4)),  # (its head is its embedding)
     "llama": ("llama", {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
                         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                         "head_dim": 16}),
@@ -72,6 +73,10 @@ LAYOUTS = {
     "qwen3_pp2_dp2": ("qwen3", {"pp": 2, "dp_shard": 2}),
     "llama_pp2_dp2": ("llama", {"pp": 2, "dp_shard": 2}),
     "qwen3_pp2_tp2": ("qwen3", {"pp": 2, "tp": 2}),
+    # the tied weight held by the first and the last stage (pp=4: the middle ones hold neither)
+    "qwen3_tied_pp2_dp2": ("qwen3_tied", {"pp": 2, "dp_shard": 2}),
+    "qwen3_tied_pp4": ("qwen3_tied", {"pp": 4}),
+    "qwen3_tied_pp2_tp2": ("qwen3_tied", {"pp": 2, "tp": 2}),
     "qwen3_moe_pp2_ep2": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2}),
     # each stage's routers' auxiliary loss; DeepSeek-V3's correction biases, its stages interleaved
     # (a rank holds layers 0 and 2, the other 1 and 3)

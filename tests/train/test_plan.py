@@ -501,3 +501,49 @@ def test_a_gpu_plan_runs_narrower_value_heads_in_a_fused_kernel():
     as_gpu = planning.simulate(model, mode, cfg, CPU, gpu_attention=True).activations()
     assert as_gpu < as_cpu
     assert planning.plan(cfg, 1, device_model=GPUS["h100"]).activations == as_gpu
+
+
+def pipelined(**parallel):
+    """Qwen3 of 8 untied layers, a global batch of 8 sequences of micro-batches of 2."""
+    config = {**yaml.safe_load((ROOT / "configs/models/qwen3_tiny.yaml").read_text()), "num_hidden_layers": 8,
+              "tie_word_embeddings": False}
+    return tiny("qwen3", model={"config": config}, training={"global_batch": 8, "micro_batch": 2}, parallel=parallel)
+
+
+def test_a_pipelines_step_is_its_slowest_rank_and_the_bubble():
+    """Each pipeline rank planned from its own stages; the step is the slowest rank's plus each
+    other rank's time per micro-batch over the virtual stages (for equal stages (n + (pp - 1) / v)
+    micro-batches), and each rank sends n micro-batches' activations (with ids, labels and
+    positions) on and their gradients back."""
+    from hyperparallel.train.planning.device_model import GPUS
+
+    for parallel, v in (({"pp": 2}, 1), ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, 2)):
+        planned = planning.plan(pipelined(**parallel), 2, runtime=0, device_model=GPUS["h100"])
+        assert len(planned.pipeline["totals"]) == 2 and planned.tensors == max(planned.pipeline["totals"])
+        ranks = [planning.plan(pipelined(**parallel), 2, runtime=0, device_model=GPUS["h100"],
+                               _stages=(planning.model.pipeline_stages(pipelined(**parallel)), r)) for r in range(2)]
+        assert [r.total for r in ranks] == planned.pipeline["totals"]
+        slowest = max(ranks, key=lambda r: r.time.predicted_step_s)
+        other = min(ranks, key=lambda r: r.time.predicted_step_s)
+        n = planned.accumulation
+        assert planned.time.bubble_s == pytest.approx(other.time.compute_s / n / v, rel=1e-12)
+        assert planned.time.predicted_step_s == pytest.approx(slowest.time.predicted_step_s + planned.time.bubble_s,
+                                                              rel=1e-12)
+        activations, ids = 2 * 64 * 64 * 4, 2 * 64 * 8  # [rows, seq, hidden] fp32; ids int64
+        if v == 1:  # (stage 0 sends on, stage 1 sends back)
+            assert ranks[0].comm == {"pp_send_activations": n * (activations + 3 * ids)}
+            assert ranks[1].comm == {"pp_send_gradients": n * activations}
+        else:  # (every rank holds stages with both)
+            assert ranks[0].comm == {"pp_send_activations": 2 * n * (activations + 3 * ids),
+                                     "pp_send_gradients": n * activations}
+
+
+def test_search_tries_pipeline_stages_of_whole_machines():
+    from hyperparallel.train.planning.plan_search import layouts
+
+    cfg = pipelined()
+    config = planning.model.meta_model(cfg).config
+    found = layouts(cfg, 16, 4, config, depth=8)
+    assert {s["parallel.pp"] for s in found} == {1, 2, 4}  # (pp 8 leaves one layer a stage; 16 no whole machine)
+    assert all(s["parallel.cp"] == 1 for s in found if s["parallel.pp"] > 1)
+    assert all(16 // s["parallel.pp"] % 4 == 0 for s in found)

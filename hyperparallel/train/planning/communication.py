@@ -38,7 +38,9 @@ COMM_FORMULA = (
     "backward (Ulysses: all-to-alls); EP exchanges the per-expert counts, then sends every routed row out and back, "
     "forward and backward (out forward as MX data, H + H/32 bytes a row, to MXFP8 experts under moe.dispatch auto "
     "or mx; else in the compute dtype); Muon on sharded matrices sends each matrix's rows to its owner and the owner "
-    "sends the update's rows back (bf16)"
+    "sends the update's rows back (bf16); a pipeline stage sends each micro-batch's activations (with its ids, "
+    "labels and positions) to the next and their gradient back (planned only: torch.distributed.pipelining's "
+    "schedule sends them, which the counter does not see)"
 )
 
 

@@ -21,7 +21,7 @@ from hyperparallel.models.kernels import use_kernels
 from hyperparallel.parallel import apply_recompute
 from hyperparallel.parallel.expert_parallel import keep_local_experts, routed_experts
 from hyperparallel.parallel.mixed_precision import attach_mx_gather, keep_float32_outside_products
-from hyperparallel.parallel.pipeline import StageLayout, hold_stages, stage_layout
+from hyperparallel.parallel.pipeline import StageLayout, hold_stages, stage_layout, tied_head
 from hyperparallel.parallel.tensor_parallel import split_tensor_parallel
 from hyperparallel.train.build import inline_model_config
 from hyperparallel.train.config import TrainConfig
@@ -97,12 +97,17 @@ def fake_model(cfg: TrainConfig, mode: FakeTensorMode, device: torch.device, tp:
     share under uniform routing does. With `stages`: what pipeline rank `pp_rank` holds of it, cut
     as the trainer cuts it (`parallel.pipeline.hold_stages`)."""
     model = meta_model(cfg, tp, layers)
+    tied = tied_head(model)
     if stages is not None:
-        hold_stages(model, stages, pp_rank)
+        held = hold_stages(model, stages, pp_rank)
     use_kernels(model, mega_gate=cfg.kernels.mega_gate, mega_mhc=cfg.kernels.mega_mhc)
     with mode:
         model.to_empty(device=device)
-    model.tie_weights()  # (to_empty made new Parameters)
+    # (to_empty made new Parameters: tied again, where this rank holds both the head and the embedding)
+    if stages is None:
+        model.tie_weights()
+    elif tied and stages.stages - 1 in held:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if ep > 1:
         with mode:
             for experts, _ in routed_experts(model):

@@ -3,7 +3,9 @@ ranked by predicted tokens/s, printed as `--set` lines to paste into `hyperparal
 
 [Note: how the search is made]
 Enumerated: tp (powers of two up to the ranks per machine, dividing the attention heads), cp (each
-rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refuses), the
+rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refuses), pipeline
+stages (pp: powers of two leaving whole machines to each stage and two decoder layers or more to
+each; not with cp), the
 dp_replicate x dp_shard splits whose shard groups are whole machines (or every data-parallel
 rank), ep (MoE models: powers of two dividing dp_shard x cp, up to the experts); for each, the
 largest micro-batch (a power of two dividing each replica's rows) that fits with recompute off,
@@ -13,7 +15,9 @@ fit keeping its whole gradients is tried again with parallel.sync_every_micro_ba
 fits when its plan's total is at most the device's memory less HEADROOM (the CUDA context, the
 allocator's fragmentation, NCCL's buffers).
 
-Each is screened on plans of the model's first few layers (`plan(layers=...)` at two depths,
+A pipeline's layout (`parallel.pp`, 1F1B) is screened as a first stage holding the leading dense
+layers and a stage's share of the others, more than any of its stages holds, then planned whole
+as the others are. Each is screened on plans of the model's first few layers (`plan(layers=...)` at two depths,
 every figure extrapolated linearly to the whole depth), whose micro-batches are simulated once
 per tp, micro-batch and recompute with every expert and shared by every ep and split (an
 expert-parallel rank's gradients cut to its experts: `Timeline.with_gradients_of`; not cut, and
@@ -161,8 +165,9 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         except ConfigError:
             return None
         options = {"device_model": device, "runtime": runtime, "device": "cpu", "simulations": simulations}
-        # (a pipeline's screen: its first stage, holding all the rank's share of the layers)
-        held = depth if candidate.parallel.pp == 1 else -(-depth // candidate.parallel.pp)
+        # (a pipeline's screen: a first stage holding the leading dense layers and a stage's share of
+        # the others, more than any stage holds)
+        held = depth if candidate.parallel.pp == 1 else min(depth, da - 2 + -(-depth // candidate.parallel.pp))
         try:
             if held <= db:  # (a pipeline's: its first stage of `held` layers alone)
                 return plan(candidate, world, layers=None if held == depth else held, **options)

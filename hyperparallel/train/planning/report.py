@@ -28,13 +28,27 @@ def format_time(t: StepTime) -> list[str]:
     """The predicted step time's lines."""
     exposed = ", ".join(f"{dim} {seconds * 1e3:,.1f} ms" for dim, seconds in t.exposed_comm_s.items() if seconds)
     own = ", ".join(f"{dim} {seconds * 1e3:,.1f} ms" for dim, seconds in t.comm_s.items() if seconds)
+    bubble = f" + pipeline bubble {t.bubble_s:,.3f} s" if t.bubble_s else ""
     return [
         f"predicted step on {t.device}: {t.predicted_step_s:,.3f} s = compute {t.compute_s:,.3f} s + exposed "
         f"communication {sum(t.exposed_comm_s.values()):,.3f} s ({exposed or 'none'}) + optimizer "
-        f"{t.optimizer_s:,.3f} s; {t.tokens_per_s:,.0f} tokens/s, MFU {100 * t.mfu:.1f}%",
+        f"{t.optimizer_s:,.3f} s{bubble}; {t.tokens_per_s:,.0f} tokens/s, MFU {100 * t.mfu:.1f}%",
         f"  communication's own time: {own or 'none'}; a prediction from the device model "
         f"({t.device_source}), not a measurement: docs/train.md, \"Planning\"",
     ]
+
+
+def format_pipeline(pipeline: dict) -> list[str]:
+    """The lines on a pipeline's stages: each pipeline rank's layers and total."""
+    stages, totals = pipeline["stages"], pipeline["totals"]
+    if len(totals) == 1:  # (a screened first stage: every stage taken as it)
+        return [f"pipeline ({pipeline['schedule']}): planned as its first stage, layers {stages[0][0]}-{stages[0][1] - 1}"]
+    per_rank = len(stages) // len(totals)
+    held = [", ".join(f"{stages[s][0]}-{stages[s][1] - 1}" for s in range(r, len(stages), len(totals)))
+            for r in range(len(totals))]
+    ranks = "; ".join(f"{r}: layers {held[r]}, {totals[r] / GiB:.3f} GiB" for r in range(len(totals)))
+    return [f"pipeline ({pipeline['schedule']}, {per_rank} stage(s) a rank), figures of pipeline rank "
+            f"{pipeline['pp_rank']}; by pipeline rank: {ranks}"]
 
 
 def format_plan(p: Plan) -> str:
@@ -61,6 +75,8 @@ def format_plan(p: Plan) -> str:
     ]
     for name, value in rows:
         lines.append(f"{name:<{width}}  {value:>15,}  {value / GiB:>8.3f}")
+    if p.pipeline:
+        lines.extend(format_pipeline(p.pipeline))
     if p.comm:
         parts = ", ".join(f"{key} {value / 2**20:,.1f} MiB" for key, value in p.comm.items())
         lines.append(f"sent per step by rank {p.rank}: {p.comm_bytes_per_step / 2**20:,.1f} MiB ({parts})")
