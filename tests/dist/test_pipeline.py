@@ -17,9 +17,12 @@ imbalance in the model's order) and biases must be one process's too.
 The plan: `hyperparallel plan`'s tensors for each pipeline rank against the allocator's peak of
 each rank's third step, in every layout above.
 
-Resume across layouts: the Qwen3 pp=2 x dp_shard=2 run saves a checkpoint after 3 steps (model
-and optimizer); runs at pp=1 (dp_shard=4) and at pp=4 load it and train steps 4 and 5, whose
-losses must be the uninterrupted run's.
+A head tied to the embedding (Qwen3's tiny config ties them): the first and last stages each
+hold the weight and sum their gradients, at pp=2 x dp_shard=2, pp=2 x tp=2 and pp=4.
+
+Resume across layouts: the Qwen3 pp=2 x dp_shard=2 runs, untied and tied, save a checkpoint after
+3 steps (model and optimizer); runs at pp=1 (dp_shard=4) and at pp=4 load it and train steps 4
+and 5, whose losses must be the uninterrupted run's.
 
 Build peak: the 8-layer Qwen3 built at pp=4 (2 layers a stage), from the init and from model.path
 (a Hugging Face directory saved before the spawn), holds on each rank at most its own stage plus
@@ -87,7 +90,11 @@ LAYOUTS = {
     "llama_pp4_interleaved": ("llama_8", {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}),
     "llama_pp4_gpipe": ("llama", {"pp": 4, "pp_schedule": "gpipe"}),
 }
-RESUMED = {"pp=1 (dp_shard=4)": {"dp_shard": 4}, "pp=4": {"pp": 4}}
+# the pp=2 x dp_shard=2 checkpoints (untied, and tied: one weight saved by two stages) resumed at
+# another pp
+SAVED = ("qwen3_pp2_dp2", "qwen3_tied_pp2_dp2")
+RESUMED = {f"{layout} at {name}": (layout, parallel) for layout in SAVED
+           for name, parallel in (("pp=1 (dp_shard=4)", {"dp_shard": 4}), ("pp=4", {"pp": 4}))}
 
 
 def config(model: str, parallel: dict, path: Path | None = None) -> TrainConfig:
@@ -194,16 +201,17 @@ def on_ranks(rank: int, world: int, out: str) -> dict:
     torch.manual_seed(0)
     peaks = {"init": build_peak(config("qwen3_8", {"pp": 4}), rt),
              "model.path": build_peak(config("qwen3_8", {"pp": 4}, hf_dir(out)), rt)}
-    results, saved, step_peaks = {}, Path(out) / "pp2_checkpoint", {}
+    results, step_peaks = {}, {}
     for name, (model, parallel) in LAYOUTS.items():
         torch.manual_seed(0)
         step_peaks[name] = []
         results[name] = train(config(model, parallel), rt, range(STEPS),
-                              save=saved if name == "qwen3_pp2_dp2" else None, peaks=step_peaks[name])
+                              save=Path(out) / name if name in SAVED else None, peaks=step_peaks[name])
     resumed = {}
-    for name, parallel in RESUMED.items():
+    for name, (layout, parallel) in RESUMED.items():
         torch.manual_seed(0)
-        resumed[name] = train(config("qwen3", parallel), rt, range(SAVED_AT, STEPS), load=saved)[0]
+        resumed[name] = train(config(LAYOUTS[layout][0], parallel), rt, range(SAVED_AT, STEPS),
+                              load=Path(out) / layout)[0]
     return {"peaks": peaks, "step_peaks": step_peaks, **({"runs": results, "resumed": resumed} if rank == 0 else {})}
 
 
@@ -256,7 +264,7 @@ def test_pipeline_layout_equals_one_process(spawned, layout):
 
 @pytest.mark.parametrize("resumed", list(RESUMED))
 def test_pp2_checkpoint_resumes_at_another_pp(spawned, resumed):
-    uninterrupted = spawned["runs"]["qwen3_pp2_dp2"][0][SAVED_AT:]
+    uninterrupted = spawned["runs"][RESUMED[resumed][0]][0][SAVED_AT:]
     losses = spawned["resumed"][resumed]
     assert max(_rel(a, b) for a, b in zip(losses, uninterrupted, strict=True)) < 1e-5, (losses, uninterrupted)
 
@@ -280,9 +288,10 @@ def test_the_plan_of_each_pipeline_stage_is_near_its_measured_peak(step_peaks, l
     assert planned.tensors == max(planned.pipeline["totals"])
     for rank, peak in enumerate(measured):
         ratio = planned.pipeline["totals"][rank // stage_world] / peak
-        # measured (ranks 0-3): qwen3 pp2_dp2 0.99 0.99 1.09 1.09, llama pp2_dp2 1.03 0.99 1.10 1.09,
-        # pp2_tp2 1.03 1.03 1.06 1.06, MoE pp2_ep2 0.92 0.89 (routing: the plan's is uniform, a
-        # rank's experts received more) 0.97 0.97, MoE with its auxiliary loss 0.94 0.95 0.97 1.00,
+        # measured (ranks 0-3): qwen3 pp2_dp2 0.99 0.99 1.09 1.09, llama pp2_dp2 0.99 1.01 1.09 1.10,
+        # pp2_tp2 1.02 1.02 1.09 1.09, tied pp2_dp2 0.99 0.99 1.04 1.09, tied pp4 0.94 0.95 0.93 1.03,
+        # tied pp2_tp2 1.03 1.03 1.09 1.06, MoE pp2_ep2 0.92 0.91 (routing: the plan's is uniform, a
+        # rank's experts received more) 1.00 1.00, MoE with its auxiliary loss 0.94 0.97 0.97 1.00,
         # DeepSeek-V3 interleaved 0.92 0.92 0.98 0.98, qwen3 pp4 interleaved 1.01 1.08 1.04 1.13,
         # llama 1.03 1.10 1.06 1.13, llama pp4 GPipe 0.91 0.97 0.97 1.02. (Planned as if every
         # micro-batch in flight met the whole accumulated gradients: 1.26 on llama pp2_dp2's rank 0.)
