@@ -60,6 +60,9 @@ MODELS = {
     "qwen3": ("qwen3", tiny("qwen3_tiny.yaml", tie_word_embeddings=False, num_hidden_layers=4)),
     "qwen3_8": ("qwen3", tiny("qwen3_tiny.yaml", tie_word_embeddings=False, num_hidden_layers=8)),
     "qwen3_tied": ("qwen3", tiny("qwen3_tiny.yaml", num_hidden_layers=4)),  # (its head is its embedding)
+    # MXFP8's blocks of 32 along each product's dims: 4 kv heads of 16
+    "qwen3_kv4": ("qwen3", tiny("qwen3_tiny.yaml", tie_word_embeddings=False, num_hidden_layers=4,
+                                num_key_value_heads=4)),
     "llama": ("llama", {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
                         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                         "head_dim": 16}),
@@ -93,20 +96,36 @@ LAYOUTS = {
 # the pp=2 x dp_shard=2 checkpoints (untied, and tied: one weight saved by two stages) resumed at
 # another pp
 SAVED = ("qwen3_pp2_dp2", "qwen3_tied_pp2_dp2")
+# what a pipeline composes with, each against one process with the same options but the layout:
+# recompute, compiled layers (DVM), MegaMoE's waves and MXFP8 (its own reference; compared on
+# its first step, where its quantized values are the reference's: tests/dist/test_parallel_layouts.py)
+MX = {"low_precision": {"enabled": True}}
+COMPOSED = {
+    "recompute full": ("qwen3", {"pp": 2, "dp_shard": 2, "recompute": "full"}, {}),
+    "recompute selective, interleaved": ("qwen3_8", {"pp": 2, "dp_shard": 2, "recompute": "selective",
+                                                     "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, {}),
+    "compile dvm": ("qwen3", {"pp": 2, "dp_shard": 2}, {"training": {"compile": "dvm"}}),
+    "megamoe": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2}, {"moe": {"implementation": "megamoe"}}),
+    "mxfp8": ("qwen3_kv4", {"pp": 2, "dp_shard": 2}, MX),
+}
 RESUMED = {f"{layout} at {name}": (layout, parallel) for layout in SAVED
            for name, parallel in (("pp=1 (dp_shard=4)", {"dp_shard": 4}), ("pp=4", {"pp": 4}))}
 
 
-def config(model: str, parallel: dict, path: Path | None = None) -> TrainConfig:
+def config(model: str, parallel: dict, path: Path | None = None, sections: dict | None = None) -> TrainConfig:
+    """`sections`: config sections merged into the run's (COMPOSED's)."""
     family, hf = MODELS[model]
     source = {"path": str(path)} if path is not None else {"config": hf}
-    return TrainConfig.model_validate({
+    raw = {
         "model": {"family": family, **source}, "data": {"seq_len": SEQ},
         "training": {"global_batch": ROWS, "micro_batch": MICRO, "steps": STEPS, "max_grad_norm": 1.0,
                      "compile": "none"},
         "optimizer": {"name": "adamw", "lr": 1e-3, "eps": 1e-5},
         "scheduler": {"kind": "constant", "warmup_steps": 0},
-        "moe": BALANCING.get(model, {"aux_loss_coef": 0.0}), "parallel": parallel})
+        "moe": BALANCING.get(model, {"aux_loss_coef": 0.0}), "parallel": parallel}
+    for section, values in (sections or {}).items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return TrainConfig.model_validate(raw)
 
 
 def whole_parameters(model) -> dict[str, torch.Tensor]:
@@ -207,23 +226,27 @@ def on_ranks(rank: int, world: int, out: str) -> dict:
         step_peaks[name] = []
         results[name] = train(config(model, parallel), rt, range(STEPS),
                               save=Path(out) / name if name in SAVED else None, peaks=step_peaks[name])
+    composed = {}
+    for name, (model, parallel, sections) in COMPOSED.items():
+        torch.manual_seed(0)
+        composed[name] = train(config(model, parallel, sections=sections), rt, range(STEPS))
     resumed = {}
     for name, (layout, parallel) in RESUMED.items():
         torch.manual_seed(0)
         resumed[name] = train(config(LAYOUTS[layout][0], parallel), rt, range(SAVED_AT, STEPS),
                               load=Path(out) / layout)[0]
-    return {"peaks": peaks, "step_peaks": step_peaks, **({"runs": results, "resumed": resumed} if rank == 0 else {})}
+    return {"peaks": peaks, "step_peaks": step_peaks, **({"runs": results, "resumed": resumed, "composed": composed} if rank == 0 else {})}
 
 
 _references: dict[str, tuple] = {}
 
 
-def reference(model: str) -> tuple[list[float], dict]:
-    if model not in _references:
+def reference(model: str, mx: bool = False) -> tuple[list[float], dict, list[dict]]:
+    if (model, mx) not in _references:
         torch.manual_seed(0)
         with joined(60, torch.device("cpu")) as rt:
-            _references[model] = train(config(model, {}), rt, range(STEPS))
-    return _references[model]
+            _references[model, mx] = train(config(model, {}, sections=MX if mx else None), rt, range(STEPS))
+    return _references[model, mx]
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +283,20 @@ def test_pipeline_layout_equals_one_process(spawned, layout):
         assert not params[name].isnan().any(), f"{layout}: {name} is on no rank"
         # (measured: at most 4.9e-6 of a tensor's largest value after 5 AdamW steps)
         assert float((params[name] - ref).abs().max() / ref.abs().max()) < 5e-5, f"{layout}: {name}"
+
+
+@pytest.mark.parametrize("composed", list(COMPOSED))
+def test_a_pipeline_composes_with(spawned, composed):
+    model, _, sections = COMPOSED[composed]
+    losses, params, _ = spawned["composed"][composed]
+    ref_losses, ref_params, _ = reference(model, mx=sections is MX)
+    steps = 1 if sections is MX else STEPS
+    # (measured: at most 5.7e-8 relative (DVM's fused layers); MXFP8's first step: equal)
+    assert max(_rel(a, b) for a, b in zip(losses[:steps], ref_losses[:steps], strict=True)) < 1e-5, (
+        composed, losses, ref_losses)
+    if sections is not MX:  # (measured: at most 8.5e-6 of a tensor's largest value after 5 steps, DVM's)
+        for name, ref in ref_params.items():
+            assert float((params[name] - ref).abs().max() / ref.abs().max()) < 1e-4, f"{composed}: {name}"
 
 
 @pytest.mark.parametrize("resumed", list(RESUMED))
