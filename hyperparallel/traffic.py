@@ -17,7 +17,10 @@ planner's (`hyperparallel plan`, planning/communication.py), ring algorithms' by
 - all-to-all: the rows sent to the other ranks (the real split sizes, this rank's own part
   excluded);
 - a ring's pass (context parallelism's ring attention): the block sent to the next rank, as a
-  step of the all-gather of every rank's block that the ring's W-1 passes make.
+  step of the all-gather of every rank's block that the ring's W-1 passes make;
+- a send (a pipeline stage's activations to the next stage, or their gradient back): the
+  tensors handed over, counted where our stage hands them to torch.distributed.pipelining's
+  schedule, which sends them.
 
 A rank counts its own sends; with uneven shards or routing the ranks differ, and the trainer
 reports the largest rank's figure next to the mean. A call site may also name its collective
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
 
 @dataclass
@@ -134,6 +137,12 @@ def all_to_all(dimension: str, rows: torch.Tensor, send_splits: Sequence[int] | 
         per_row = total // max(sum(send_splits), 1)
         own = send_splits[dist.get_rank(group)] * per_row
     _add(dimension, "all_to_all", total - own, name)
+
+
+def send(dimension: str, tensors: Sequence[torch.Tensor], name: str) -> None:
+    """`tensors` handed to another rank, point to point (a pipeline's stage to the next or back)."""
+    if _counting():
+        _add(dimension, "send", sum(_nbytes(t) for t in tensors), name)
 
 
 def ring_pass(dimension: str, block: torch.Tensor) -> None:

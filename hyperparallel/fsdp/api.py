@@ -147,17 +147,22 @@ def set_requires_gradient_sync(module: nn.Module, sync: bool) -> None:
             group.gradient_sync = sync
 
 
-def run_as_pipeline_stage(module: nn.Module) -> None:
+def run_as_pipeline_stage(module: nn.Module, stages: dict[int, list[nn.Module]] | None = None) -> None:
     """`module` runs as a pipeline stage, several forwards before their backwards: its root frees
     its full parameters after forward and gathers them again when backward reaches its outputs, as
     every other group does (each backward pass reshards what it is done with), and gradients that
     need no parameter values may arrive in a group already resharded (group.py's
-    _PIPELINE_TRANSITIONS)."""
+    _PIPELINE_TRANSITIONS). `stages`: the modules of each pipeline stage the rank holds (its
+    decoder layers) by the stage's number, which run in forwards and backwards of their own: a
+    group prefetches only groups of its own stage (schedule.py)."""
+    stage_of = {id(getattr(sub, _GROUP)): k for k, modules in (stages or {}).items()
+                for m in modules for sub in m.modules() if getattr(sub, _GROUP, None) is not None}
     for sub in module.modules():  # (a stage without parameters of its own outside its layers has no
         # root group: each layer is then the root of its own schedule)
         group = getattr(sub, _GROUP, None)
         if group is not None and group.schedule is not None:
             group.schedule.pipelined = True
+            group.schedule.stage_of = stage_of
 
 
 def reduce_accumulated_gradients(module: nn.Module) -> None:

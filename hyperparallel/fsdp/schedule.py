@@ -28,6 +28,12 @@ class PrefetchSchedule:
         # backwards, so the root frees its parameters after forward as any group does (else it
         # keeps them: its head is the first thing backward needs)
         self.pipelined = False
+        # a pipeline rank's stages (fsdp.run_as_pipeline_stage): the pipeline stage of each of its
+        # layers' groups. A forward runs one stage's layers, a backward one stage's: a group
+        # prefetches only a group of its own stage; in forward the root none (its next group in
+        # the recorded order may be of a stage not running now), in backward only the first
+        # stage's first layer the root (the embedding's)
+        self.stage_of: dict[int, int] = {}
         for g in groups:  # an outer root takes over the schedule of an inner one
             g.schedule = self
 
@@ -43,7 +49,10 @@ class PrefetchSchedule:
             return
         i = self.position.get(id(group))
         if i is not None and i + 1 < len(self.order):
-            self.order[i + 1].start_unshard()
+            following = self.order[i + 1]
+            stage = self.stage_of.get(id(group))
+            if not self.stage_of or (stage is not None and stage == self.stage_of.get(id(following))):
+                following.start_unshard()
 
     def end_forward(self) -> None:
         self.recording = False
@@ -61,6 +70,8 @@ class PrefetchSchedule:
         i = self.position.get(id(group))
         if not self.recording and i is not None and i > 0:
             before = self.order[i - 1]
+            if self.stage_of and self.stage_of.get(id(before), 0) != self.stage_of.get(id(group)):
+                return  # (another stage's layer, or the root (the embedding's) after a stage but the first)
             if before.reshard_after_forward and before.state is not GroupState.BACKWARD_DONE:
                 before.start_unshard(before.backward_purposes())
 

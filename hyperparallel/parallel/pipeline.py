@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyperparallel import traffic
 from hyperparallel.errors import ConfigError
 from hyperparallel.models.layers import LayerOnAnotherStage, layer_list
 
@@ -292,7 +293,22 @@ class PipelineStageModule(nn.Module):
                               f"this model cannot be split into pipeline stages yet (use pp: 1)")
         if self.balancer is not None:  # (its loads folded, its part of the auxiliary loss attached)
             handed_on = self.balancer.end_stage(handed_on)
-        return handed_on if self.last else (handed_on, ids, labels, positions)
+        if hidden is not None and hidden.requires_grad and torch.is_grad_enabled():
+            _count_gradient_sent(hidden)
+        if self.last:
+            return handed_on
+        traffic.send("pp", (handed_on, ids, labels, positions), "activations")
+        return handed_on, ids, labels, positions
+
+
+def _count_gradient_sent(received: torch.Tensor) -> None:
+    """Count the gradient of `received` (the activations the previous stage sent) when backward
+    makes it: what this stage's schedule sends back."""
+    def count(gradient: torch.Tensor) -> None:
+        handle.remove()
+        traffic.send("pp", (gradient,), "gradients")
+
+    handle = received.register_hook(count)
 
 
 def _with_hidden(hidden: torch.Tensor, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

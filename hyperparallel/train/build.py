@@ -22,6 +22,7 @@ from hyperparallel.models import build_model, compile_layers, get_family, instal
 from hyperparallel.models.build import declared_config_keys
 from hyperparallel.models.families import load_balance_rule, tensor_parallel_plan
 from hyperparallel.models.kernels import use_kernels
+from hyperparallel.models.layers import layer_list
 from hyperparallel.moe import LoadBalancer, default_waves
 from hyperparallel.moe.balance import balanced_layers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
@@ -213,7 +214,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
                        only=set(local_targets(model)) - set(model.state_dict(keep_vars=True)))
     pipeline = None
     if layout_of_stages is not None:
-        run_as_pipeline_stage(model)  # (several forwards run before their backwards)
+        layers = layer_list(model)  # (several forwards run before their backwards, each of one stage's layers)
+        run_as_pipeline_stage(model, {s: [layers[i] for i in range(*layout_of_stages.layers[s])] for s in stages})
         dtype = next(q.dtype for q in model.parameters() if q.is_floating_point())
         forward_kwargs = ({"output_router_logits": transformers_aux}
                           if hasattr(model.config, "output_router_logits") else {})

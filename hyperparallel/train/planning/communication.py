@@ -22,25 +22,27 @@ from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.planning.device_model import DeviceModel
 from hyperparallel.train.planning.memory import Group, nbytes
+from hyperparallel.train.planning.pipeline import StageCalls
 from hyperparallel.train.planning.plan_time import Collective, spans_nodes
 
 COMM_FORMULA = (
     "ring algorithms, bytes this rank sends (hyperparallel.traffic's conventions): all-gather (W-1) x its slot, "
     "reduce-scatter (W-1)/W x its input ((W-1) x slot), all-reduce 2 (W-1)/W x bytes, all-to-all (W-1)/W x bytes "
     "(uniform routing: the counter counts the real rows to other ranks); FSDP gathers each layer twice per "
-    "micro-batch (forward, backward) and the root once, as bytes: every parameter a piece in its gathered dtype (bf16 "
+    "micro-batch (forward, backward) and the root once (a pipeline stage's in each forward, and in backward where "
+    "the schedule frees it), as bytes: every parameter a piece in its gathered dtype (bf16 "
     "for the products' parameters under bf16 mixed precision, their own for the others) or, for MXFP8 weights, FP8 "
     "data and E8M0 scales (forward's copy, then backward's; the root both at once), each piece padded to 16 bytes; "
     "it reduce-scatters every group once per step in parallel.reduce_dtype (HSDP then all-reduces each group's "
     "gradient shards across the replicas); DDP all-reduces the gradients once per step (bf16 with reduce_dtype "
     "bfloat16); TP all-reduces (SP: all-gathers and reduce-scatters) every attention and MLP block's activations "
-    "forward, backward and in recompute's replay; CP passes keys and values around the ring once forward and twice "
+    "forward, backward and in recompute's replay, the vocab-parallel embedding's output and the head's input "
+    "gradient; CP passes keys and values around the ring once forward and twice "
     "backward (Ulysses: all-to-alls); EP exchanges the per-expert counts, then sends every routed row out and back, "
     "forward and backward (out forward as MX data, H + H/32 bytes a row, to MXFP8 experts under moe.dispatch auto "
     "or mx; else in the compute dtype); Muon on sharded matrices sends each matrix's rows to its owner and the owner "
     "sends the update's rows back (bf16); a pipeline stage sends each micro-batch's activations (with its ids, "
-    "labels and positions) to the next and their gradient back (planned only: torch.distributed.pipelining's "
-    "schedule sends them, which the counter does not see)"
+    "labels and positions) to the next and their gradient back"
 )
 
 
@@ -78,8 +80,9 @@ def _layer_attention_widths(config) -> tuple[int, int]:
 
 def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whole_config, groups: list[Group],
                      grads_whole: int, accumulation: int, muon_sent: int, experts: set[int],
-                     ranks_per_node: int) -> list[Collective]:
-    """Every collective of one optimizer step of this rank (plan_time.Collective: group, bytes, calls)."""
+                     ranks_per_node: int, stage: StageCalls | None = None) -> list[Collective]:
+    """Every collective of one optimizer step of this rank (plan_time.Collective: group, bytes, calls).
+    `stage`: a pipeline rank's count of what runs once a micro-batch without one (planning/pipeline.py)."""
     out: list[Collective] = []
     p = cfg.parallel
     R, S, C, T, E = layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep
@@ -95,7 +98,8 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
         for g, group in enumerate(groups):
             # [Note: what a gather carries], fsdp/group.py: a layer gathers its values with its
             # codecs' forward pieces in forward and again with their backward pieces in backward;
-            # the root, never freed after forward, gathers all of them once (per micro-batch)
+            # the root, never freed after forward, gathers all of them once (per micro-batch; a
+            # pipeline stage's `root_gathers` times: planning/pipeline.py)
             gathers = [("forward",), ("backward",)] if g < n_layers else [PURPOSES]
             for world, part in group.parts.items():
                 experts_part = world != layout.shard_size  # (a layer's experts: a group of their own)
@@ -106,9 +110,10 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
                     # (the Note's "forward" once more); its experts' group, which the replay calls
                     # as a module, gathered for a forward again, values and forward pieces
                     sizes.append(part.gather(("forward",)) if experts_part else part.codec["forward"])
+                calls = accumulation if g < n_layers or stage is None else stage.root_gathers
                 for size in sizes:
                     if size:
-                        out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, size, accumulation,
+                        out.append(Collective("fsdp_all_gather", "dp_shard", "all_gather", world, size, calls,
                                               spans, "beside"))
                 if part.reduce:
                     out.append(Collective("fsdp_reduce_scatter", "dp_shard", "reduce_scatter", world, part.reduce,
@@ -136,15 +141,19 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
         # TP's blocks, as the model's split placed them: each enters and leaves the TP region
         # (its routed experts are not split by TP: tensor_parallel.py)
         state = tensor_parallel_state(model)
-        per_pass = len(state.blocks) if state is not None else 0
+        held = {name for name, _ in model.named_modules()}  # (a pipeline rank: its stages' blocks)
+        per_pass = sum(1 for block in state.blocks if block in held) if state is not None else 0
         blocks = accumulation * per_pass * (2 + replays)  # forward, backward, replay
         if p.sequence_parallel:
             out.append(Collective("tp_all_gather", "tp", "all_gather", T, act // T, blocks, tp_spans))
             out.append(Collective("tp_reduce_scatter", "tp", "reduce_scatter", T, act // T, blocks, tp_spans))
         else:
             out.append(Collective("tp_all_reduce", "tp", "all_reduce", T, act, blocks, tp_spans))
-        out.append(Collective("tp_embedding_all_reduce", "tp", "all_reduce", T, act, accumulation, tp_spans))
-        out.append(Collective("tp_loss_all_reduce", "tp", "all_reduce", T, tokens * 4, 3 * accumulation, tp_spans))
+        embeddings, losses = (accumulation, accumulation) if stage is None else (stage.embeddings, stage.losses)
+        out.append(Collective("tp_embedding_all_reduce", "tp", "all_reduce", T, act, embeddings, tp_spans))
+        out.append(Collective("tp_loss_all_reduce", "tp", "all_reduce", T, tokens * 4, 3 * losses, tp_spans))
+        # the vocab-parallel head's input gradient, summed over the ranks' vocabulary parts in backward
+        out.append(Collective("tp_head_all_reduce", "tp", "all_reduce", T, act, losses, tp_spans))
         out.append(Collective("tp_partial_grads", "tp", "all_reduce", T, _tp_partial_bytes(model), 1, tp_spans))
     if C > 1:
         q_width, kv_width = _attention_widths(whole_config)

@@ -282,7 +282,7 @@ def build_transient(cfg: TrainConfig, model: nn.Module) -> int:
 
 def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, accumulation: int, grads_whole: int,
                   reduce_copies: int = 1, sync_every: bool = False, replicated: bool = False,
-                  pipelined: str | None = None):
+                  pipelined: frozenset[int] | None = None):
     """(activations, buffers, the largest sum of activations, buffers and gradients) over the timeline.
 
     `groups` None: replicated, gradients as the timeline has them (all of `grads_whole` from the
@@ -290,10 +290,11 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
     made] says (planner.py), with `reduce_copies` copies of the last two finished groups'
     reduce-scatter inputs alive; with `sync_every`, every micro-batch's gradients reduced into the
     shards (none kept whole), which with HSDP (`replicated`) land when backward ends, beside the
-    earlier micro-batches' shards. `pipelined` ("first" or "later"): a pipeline stage's micro-batch,
-    whose gradients are reduced once after the schedule's last backward (train/step.py): each
-    finished group's whole gradients fold into its accumulated ones (the first micro-batch's
-    become them), and nothing is reduce-scattered in backward.
+    earlier micro-batches' shards. `pipelined`: a pipeline rank's micro-batch, whose gradients are
+    reduced once after the schedule's last backward (train/step.py), the groups (indices) that
+    already hold accumulated gradients from an earlier backward: a finished group's whole
+    gradients fold into them (or become them, in a group's first backward), and nothing is
+    reduce-scattered in backward.
     """
     events, grad_serial = timeline.events, timeline.grad_serial
     alloc_bytes: dict[int, int] = {}
@@ -332,7 +333,8 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
     settling: list[int] = []  # the finished groups, in the order they finished
     new_grads = [0] * len(groups)  # unsharded gradients backward has made so far, per group
     keep_whole = accumulation > 1 and not sync_every  # no_sync: every micro-batch's whole gradients kept
-    accumulated = [group.accumulated if keep_whole and pipelined != "first" else 0 for group in groups]
+    accumulated = [group.accumulated if keep_whole and (pipelined is None or g in pipelined) else 0
+                   for g, group in enumerate(groups)]
     # reduced every micro-batch: the gradient shards of the micro-batches before, from the start
     carried = sum(group.slot for group in groups if group.trainable) if accumulation > 1 and sync_every else 0
     unfinished_grads = sum(accumulated)  # new and accumulated gradients of the groups still in backward
@@ -375,9 +377,9 @@ def timeline_peak(timeline: Timeline, groups: list[Group] | None, world: int, ac
             for g in range(len(groups)):
                 if g not in finished and position >= done_at[g]:
                     finished.add(g)
-                    if pipelined == "later":  # (folded into its accumulated gradients)
-                        unfinished_grads -= new_grads[g]
-                    elif pipelined is None:
+                    if pipelined is not None:  # (folded into its accumulated gradients, or become them)
+                        unfinished_grads -= new_grads[g] if g in pipelined else 0
+                    else:
                         settling.append(g)  # its unsharded gradients go, its reduce-scatter buffers come
                         unfinished_grads -= new_grads[g] + accumulated[g]
             layout, shards = arrange(position)

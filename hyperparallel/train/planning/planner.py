@@ -62,7 +62,7 @@ from hyperparallel.errors import ConfigError
 from hyperparallel.optim import split_for_muon
 from hyperparallel.parallel.expert_parallel import routed_experts
 from hyperparallel.parallel.mesh import MeshShape
-from hyperparallel.parallel.pipeline import StageLayout
+from hyperparallel.parallel.pipeline import StageInput, StageLayout
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.planning.communication import COMM_FORMULA, megamoe_exposed_s, step_collectives
 from hyperparallel.train.planning.device_model import DeviceModel
@@ -79,7 +79,14 @@ from hyperparallel.train.planning.memory import (
     timeline_peak,
 )
 from hyperparallel.train.planning.model import fake_model, meta_model, pipeline_stages, tag_as_built
-from hyperparallel.train.planning.pipeline import StageWork, pipeline_buffers, pipeline_step_s, stage_peak, stage_sends
+from hyperparallel.train.planning.pipeline import (
+    StageWork,
+    pipeline_buffers,
+    pipeline_step_s,
+    stage_calls,
+    stage_peak,
+    stage_sends,
+)
 from hyperparallel.train.planning.plan_time import (
     Collective,
     OpCosts,
@@ -128,8 +135,8 @@ class Plan:
     # and by "dimension/kind" of collective: the keys of the counter's (a run's metrics.jsonl, comm_bytes)
     comm_by_dimension_and_kind: dict[str, int] = field(default_factory=dict)
     time: StepTime | None = None  # the predicted step time (with a device model)
-    # pipeline parallelism: the schedule, each stage's decoder layers, the rank figured (pp_rank)
-    # and every pipeline rank's total (planning/pipeline.py)
+    # pipeline parallelism: the schedule, each stage's decoder layers, the rank whose memory is
+    # figured (pp_rank), every pipeline rank's total, the rank whose bytes sent are (comm_pp_rank)
     pipeline: dict = field(default_factory=dict)
 
     @property
@@ -279,7 +286,9 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
     ranks_per_node = device_model.ranks_per_node if device_model is not None else world
     collectives = step_collectives(cfg, layout, model, whole_config["config"], groups, grads_whole, accumulation,
-                                   muon_sent, experts, ranks_per_node)
+                                   muon_sent, experts, ranks_per_node,
+                                   None if stages is None else stage_calls(stages, pp_rank, accumulation, not isinstance(
+                                       model.get_input_embeddings(), StageInput)))
     if stages is not None:
         collectives += stage_sends(stages, pp_rank, n, rows, seq_len, hidden, element,
                                    spans_nodes(layout.stage_world, 2, ranks_per_node))
@@ -341,10 +350,16 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
 
 def _pipeline_plan(cfg: TrainConfig, stages: StageLayout, plans: list[Plan]) -> Plan:
     """The pipeline's plan from each pipeline rank's (one: a screened first stage, every stage
-    taken as it): the figures of the rank holding the most, every rank's total beside them, and
-    the pipeline's step (planning/pipeline.py)."""
+    taken as it): the memory of the rank holding the most, every rank's total beside them, the
+    bytes of the rank sending the most, and the pipeline's step (planning/pipeline.py)."""
     figured = max(plans, key=lambda p: p.total)
     pipeline = {**figured.pipeline, "totals": [p.total for p in plans]}
+    # (what is sent: the rank sending the most, as the trainer's counter reports it)
+    sending = max(plans, key=lambda p: p.comm_bytes_per_step)
+    figured = replace(figured, comm=sending.comm, comm_bytes_per_step=sending.comm_bytes_per_step,
+                      comm_by_dimension=sending.comm_by_dimension,
+                      comm_by_dimension_and_kind=sending.comm_by_dimension_and_kind)
+    pipeline["comm_pp_rank"] = sending.pipeline["pp_rank"]
     if figured.time is None:
         return replace(figured, pipeline=pipeline)
     ranks = plans if len(plans) > 1 else plans * stages.pp

@@ -154,20 +154,26 @@ class Timeline:
         """The most bytes alive at once that are not parameters' gradients."""
         return timeline_peak(self, None, 1, 1, 0)[0]
 
-    def kept_for_backward(self) -> int:
-        """The bytes alive when backward starts that are not gradients: what the micro-batch's
-        forward keeps for its backward (a pipeline schedule keeps it for each micro-batch in flight)."""
+    def kept_per_stage(self) -> list[int]:
+        """What each stage's forward keeps for its backward, in the order the micro-batch ran
+        them (a pipeline rank's: the bytes its forward added, alive at its end and at backward's
+        start); one stage (the whole) without stage marks."""
         alloc_bytes: dict[int, int] = {}
-        live = 0
+        live, ends = 0, []
         for event in self.events:
             if event[0] == "alloc" and event[1] not in self.grad_serial:
                 alloc_bytes[event[1]] = event[2]
                 live += event[2]
             elif event[0] == "free":
                 live -= alloc_bytes.pop(event[1], 0)
+            elif event[0] == "mark" and event[1] == "stage_done":
+                ends.append(live)
             elif event[0] == "mark" and event[1] == "backward":
-                return live
-        return live
+                break
+        if not ends:
+            return [live]
+        ends[-1] = live  # (what the last stage's end left for backward: its loss's too)
+        return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
     def with_gradients_of(self, params: list[torch.Tensor]) -> Timeline:
         """This timeline with each parameter's gradient the size of `params[j]` (the same model's
@@ -287,15 +293,17 @@ class _StagePass:
                              for _ in self.modules]
             self.gradients = [torch.empty(activations, dtype=dtype, device=device) for _ in self.modules]
 
-    def forward(self, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """What backward starts from (a loss, or each sent activation) and its gradients."""
+    def forward(self, ids: torch.Tensor, recorder: _Recorder) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What backward starts from (a loss, or each sent activation) and its gradients; a
+        "stage_done" mark after each stage's forward (`Timeline.kept_per_stage`)."""
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         outputs, gradients = [], []
-        for module, received, gradient in zip(self.modules, self.received, self.gradients, strict=True):
+        for k, (module, received, gradient) in enumerate(zip(self.modules, self.received, self.gradients, strict=True)):
             inputs = (ids, ids, positions) if module.first else (received, ids, ids, positions)
             out = module(*inputs)
             outputs.append(out if module.last else out[0])
             gradients.append(None if module.last else gradient)
+            recorder.mark("stage_done", k)
         return outputs, gradients
 
 
@@ -345,7 +353,7 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
             with fused_loss(model):
                 with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                     if stage_pass is not None:
-                        loss, gradients = stage_pass.forward(ids)
+                        loss, gradients = stage_pass.forward(ids, recorder)
                     else:
                         loss, gradients = [model(input_ids=ids, labels=ids).loss], None
                 aux = balancer.aux_loss() if balancer is not None else None
