@@ -229,9 +229,6 @@ def pipeline_layout_problems(parallel) -> list[str]:
     if p.sequence_parallel:
         problems.append(f"parallel.pp = {p.pp} with parallel.sequence_parallel: the stages would hand each other "
                         f"a part of the sequence (not supported yet); set sequence_parallel: false")
-    if p.cp > 1:
-        problems.append(f"parallel.pp = {p.pp} with parallel.cp = {p.cp}: context parallelism inside pipeline stages "
-                        f"is not supported yet; use one of them")
     if p.sync_every_micro_batch:
         problems.append("parallel.sync_every_micro_batch with parallel.pp: a pipeline reduces its stages' gradients "
                         "once, after the schedule's last backward; set sync_every_micro_batch: false")

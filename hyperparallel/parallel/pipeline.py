@@ -220,10 +220,11 @@ def _last_stage_modules(module: nn.Module, prefix: str, keep: set[int]) -> list[
 
 
 class PipelineStageModule(nn.Module):
-    """One stage as the schedule runs it: the first takes (ids, labels, positions), the others
-    (activations, ids, labels, positions); all but the last return (activations, ids, labels,
-    positions), the last the model's loss on its micro-batch. `run(model, ids, labels, positions)`
-    is the model's forward as the trainer calls it (its outputs, with `.loss` given labels)."""
+    """One stage as the schedule runs it: the first takes the micro-batch's tensors (ids, labels,
+    positions and, with context parallelism, its counted tokens), the others the activations and
+    them; all but the last return the activations and them, the last the model's loss on its
+    micro-batch. `run(model, ids, labels, positions, items)` is the model's forward as the trainer
+    calls it (its outputs, with `.loss` given labels)."""
 
 
     def __init__(self, model: nn.Module, layout: StageLayout, stage: int, run: Callable,
@@ -254,10 +255,8 @@ class PipelineStageModule(nn.Module):
         self._stand_ins += [stand_in for *_, stand_in in self._tail]
 
     def forward(self, *inputs: torch.Tensor):
-        if self.first:
-            hidden, (ids, labels, positions) = None, inputs
-        else:
-            hidden, ids, labels, positions = inputs
+        hidden, travelling = (None, inputs) if self.first else (inputs[0], inputs[1:])
+        ids, labels, positions, *items = travelling
         layers, handles, state = self._layer_list, [], _StageRun()
         try:
             for i, (_, place) in self._others.items():  # (only this stage's layers run)
@@ -276,7 +275,7 @@ class PipelineStageModule(nn.Module):
                 handles.append(layers[self.layers.stop - 1].register_forward_hook(keep))
             if self.balancer is not None:
                 self.balancer.begin_stage()
-            outputs = self.run(self.model, ids, labels if self.last else None, positions)
+            outputs = self.run(self.model, ids, labels if self.last else None, positions, *items)
         finally:  # (put back whatever happened)
             for handle in handles:
                 handle.remove()
@@ -297,8 +296,8 @@ class PipelineStageModule(nn.Module):
             _count_gradient_sent(hidden)
         if self.last:
             return handed_on
-        traffic.send("pp", (handed_on, ids, labels, positions), "activations")
-        return handed_on, ids, labels, positions
+        traffic.send("pp", (handed_on, *travelling), "activations")
+        return handed_on, *travelling
 
 
 def _count_gradient_sent(received: torch.Tensor) -> None:
@@ -334,13 +333,34 @@ class Pipeline:
     # a head tied to the input embedding, on the ranks of the first and last stages: the weight's
     # name and the group of this rank and its partner (`tied_embedding_groups`)
     tied: tuple[str, dist.ProcessGroup] | None = None
+    context: object = None  # context parallelism's ContextParallel (each rank its part of every sequence)
     balancer: object = None  # the MoE load balancing (a moe.LoadBalancer, after its for_pipeline), if any
     schedule: object = None  # a torch.distributed.pipelining schedule, made at the first step
     _no_outputs: dict = field(default_factory=dict)  # (step's keywords: made with the schedule)
 
-    def run(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor):
-        """The model's forward as a stage runs it (no context parallelism under pp)."""
-        return model(input_ids=ids, labels=labels, position_ids=positions, **self.forward_kwargs)
+    def run(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor,
+            items: torch.Tensor | None = None):
+        """The model's forward as a stage runs it. With context parallelism (`items`: the
+        micro-batch's counted tokens over cp, a row each) the labels are this rank's part of the
+        whole sequence's shifted ones, as train/step.py's `model_outputs` gives them."""
+        if items is None:
+            return model(input_ids=ids, labels=labels, position_ids=positions, **self.forward_kwargs)
+        loss = {} if labels is None else {"labels": labels, "shift_labels": labels,
+                                          "num_items_in_batch": items.reshape(-1)[0]}
+        return model(input_ids=ids, position_ids=positions, **loss, **self.forward_kwargs)
+
+    def _travelling(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The step's micro-batches' tensors as the stages take them (the rows of each tensor split
+        evenly into the schedule's micro-batches): with context parallelism this rank's part of
+        each sequence, its labels shifted on the whole, and each micro-batch's counted tokens."""
+        if self.context is None:
+            return ids, labels, positions
+        from hyperparallel.parallel.context_parallel import context_parallel_batch
+
+        parts = [context_parallel_batch(i, t, self.context.size, self.context.rank)
+                 for i, t in zip(ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True)]
+        items = torch.cat([counted.expand(i.shape[0], 1) for i, _, _, counted in parts]).to(ids.device)
+        return (*(torch.cat([part[k] for part in parts]) for k in range(3)), items)
 
     @property
     def holds_first(self) -> bool:
@@ -350,19 +370,20 @@ class Pipeline:
     def holds_last(self) -> bool:
         return self.layout.stages - 1 in self.stages
 
-    def _make_schedule(self, ids: torch.Tensor) -> None:
+    def _make_schedule(self, travelling: tuple[torch.Tensor, ...]) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as pp_schedules
 
+        ids = travelling[0]
         rows, seq = ids.shape[0] // self.n_microbatches, ids.shape[1]
         hidden_size = self.model.config.get_text_config(decoder=True).hidden_size
-        tokens = torch.empty((rows, seq), dtype=torch.int64, device="meta")
+        metas = tuple(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device="meta") for t in travelling)
         hidden = torch.empty((rows, seq, hidden_size), dtype=self.hidden_dtype, device="meta", requires_grad=True)
-        passed = (hidden, tokens, tokens, tokens)
+        passed = (hidden, *metas)
         stages = []
         for s in self.stages:
             module = PipelineStageModule(self.model, self.layout, s, self.run, (rows, seq, hidden_size), self.balancer)
-            inputs = (tokens, tokens, tokens) if s == 0 else passed
+            inputs = metas if s == 0 else passed
             loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
             outputs = (loss,) if s == self.layout.stages - 1 else passed
             stages.append(PipelineStage(module, s, self.layout.stages, ids.device, input_args=inputs,
@@ -391,11 +412,12 @@ class Pipeline:
 
     def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each micro-batch's loss (forward only, no gradients), on every rank of the pp group."""
+        travelling = self._travelling(ids, labels, positions)
         if self.schedule is None:
-            self._make_schedule(ids)
+            self._make_schedule(travelling)
         losses: list[torch.Tensor] = []
-        args = (ids, labels, positions) if self.holds_first else ()
-        target = labels if self.holds_last else None
+        args = travelling if self.holds_first else ()
+        target = travelling[1] if self.holds_last else None
         with torch.no_grad():
             self.schedule.eval(*args, target=target, losses=losses if self.holds_last else None, **self._no_outputs)
         each = (torch.stack([loss.double() for loss in losses]) * self.n_microbatches if losses
@@ -408,11 +430,12 @@ class Pipeline:
         into the schedule's micro-batches); returns the mean of the micro-batches' losses, on every
         rank of the pp group (the last stage computes it). The rank's gradients are left in its
         parameters' .grad (each micro-batch's loss divided by their count)."""
+        travelling = self._travelling(ids, labels, positions)
         if self.schedule is None:
-            self._make_schedule(ids)
+            self._make_schedule(travelling)
         losses: list[torch.Tensor] = []
-        args = (ids, labels, positions) if self.holds_first else ()
-        target = labels if self.holds_last else None
+        args = travelling if self.holds_first else ()
+        target = travelling[1] if self.holds_last else None
         self.schedule.step(*args, target=target, losses=losses if self.holds_last else None, **self._no_outputs)
         total = torch.stack([loss.detach().double() for loss in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float64, device=ids.device)

@@ -223,7 +223,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         if balancer is not None:
             balancer.for_pipeline(model, mesh.stage_group, mesh.pp_group, n)
         pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, n, dtype, forward_kwargs,
-                            balancer=balancer, tied=tied)
+                            balancer=balancer, tied=tied, context=context)
     trained = model
     if mesh.ddp_enabled:  # a layout that names no dimension: every rank holds the model whole
         trained = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.replicate_group)

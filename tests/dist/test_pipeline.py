@@ -8,7 +8,8 @@ a constant lr) through torch.distributed.pipelining's schedule; its losses (the 
 ranks, as the trainer logs it) and final parameters (whole, assembled from every rank's part by
 the chunk each records for checkpoints) are compared with one process's. A tuned family (Qwen3)
 and one transformers' own class alone describes (Llama) run at pp=2 x dp_shard=2 and at pp=4 (an
-interleaved schedule, 2 stages a rank; GPipe); Qwen3 at pp=2 x tp=2; Qwen3-MoE at pp=2 x ep=2.
+interleaved schedule, 2 stages a rank; GPipe); Qwen3 at pp=2 x tp=2 and pp=2 x cp=2 (ring,
+Ulysses); Qwen3-MoE at pp=2 x ep=2.
 MoE load balancing across stages: Qwen3-MoE with its auxiliary loss (each stage's routers' part
 differentiated where the stage runs), DeepSeek-V3 moving its correction biases with its stages
 interleaved (a rank holds layers 0 and 2); their figures (the auxiliary loss, each layer's
@@ -80,6 +81,9 @@ LAYOUTS = {
     "qwen3_pp2_dp2": ("qwen3", {"pp": 2, "dp_shard": 2}),
     "llama_pp2_dp2": ("llama", {"pp": 2, "dp_shard": 2}),
     "qwen3_pp2_tp2": ("qwen3", {"pp": 2, "tp": 2}),
+    # each rank its part of every sequence inside each stage (ring and Ulysses attention)
+    "qwen3_pp2_cp2_ring": ("qwen3", {"pp": 2, "cp": 2, "cp_mode": "ring"}),
+    "qwen3_pp2_cp2_ulysses": ("qwen3", {"pp": 2, "cp": 2, "cp_mode": "ulysses"}),
     # the tied weight held by the first and the last stage (pp=4: the middle ones hold neither)
     "qwen3_tied_pp2_dp2": ("qwen3_tied", {"pp": 2, "dp_shard": 2}),
     "qwen3_tied_pp4": ("qwen3_tied", {"pp": 4}),
@@ -331,7 +335,8 @@ def test_the_plan_of_each_pipeline_stage_is_near_its_measured_peak(step_peaks, l
         # tied pp2_tp2 1.00 1.03 1.06 1.05, MoE pp2_ep2 0.92 0.91 (routing: the plan's is uniform, a
         # rank's experts received more) 0.98 1.00, MoE with its auxiliary loss 0.97 0.97 1.00 0.97,
         # DeepSeek-V3 interleaved 0.99 0.99 1.14 1.14, qwen3 pp4 interleaved 1.09 1.08 1.08 1.13,
-        # llama 1.10 1.10 1.10 1.12, llama pp4 GPipe 0.91 0.97 0.97 1.02. (Planned as if every
+        # llama 1.10 1.10 1.10 1.12, llama pp4 GPipe 0.91 0.97 0.97 1.02, pp2_cp2 ring 0.98 0.98 1.06
+        # 1.06, Ulysses 0.99 0.97 1.03 1.05. (Planned as if every
         # micro-batch in flight met the whole accumulated gradients: 1.26 on llama pp2_dp2's rank 0.)
         assert 0.85 <= ratio <= 1.2, (layout, rank, ratio, planned.pipeline["totals"], measured)
 

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from hyperparallel.errors import ConfigError
 from hyperparallel.models import build_model
 from hyperparallel.models.layers import LayerOnAnotherStage, decoder_layer_names, layer_list
 from hyperparallel.parallel.mesh import MeshShape, layout_problems
@@ -70,7 +69,6 @@ def parallel(**settings):
     ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, 2, "set parallel.pp_virtual_stages: 2 or more"),
     ({"pp": 2, "pp_virtual_stages": 2}, 2, "1f1b runs one stage a rank"),
     ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "set sequence_parallel: false"),
-    ({"pp": 2, "cp": 2}, 4, "context parallelism inside pipeline stages"),
     ({"pp": 2, "pp_layers": [1, 1, 2]}, 2, "the pipeline has pp x pp_virtual_stages = 2"),
 ])
 def test_pipeline_layouts_a_run_cannot_take_are_named(settings, world, said):
@@ -96,7 +94,17 @@ def test_a_rank_holds_its_stages_under_their_one_process_names():
     assert "model.embed_tokens.weight" in held[0] and {"lm_head.weight", "model.norm.weight"} <= held[1]
 
 
-def test_a_head_tied_to_the_embedding_is_refused_on_stages_apart():
-    model = build_model("llama", config=LLAMA | {"tie_word_embeddings": True}, materialize=False)
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        hold_stages(model, stage_layout(model, 2, 1, "1f1b", None), 0)
+def test_a_head_tied_to_the_embedding_is_held_by_the_first_and_last_stages_under_the_embeddings_name():
+    """The last stage keeps the embedding module beside the head (one weight): the weight has the
+    one-process name on both ranks; a middle stage holds neither."""
+    held = {}
+    for rank in range(3):
+        model = build_model("llama", config=LLAMA | {"tie_word_embeddings": True, "num_hidden_layers": 3},
+                            materialize=False)
+        hold_stages(model, stage_layout(model, 3, 1, "1f1b", None), rank)
+        held[rank] = dict(model.named_parameters())
+        if rank == 2:
+            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert "model.embed_tokens.weight" in held[0] and "model.embed_tokens.weight" in held[2]
+    assert not any("embed_tokens" in name or "lm_head" in name for name in held[1])
+    assert "lm_head.weight" not in held[2]  # (the same Parameter: named once, as the embedding)

@@ -161,6 +161,9 @@ def step_collectives(cfg: TrainConfig, layout: MeshShape, model: nn.Module, whol
         if p.cp_mode == "ring":  # keys and values around the ring: once forward, twice backward (with their grads)
             passes = accumulation * n_layers * (3 + replays)
             out.append(Collective("cp_ring", "cp", "all_gather", C, tokens * kv_width * element, passes, cp_spans))
+            # (the gradients' last pass, to the block's owner: C passes to the keys' and values' C - 1)
+            out.append(Collective("cp_ring_grad_home", "cp", "all_gather", 2, tokens * kv_width * element,
+                                  accumulation * n_layers, cp_spans))
         else:  # Ulysses: queries, keys, values and the output, all-to-all forward and backward
             calls = accumulation * n_layers * (2 + replays)
             out.append(Collective("cp_all_to_all", "cp", "all_to_all", C, tokens * (2 * q_width + kv_width) * element,

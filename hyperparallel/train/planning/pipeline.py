@@ -141,31 +141,38 @@ def stage_peak(timeline: Timeline, groups: list[Group], world: int, n: int, grad
     return best
 
 
+def _travelling_bytes(rows: int, seq: int, cp: bool) -> int:
+    """A micro-batch's ids, labels and positions (int64), and with context parallelism its counted
+    tokens (float32, a row each): what travels along the pipeline with the activations."""
+    return 3 * rows * seq * 8 + (rows * 4 if cp else 0)
+
+
 def pipeline_buffers(stages: StageLayout, pp_rank: int, n: int, rows: int, seq: int, hidden: int,
-                     element: int) -> int:
+                     element: int, cp: bool = False) -> int:
     """Bytes of the schedule's receive buffers on pipeline rank `pp_rank`: per micro-batch, the
-    activations and the ids, labels and positions (int64) for each of its stages after the first,
-    and the gradient of what it sends for each before the last."""
-    activations, ids = rows * seq * hidden * element, rows * seq * 8
+    activations and what travels with them for each of its stages after the first, and the
+    gradient of what it sends for each before the last."""
+    activations, travelling = rows * seq * hidden * element, _travelling_bytes(rows, seq, cp)
     total = 0
     for s in stages.stages_of(pp_rank):
-        total += n * (activations + 3 * ids) if s > 0 else 0
+        total += n * (activations + travelling) if s > 0 else 0
         total += n * activations if s < stages.stages - 1 else 0
     return total
 
 
 def stage_sends(stages: StageLayout, pp_rank: int, n: int, rows: int, seq: int, hidden: int, element: int,
-                spans_nodes: bool) -> list[Collective]:
+                spans_nodes: bool, cp: bool = False) -> list[Collective]:
     """The sends of pipeline rank `pp_rank` in a step: forward, each stage but the last hands on
-    its activations with the ids, labels and positions; backward, each stage but the first the
-    gradient of the activations it received."""
-    activations, ids = rows * seq * hidden * element, rows * seq * 8
+    its activations with what travels with them; backward, each stage but the first the gradient
+    of the activations it received."""
+    activations, travelling = rows * seq * hidden * element, _travelling_bytes(rows, seq, cp)
     held = stages.stages_of(pp_rank)
     forward = sum(1 for s in held if s < stages.stages - 1)
     backward = sum(1 for s in held if s > 0)
     out = []
     if forward:
-        out.append(Collective("pp_send_activations", "pp", "send", 2, activations + 3 * ids, n * forward, spans_nodes))
+        out.append(Collective("pp_send_activations", "pp", "send", 2, activations + travelling, n * forward,
+                              spans_nodes))
     if backward:
         out.append(Collective("pp_send_gradients", "pp", "send", 2, activations, n * backward, spans_nodes))
     return out

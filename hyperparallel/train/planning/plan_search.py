@@ -5,7 +5,7 @@ ranked by predicted tokens/s, printed as `--set` lines to paste into `hyperparal
 Enumerated: tp (powers of two up to the ranks per machine, dividing the attention heads), cp (each
 rank keeping at least CP_TOKENS of a sequence; not with tp, as the trainer refuses), pipeline
 stages (pp: powers of two leaving whole machines to each stage and two decoder layers or more to
-each; not with cp), the
+each), the
 dp_replicate x dp_shard splits whose shard groups are whole machines (or every data-parallel
 rank), ep (MoE models: powers of two dividing dp_shard x cp, up to the experts); for each, the
 largest micro-batch (a power of two dividing each replica's rows) that fits with recompute off,
@@ -80,7 +80,7 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: 
     0: dense; `depth` decoder layers) over `world` ranks to try (as config settings), without
     recompute and micro-batch (`search` picks those): shard groups of whole machines, or of every
     data-parallel rank; pipeline stages (1F1B, the outermost dimension) of whole machines, at least
-    two decoder layers each, and without cp (the trainer refuses it inside stages)."""
+    two decoder layers each."""
     heads = config_values(config, "num_attention_heads")  # (per layer, where the config lets them vary)
     seq = cfg.data.seq_len
     out = []
@@ -89,7 +89,7 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: 
         for tp in [t for t in _powers_of_two(min(ranks_per_node, stage))
                    if all(h % t == 0 for h in heads) and stage % t == 0]:
             for cp in [c for c in _powers_of_two(max(seq // CP_TOKENS, 1)) if (stage // tp) % c == 0]:
-                if cp > 1 and (tp > 1 or pp > 1):
+                if tp > 1 and cp > 1:
                     continue
                 dp = stage // (tp * cp)
                 for dp_shard in _divisors(dp):

@@ -275,7 +275,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
     if stages is not None:  # the schedule's receive buffers (planning/pipeline.py)
         n, rows, hidden = accumulation, cfg.training.micro_batch, whole_config["config"].get_text_config(decoder=True).hidden_size
         element = next(q.element_size() for q in params if q.is_floating_point())
-        received = pipeline_buffers(stages, pp_rank, n, rows, seq_len, hidden, element)
+        received = pipeline_buffers(stages, pp_rank, n, rows, seq_len, hidden, element, layout.cp_enabled)
         buffers, peak = buffers + received, peak + received
     target = torch.device("cuda") if on_gpu else device  # (where the run trains: clipping's transient)
     optimizer_step = grads + optimizer_step_transient(cfg, model, shard, sharded, muon_buffers, target)
@@ -291,7 +291,7 @@ def plan(cfg: TrainConfig, world: int, *, runtime: int | None = None, device: to
                                        model.get_input_embeddings(), StageInput)))
     if stages is not None:
         collectives += stage_sends(stages, pp_rank, n, rows, seq_len, hidden, element,
-                                   spans_nodes(layout.stage_world, 2, ranks_per_node))
+                                   spans_nodes(layout.stage_world, 2, ranks_per_node), layout.cp_enabled)
     comm: dict[str, int] = {}
     by_dimension: dict[str, int] = {}
     by_kind: dict[str, int] = {}  # "dimension/kind", as the trainer's first step record has them (traffic.py)

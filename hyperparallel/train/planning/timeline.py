@@ -307,7 +307,7 @@ class _StagePass:
         return outputs, gradients
 
 
-def _run(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor):
+def _run(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor, *items):
     return model(input_ids=ids, labels=labels, position_ids=positions)
 
 
