@@ -154,29 +154,26 @@ class LoadBalancer:
                 self._step_counts[i] = c if total is None else total + c
             layer.counter.clear_record()
 
-    def for_pipeline(self, model: nn.Module, stage_group, pp_group, micro_batches: int) -> None:
-        """Balance the MoE layers this rank holds of a pipeline's (`model`: cut to its stages),
-        with the ranks holding the same stages (`stage_group`) and the other stages (`pp_group`),
-        over `micro_batches` a step ([Note: balancing pipeline stages]). Collective over pp_group."""
-        from hyperparallel.models.layers import layer_list
-
-        where = {}  # each balanced layer's decoder layer
-        for i, layer in enumerate(layer_list(model)):
-            for module in layer.modules():
-                where[id(module)] = i
-        order = torch.tensor([where[id(layer.counter)] for layer in self.layers], dtype=torch.float64)
-        held = torch.tensor([len(self.layers), len(self.routers)], dtype=torch.int64)
+    def for_pipeline(self, decoder_layers: list[int], stage_group, pp_group, micro_batches: int,
+                     device: torch.device) -> None:
+        """Balance the MoE layers this rank holds of a pipeline's (none, on a rank whose stages have
+        none: it still takes part), with the ranks holding the same stages (`stage_group`) and the
+        other stages (`pp_group`), over `micro_batches` a step ([Note: balancing pipeline stages]).
+        `decoder_layers`: each of this rank's balanced layers' decoder layer; `device`: the run's (its
+        collectives' tensors). Collective over pp_group."""
+        order = torch.tensor(decoder_layers, dtype=torch.float64, device=device)
+        held = torch.tensor([len(self.layers), len(self.routers)], dtype=torch.int64, device=device)
         dist.all_reduce(held, group=pp_group)
-        most = torch.tensor([len(self.layers)], dtype=torch.int64)
+        most = torch.tensor([len(self.layers)], dtype=torch.int64, device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pp_group)
-        padded = torch.full((int(most),), float("inf"), dtype=torch.float64)
+        padded = torch.full((int(most),), float("inf"), dtype=torch.float64, device=device)
         padded[:len(self.layers)] = order
         gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(pp_group))]
         dist.all_gather(gathered, padded, group=pp_group)
         everywhere = torch.cat(gathered)  # (each pp rank's layers' decoder indices, padded with inf)
-        placed = torch.argsort(everywhere)[:int(held[0])]  # (the whole model's layers, in its order)
+        placed = torch.argsort(everywhere, stable=True)[:int(held[0])]  # (the whole model's layers, in its order)
         self.process_group = stage_group
-        self.pipeline = _Pipeline(pp_group, micro_batches, int(held[1]), int(most), placed)
+        self.pipeline = _Pipeline(pp_group, device, micro_batches, int(held[1]), int(most), placed)
         for layer in self.layers:
             layer.counter.recording = False  # (on only while a stage's forward runs)
 
@@ -193,7 +190,7 @@ class LoadBalancer:
         if self.mode == "aux_loss":
             losses = [loss for loss in (r.aux_loss() for r in self.routers) if loss is not None]
             if losses:
-                part = torch.stack(losses).sum() / self.pipeline.routers
+                part = torch.stack(losses).sum() / self.pipeline.model_routers
                 self._aux_values.append(part.detach())
         self._fold()
         for layer in self.layers:
@@ -209,7 +206,8 @@ class LoadBalancer:
         figures: dict[str, torch.Tensor] = {}
         pipeline = self.pipeline
         if pipeline is not None and self.mode == "aux_loss":  # (every stage's parts, each micro-batch's)
-            parts = torch.stack(self._aux_values).sum() if self._aux_values else torch.zeros((), dtype=torch.float32)
+            parts = (torch.stack(self._aux_values).sum() if self._aux_values
+                     else torch.zeros((), dtype=torch.float32, device=pipeline.device))
             dist.all_reduce(parts, group=pipeline.group)
             figures["aux_loss"] = parts / pipeline.micro_batches
         elif self._aux_values:
@@ -217,6 +215,9 @@ class LoadBalancer:
         self._aux_values = []
         per_layer, self._step_counts = self._step_counts, None
         if not per_layer or any(c is None for c in per_layer):
+            if pipeline is not None and not self.layers:  # (a rank whose stages hold none takes part)
+                empty = torch.zeros(0, dtype=torch.float64, device=pipeline.device)
+                figures["moe_imbalance_per_layer"] = pipeline.gathered(empty)
             return figures
         counts = torch.cat(per_layer)  # one all-reduce for every layer
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
@@ -239,8 +240,9 @@ class _Pipeline:
     """What a pipeline rank's balancer knows of the others ([Note: balancing pipeline stages])."""
 
     group: object  # the pp group
+    device: torch.device  # where this rank's figures are (its collectives' tensors)
     micro_batches: int
-    routers: int  # the whole model's routers (the auxiliary loss's mean is over them)
+    model_routers: int  # the whole model's routers (the auxiliary loss's mean is over them)
     most: int  # the most MoE layers a pipeline rank holds
     placed: torch.Tensor = field(repr=False)  # where each of the model's layers is in the gathered figures
 

@@ -12,7 +12,8 @@ stages r, r + pp, ...).
 What a rank holds. Its model is the whole model's object with, in the places of the layers other
 ranks hold, `LayerOnAnotherStage` (no parameters: the layers it holds keep their names, so
 checkpoints, FSDP and the optimizer see the one-process names, and a checkpoint loads into any
-pp); the input embedding only where the first stage is (else `StageInput`); the modules with
+pp); the input embedding only where the first stage is (else `StageInput`; a head tied to it:
+the last stage keeps the embedding module too, the weight under its name); the modules with
 parameters outside the decoder layers (the final norm, the head, ...) only where the last stage is
 (else `HeldByLastStage`). It is cut so on the meta device, before anything gets memory: each rank
 builds, initializes and loads only what it holds.
@@ -408,6 +409,8 @@ class Pipeline:
         if self.tied is not None:
             name, group = self.tied
             weight = dict(self.model.named_parameters())[name]
+            if weight.grad is None:  # (none arrived here: the partner's alone)
+                weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=group)
 
     def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

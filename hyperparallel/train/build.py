@@ -24,7 +24,7 @@ from hyperparallel.models.families import load_balance_rule, tensor_parallel_pla
 from hyperparallel.models.kernels import use_kernels
 from hyperparallel.models.layers import layer_list
 from hyperparallel.moe import LoadBalancer, default_waves
-from hyperparallel.moe.balance import balanced_layers
+from hyperparallel.moe.balance import balanced_layers, routers
 from hyperparallel.multicore import COST_MODELS, EXECUTORS
 from hyperparallel.optim import build_optimizer, build_scheduler
 from hyperparallel.parallel import (
@@ -151,6 +151,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     n_params = sum(t.numel() for t in model.parameters())  # (whole: before TP and EP keep a rank's part)
     flops_per_token = training_flops_per_token(shadow, cfg.data.seq_len)
     layout_of_stages, stages, tied = None, (), None
+    # (the MoE balancing's rule, and whether our routers run it, found on the whole model: a
+    # pipeline rank whose stages hold no MoE layer balances with the others all the same)
+    balancing = ((load_balance_rule(get_family(cfg.model.family), model), bool(routers(model)))
+                 if balanced_layers(model) else None)
     if mesh.pp_enabled:  # this rank keeps its stages' layers alone, before anything gets memory
         layout_of_stages = stage_layout(model, p.pp, p.pp_virtual_stages, p.pp_schedule, p.pp_layers)
         ties = tied_head(model)
@@ -170,8 +174,8 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
             raise ConfigError(f"parallel.tp: {cfg.model.family!r}: {plan}")
         apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=p.sequence_parallel, plan=plan)
     conversion = convert(model, cfg.low_precision)
-    balancer = build_balancer(cfg, model)
-    transformers_aux = balancer is not None and balancer.mode == "aux_loss" and not balancer.routers
+    balancer = build_balancer(cfg, model, balancing)
+    transformers_aux = balancer is not None and balancer.mode == "aux_loss" and not balancing[1]
     layout, waves = None, None
     if mesh.ep_enabled:
         layout = expert_layout_of(mesh)
@@ -220,8 +224,10 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
         forward_kwargs = ({"output_router_logits": transformers_aux}
                           if hasattr(model.config, "output_router_logits") else {})
         n = cfg.grad_accumulation(rt.world)
-        if balancer is not None:
-            balancer.for_pipeline(model, mesh.stage_group, mesh.pp_group, n)
+        if balancer is not None:  # (each balanced layer's decoder layer: the figures in the model's order)
+            where = {id(m): i for i, layer in enumerate(layer_list(model)) for m in layer.modules()}
+            balancer.for_pipeline([where[id(layer.counter)] for layer in balancer.layers], mesh.stage_group,
+                                  mesh.pp_group, n, rt.device)
         pipeline = Pipeline(model, layout_of_stages, list(stages), mesh.pp_group, n, dtype, forward_kwargs,
                             balancer=balancer, tied=tied, context=context)
     trained = model
@@ -286,15 +292,19 @@ def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:
     return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], **EXECUTORS[device.type])
 
 
-def build_balancer(cfg: TrainConfig, model: nn.Module) -> LoadBalancer | None:
+def build_balancer(cfg: TrainConfig, model: nn.Module, balancing: tuple[str, bool] | None = None) -> LoadBalancer | None:
     """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank. Where
     the MoE layers keep transformers' routers and the rule is aux_loss, transformers' model adds
-    its own auxiliary loss (at moe.aux_loss_coef when that is given)."""
-    if not balanced_layers(model):
-        return None
-    rule = load_balance_rule(get_family(cfg.model.family), model)
+    its own auxiliary loss (at moe.aux_loss_coef when that is given). `balancing`: (the family's
+    rule, whether our routers run it) of the whole model, found before a pipeline cut it (a rank
+    may then hold none of its MoE layers, and balance with the other ranks all the same)."""
+    if balancing is None:
+        if not balanced_layers(model):
+            return None
+        balancing = (load_balance_rule(get_family(cfg.model.family), model), bool(routers(model)))
+    rule, ours = balancing
     balancer = LoadBalancer.from_config(model, cfg.moe, family_rule=rule)
-    if balancer.mode == "aux_loss" and not balancer.routers and cfg.moe.aux_loss_coef is not None:
+    if balancer.mode == "aux_loss" and not ours and cfg.moe.aux_loss_coef is not None:
         model.router_aux_loss_coef = cfg.moe.aux_loss_coef  # (what its forward multiplies the loss by)
     return balancer
 

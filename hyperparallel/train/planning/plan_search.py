@@ -61,7 +61,7 @@ class Candidate:
         return self.plan.time.tokens_per_s
 
     def set_lines(self) -> str:
-        return " ".join(f"--set {key}={value}" for key, value in self.settings.items())
+        return " ".join(f"--set {key}={'null' if value is None else value}" for key, value in self.settings.items())
 
     def to_json(self) -> dict:
         return {"settings": self.settings, "set": self.set_lines(), "plan": self.plan.to_json()}
@@ -97,8 +97,11 @@ def layouts(cfg: TrainConfig, world: int, ranks_per_node: int, config, experts: 
                     if dp_shard != dp and group % ranks_per_node:
                         continue
                     eps = [e for e in _powers_of_two(dp_shard * cp) if e <= experts] if experts else [1]
+                    # (a pipeline's: 1F1B over stages balanced by the search, whatever the config's)
+                    staged = ({"parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1,
+                               "parallel.pp_layers": None} if pp > 1 else {})
                     for ep in eps:
-                        out.append({"parallel.pp": pp, "parallel.tp": tp, "parallel.cp": cp,
+                        out.append({"parallel.pp": pp, **staged, "parallel.tp": tp, "parallel.cp": cp,
                                     "parallel.dp_replicate": dp // dp_shard, "parallel.dp_shard": dp_shard,
                                     "parallel.ep": ep})
     return out
@@ -167,7 +170,8 @@ def search(cfg: TrainConfig, world: int, device: DeviceModel, top: int = 5) -> l
         options = {"device_model": device, "runtime": runtime, "device": "cpu", "simulations": simulations}
         # (a pipeline's screen: a first stage holding the leading dense layers and a stage's share of
         # the others, more than any stage holds)
-        held = depth if candidate.parallel.pp == 1 else min(depth, da - 2 + -(-depth // candidate.parallel.pp))
+        first_dense = da - 2  # (_depths: the leading dense layers, then two)
+        held = depth if candidate.parallel.pp == 1 else min(depth, first_dense + -(-depth // candidate.parallel.pp))
         try:
             if held <= db:  # (a pipeline's: its first stage of `held` layers alone)
                 return plan(candidate, world, layers=None if held == depth else held, **options)

@@ -79,7 +79,8 @@ def format_plan(p: Plan) -> str:
         lines.extend(format_pipeline(p.pipeline))
     if p.comm:
         parts = ", ".join(f"{key} {value / 2**20:,.1f} MiB" for key, value in p.comm.items())
-        lines.append(f"sent per step by rank {p.rank}: {p.comm_bytes_per_step / 2**20:,.1f} MiB ({parts})")
+        who = f"pipeline rank {p.pipeline['comm_pp_rank']}" if "comm_pp_rank" in p.pipeline else f"rank {p.rank}"
+        lines.append(f"sent per step by {who}: {p.comm_bytes_per_step / 2**20:,.1f} MiB ({parts})")
         dims = ", ".join(f"{key} {value / 2**20:,.1f} MiB" for key, value in p.comm_by_dimension.items())
         lines.append(f"  by mesh dimension: {dims}")
         lines.append(f"  ({COMM_FORMULA})")

@@ -356,7 +356,8 @@ def simulate(model: nn.Module, mode, cfg: TrainConfig, device: torch.device, seq
                         loss, gradients = stage_pass.forward(ids, recorder)
                     else:
                         loss, gradients = [model(input_ids=ids, labels=ids).loss], None
-                aux = balancer.aux_loss() if balancer is not None else None
+                # (a pipeline stage attaches its part of the auxiliary loss to what it hands on: moe/balance.py)
+                aux = balancer.aux_loss() if balancer is not None and stage_pass is None else None
                 if aux is not None:
                     loss = [loss[0] + aux]
                 recorder.mark("backward")
