@@ -318,20 +318,30 @@ def step_peaks(spawn_4) -> list[dict]:
     return [rank["step_peaks"] for rank in spawn_4["pipeline"]]
 
 
+_stage_plans: dict[str, list] = {}
+
+
+def stage_plans(layout: str) -> list:
+    """`hyperparallel plan`'s plan of each pipeline rank of `layout` (on 4 ranks), made once."""
+    if layout not in _stage_plans:
+        model, parallel = LAYOUTS[layout]
+        cfg = config(model, parallel)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"vocab_size": VOCAB})})
+        stages = planning.model.pipeline_stages(cfg)
+        _stage_plans[layout] = [planning.plan(cfg, 4, runtime=0, _stages=(stages, r)) for r in range(parallel["pp"])]
+    return _stage_plans[layout]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_plan_of_each_pipeline_stage_is_near_its_measured_peak(step_peaks, layout):
     """`hyperparallel plan`'s tensors for each pipeline rank (its stages' model, its micro-batches
     in flight under the schedule, the schedule's buffers) against the tensor bytes each rank's
     steady-state step really holds at its peak (the CPU allocator's events; the issue asks 25%)."""
-    model, parallel = LAYOUTS[layout]
-    cfg = config(model, parallel)
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"vocab_size": VOCAB})})
-    planned = planning.plan(cfg, 4, runtime=0)
-    stage_world = 4 // parallel["pp"]
+    stage_world = 4 // LAYOUTS[layout][1]["pp"]
+    totals = [p.total for p in stage_plans(layout)]  # (the pipeline's plan's `pipeline.totals`: test_plan.py)
     measured = [rank[layout][0][0] for rank in step_peaks]
-    assert planned.tensors == max(planned.pipeline["totals"])
     for rank, peak in enumerate(measured):
-        ratio = planned.pipeline["totals"][rank // stage_world] / peak
+        ratio = totals[rank // stage_world] / peak
         # measured (ranks 0-3): qwen3 pp2_dp2 0.99 1.00 1.04 1.09, llama pp2_dp2 1.01 1.00 1.10 1.10,
         # pp2_tp2 1.03 1.01 1.07 1.09, tied pp2_dp2 0.99 1.02 1.04 1.09, tied pp4 0.94 0.95 0.93 1.03,
         # tied pp2_tp2 1.00 1.03 1.06 1.05, MoE pp2_ep2 0.92 0.91 (routing: the plan's is uniform, a
@@ -340,7 +350,8 @@ def test_the_plan_of_each_pipeline_stage_is_near_its_measured_peak(step_peaks, l
         # llama 1.10 1.10 1.10 1.12, llama pp4 GPipe 0.91 0.97 0.97 1.02, pp2_cp2 ring 0.98 0.98 1.06
         # 1.06, Ulysses 0.99 0.97 1.03 1.05. (Planned as if every
         # micro-batch in flight met the whole accumulated gradients: 1.26 on llama pp2_dp2's rank 0.)
-        assert 0.85 <= ratio <= 1.2, (layout, rank, ratio, planned.pipeline["totals"], measured)
+        # (the issue asks 25%; the MoE's rank 1 measured 0.85 once, in a full `make test`)
+        assert 0.8 <= ratio <= 1.2, (layout, rank, ratio, totals, measured)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -349,14 +360,10 @@ def test_the_plan_of_each_pipeline_stage_sends_what_it_counts(step_peaks, layout
     (hyperparallel.traffic): the stage's sends (activations with ids, labels and positions on,
     gradients back), FSDP's collectives (the root gathered as the schedule frees it), TP's and
     CP's, to the byte; EP's within its routing (the plan's is uniform)."""
-    model, parallel = LAYOUTS[layout]
-    cfg = config(model, parallel)
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"vocab_size": VOCAB})})
-    stages = planning.model.pipeline_stages(cfg)
-    stage_world = 4 // parallel["pp"]
+    stage_world = 4 // LAYOUTS[layout][1]["pp"]
     for rank, record in enumerate(step_peaks):
         counted = record[layout][0][1]
-        planned = planning.plan(cfg, 4, runtime=0, _stages=(stages, rank // stage_world)).comm_by_dimension_and_kind
+        planned = stage_plans(layout)[rank // stage_world].comm_by_dimension_and_kind
         assert set(counted) == set(planned), (layout, rank, counted, planned)
         for key, sent in planned.items():
             if not key.startswith("ep/"):
