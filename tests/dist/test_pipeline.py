@@ -9,7 +9,7 @@ ranks, as the trainer logs it) and final parameters (whole, assembled from every
 the chunk each records for checkpoints) are compared with one process's. A tuned family (Qwen3)
 and one transformers' own class alone describes (Llama) run at pp=2 x dp_shard=2 and at pp=4 (an
 interleaved schedule, 2 stages a rank; GPipe); Qwen3 at pp=2 x tp=2 and pp=2 x cp=2 (ring,
-Ulysses); Qwen3-MoE at pp=2 x ep=2.
+Ulysses: tests/dist/test_context_parallel.py has both modes); Qwen3-MoE at pp=2 x ep=2.
 MoE load balancing across stages: Qwen3-MoE with its auxiliary loss (each stage's routers' part
 differentiated where the stage runs), DeepSeek-V3 moving its correction biases with its stages
 interleaved (a rank holds layers 0 and 2); their figures (the auxiliary loss, each layer's
@@ -68,9 +68,6 @@ MODELS = {
     "llama": ("llama", {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
                         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                         "head_dim": 16}),
-    "llama_8": ("llama", {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-                          "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-                          "head_dim": 16}),
     "qwen3_moe": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml")),
     "qwen3_moe_4": ("qwen3_moe", tiny("qwen3_moe_tiny.yaml", num_hidden_layers=4)),
     "deepseek_v3": ("deepseek_v3", tiny("deepseek_v3_tiny.yaml", num_hidden_layers=4)),
@@ -81,9 +78,8 @@ LAYOUTS = {
     "qwen3_pp2_dp2": ("qwen3", {"pp": 2, "dp_shard": 2}),
     "llama_pp2_dp2": ("llama", {"pp": 2, "dp_shard": 2}),
     "qwen3_pp2_tp2": ("qwen3", {"pp": 2, "tp": 2}),
-    # each rank its part of every sequence inside each stage (ring and Ulysses attention)
+    # each rank its part of every sequence inside each stage (ring attention)
     "qwen3_pp2_cp2_ring": ("qwen3", {"pp": 2, "cp": 2, "cp_mode": "ring"}),
-    "qwen3_pp2_cp2_ulysses": ("qwen3", {"pp": 2, "cp": 2, "cp_mode": "ulysses"}),
     # the tied weight held by the first and the last stage (pp=4: the middle ones hold neither)
     "qwen3_tied_pp2_dp2": ("qwen3_tied", {"pp": 2, "dp_shard": 2}),
     "qwen3_tied_pp4": ("qwen3_tied", {"pp": 4}),
@@ -97,7 +93,6 @@ LAYOUTS = {
     "deepseek_v3_bias_pp2_dp2_interleaved": ("deepseek_v3", {"pp": 2, "dp_shard": 2, "pp_schedule": "interleaved_1f1b",
                                                              "pp_virtual_stages": 2}),
     "qwen3_pp4_interleaved": ("qwen3_8", {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}),
-    "llama_pp4_interleaved": ("llama_8", {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}),
     "llama_pp4_gpipe": ("llama", {"pp": 4, "pp_schedule": "gpipe"}),
 }
 # the pp=2 x dp_shard=2 checkpoints (untied, and tied: one weight saved by two stages) resumed at
@@ -109,8 +104,6 @@ SAVED = ("qwen3_pp2_dp2", "qwen3_tied_pp2_dp2")
 MX = {"low_precision": {"enabled": True}}
 COMPOSED = {
     "recompute full": ("qwen3", {"pp": 2, "dp_shard": 2, "recompute": "full"}, {}),
-    "recompute selective, interleaved": ("qwen3_8", {"pp": 2, "dp_shard": 2, "recompute": "selective",
-                                                     "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, {}),
     "compile dvm": ("qwen3", {"pp": 2, "dp_shard": 2}, {"training": {"compile": "dvm"}}),
     "megamoe": ("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2}, {"moe": {"implementation": "megamoe"}}),
     "mxfp8": ("qwen3_kv4", {"pp": 2, "dp_shard": 2}, MX),
@@ -347,8 +340,7 @@ def test_the_plan_of_each_pipeline_stage_is_near_its_measured_peak(step_peaks, l
         # tied pp2_tp2 1.00 1.03 1.06 1.05, MoE pp2_ep2 0.92 0.91 (routing: the plan's is uniform, a
         # rank's experts received more) 0.98 1.00, MoE with its auxiliary loss 0.97 0.97 1.00 0.97,
         # DeepSeek-V3 interleaved 0.99 0.99 1.14 1.14, qwen3 pp4 interleaved 1.09 1.08 1.08 1.13,
-        # llama 1.10 1.10 1.10 1.12, llama pp4 GPipe 0.91 0.97 0.97 1.02, pp2_cp2 ring 0.98 0.98 1.06
-        # 1.06, Ulysses 0.99 0.97 1.03 1.05. (Planned as if every
+        # llama pp4 GPipe 0.91 0.97 0.97 1.02, pp2_cp2 ring 0.98 0.98 1.06 1.06. (Planned as if every
         # micro-batch in flight met the whole accumulated gradients: 1.26 on llama pp2_dp2's rank 0.)
         # (the issue asks 25%; the MoE's rank 1 measured 0.85 once, in a full `make test`)
         assert 0.8 <= ratio <= 1.2, (layout, rank, ratio, totals, measured)

@@ -134,19 +134,17 @@ def test_with_a_restart_the_killed_run_completes_to_the_uninterrupted_losses(tmp
     assert losses(run_dir) == uninterrupted  # fp32, exactly: every step, the last one included
 
 
-def test_with_a_restart_a_killed_pipeline_completes_to_its_uninterrupted_losses(tmp_path):
+def test_with_a_restart_a_killed_pipeline_completes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
     """pp=2, its last stage's rank killed: the restart resumes both stages from the newest
-    checkpoint, and the losses are those of the same pipeline run uninterrupted."""
-    reference_dir = tmp_path / "uninterrupted"
-    reference = start(tmp_path, tmp_path / "reference_cache", str(write_config(tmp_path, reference_dir)),
-                      "--nproc", "2", *LAYOUTS["pp"])
-    _, err = reference.communicate(timeout=600)
-    assert reference.returncode == 0, err
+    checkpoint, and the losses are the uninterrupted run's (that one on 2 data-parallel ranks: the
+    same sums in another order, measured 3.8e-8 apart; a lost or repeated step moves the loss by far
+    more)."""
     proc, _, run_dir = kill_rank_1(tmp_path, "--nproc", "2", "--max-restarts", "1", *LAYOUTS["pp"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert "restart 1 of 1 after a failure: resumed from" in out and f"done: {STEPS} steps" in out
-    assert losses(run_dir) == losses(reference_dir)  # fp32, exactly
+    got = losses(run_dir)
+    assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, uninterrupted, strict=True)) < 1e-5
 
 
 def test_under_torchrun_itself_a_restart_resumes_the_same_way(tmp_path, uninterrupted):
