@@ -153,8 +153,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     layout_of_stages, stages, tied = None, (), None
     # (the MoE balancing's rule, and whether our routers run it, found on the whole model: a
     # pipeline rank whose stages hold no MoE layer balances with the others all the same)
-    balancing = ((load_balance_rule(get_family(cfg.model.family), model), bool(routers(model)))
-                 if balanced_layers(model) else None)
+    balancing = moe_balancing(cfg, model)
     if mesh.pp_enabled:  # this rank keeps its stages' layers alone, before anything gets memory
         layout_of_stages = stage_layout(model, p.pp, p.pp_virtual_stages, p.pp_schedule, p.pp_layers)
         ties = tied_head(model)
@@ -292,16 +291,23 @@ def moe_waves(cfg: TrainConfig, model: nn.Module, device: torch.device) -> int:
     return default_waves(shape, cfg.parallel.ep, COST_MODELS[device.type], **EXECUTORS[device.type])
 
 
+def moe_balancing(cfg: TrainConfig, model: nn.Module) -> tuple[str, bool] | None:
+    """(the family's load-balancing rule, whether our routers run it) of `model`'s MoE layers, or
+    None without any."""
+    if not balanced_layers(model):
+        return None
+    return load_balance_rule(get_family(cfg.model.family), model), bool(routers(model))
+
+
 def build_balancer(cfg: TrainConfig, model: nn.Module, balancing: tuple[str, bool] | None = None) -> LoadBalancer | None:
     """The MoE load balancing `moe:` asks for (the family's rule by default), over every rank. Where
     the MoE layers keep transformers' routers and the rule is aux_loss, transformers' model adds
     its own auxiliary loss (at moe.aux_loss_coef when that is given). `balancing`: (the family's
     rule, whether our routers run it) of the whole model, found before a pipeline cut it (a rank
     may then hold none of its MoE layers, and balance with the other ranks all the same)."""
+    balancing = balancing or moe_balancing(cfg, model)
     if balancing is None:
-        if not balanced_layers(model):
-            return None
-        balancing = (load_balance_rule(get_family(cfg.model.family), model), bool(routers(model)))
+        return None
     rule, ours = balancing
     balancer = LoadBalancer.from_config(model, cfg.moe, family_rule=rule)
     if balancer.mode == "aux_loss" and not ours and cfg.moe.aux_loss_coef is not None:
