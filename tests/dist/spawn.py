@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,10 +95,13 @@ def worker(rank: int, world: int, port: int, parts: list[Part], root: str, resul
     init_distributed(timeout_s=TIMEOUT_S, device=torch.device("cpu"))
     results = {}
     for part in parts:
+        start = time.perf_counter()
         try:
             results[part.name] = _function(part.run)(rank, world, str(part_dir(Path(root), part.name)))
         except Exception as e:  # (mp.spawn then ends every rank; this names the part in its report)
             raise RuntimeError(f"the shared spawn's part {part.name!r} ({part.run}) failed on rank {rank} of {world}") from e
+        if rank == 0:  # where the suite's time goes: `pytest -s` prints it, the durations list cannot see inside a spawn
+            print(f"spawn of {world}: part {part.name} took {time.perf_counter() - start:.1f} s", flush=True)
     torch.save(results, results_file.format(rank=rank))
     leave()
 

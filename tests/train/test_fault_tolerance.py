@@ -111,9 +111,9 @@ def kill_rank_1(tmp_path: Path, *options: str, **how) -> tuple[subprocess.Popen,
 LAYOUTS = {"dp_shard": (), "pp": ("--set", "parallel.pp=2")}  # (its head tied to its embedding)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, layout):
-    proc, pids, run_dir = kill_rank_1(tmp_path, "--nproc", "2", *LAYOUTS[layout])
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+    """(The launcher's own report: the same under a pipeline, whose restart is tested below.)"""
+    proc, pids, run_dir = kill_rank_1(tmp_path, "--nproc", "2", *LAYOUTS["dp_shard"])
     out, err = proc.communicate(timeout=TIMEOUT_S)  # within training.timeout_s, or this raises: never a hang
     assert proc.returncode == 1
     assert "Traceback" not in err + out
@@ -126,16 +126,9 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path, layout):
     assert all((p / "checkpoint.json").is_file() for p in (run_dir / "checkpoints").glob("step_????????"))
 
 
-def test_with_a_restart_the_killed_run_completes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
-    proc, _, run_dir = kill_rank_1(tmp_path, "--nproc", "2", "--max-restarts", "1")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
-    assert "restart 1 of 1 after a failure: resumed from" in out and f"done: {STEPS} steps" in out
-    assert losses(run_dir) == uninterrupted  # fp32, exactly: every step, the last one included
-
-
 def test_with_a_restart_a_killed_pipeline_completes_to_the_uninterrupted_losses(tmp_path, uninterrupted):
-    """pp=2, its last stage's rank killed: the restart resumes both stages from the newest
+    """`--nproc 2 --max-restarts 1` (the data-parallel layout's restart: under torchrun, below).
+    pp=2, its last stage's rank killed: the restart resumes both stages from the newest
     checkpoint, and the losses are the uninterrupted run's (that one on 2 data-parallel ranks: the
     same sums in another order, measured 3.8e-8 apart; a lost or repeated step moves the loss by far
     more)."""

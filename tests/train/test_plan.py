@@ -404,11 +404,11 @@ def test_a_search_whose_screen_fits_none_plans_the_least_over_whole(monkeypatch)
     from hyperparallel.train.planning.device_model import GPUS
 
     deeper = {**yaml.safe_load((ROOT / "configs/models/qwen3_moe_tiny.yaml").read_text()), "num_hidden_layers": 4}
-    cfg = tiny(model={"family": "qwen3_moe", "config": deeper}, training={"global_batch": 8, "micro_batch": 1})
-    device = replace(GPUS["h100"], ranks_per_node=4)
+    cfg = tiny(model={"family": "qwen3_moe", "config": deeper}, training={"global_batch": 4, "micro_batch": 1})
+    device = replace(GPUS["h100"], ranks_per_node=2)
     extrapolated = plan_search._extrapolated
     monkeypatch.setattr(plan_search, "_extrapolated", lambda *a: replace(extrapolated(*a), tensors=10**15))
-    found = plan_search.search(cfg, 4, device, top=50)
+    found = plan_search.search(cfg, 2, device, top=50)
     assert found and all(c.plan.total <= 0.9 * device.memory_bytes for c in found)
     assert max(c.settings["training.micro_batch"] for c in found) > 1  # (grown past the screen's first)
 
