@@ -21,6 +21,16 @@ def _hf_shape(module: nn.Module, fn_name: str, rows) -> tuple[int, int]:
     return n, fn.shape[1] // n
 
 
+def _norm_eps(norm: nn.Module) -> float:
+    """The epsilon of an HF DeepseekV4UnweightedRMSNorm: `eps` up to transformers 5.24,
+    `variance_epsilon` (as every other RMSNorm of transformers names it) from 5.25."""
+    for name in ("variance_epsilon", "eps"):
+        if isinstance(getattr(norm, name, None), float):
+            return getattr(norm, name)
+    raise ShapeError(f"{type(norm).__name__} has neither `variance_epsilon` nor `eps`: a transformers release "
+                     "MegaMHC does not know (set kernels.mega_mhc: false)")
+
+
 class MegaHyperConnection(nn.Module):
     """DeepseekV4HyperConnection on MegaMHC's fused mhc_pre: the same Parameters (fn, base, scale)
     and the same outputs (post, comb, collapsed)."""
@@ -44,7 +54,7 @@ class MegaHyperConnection(nn.Module):
         """Take over a DeepseekV4HyperConnection's Parameter objects (no copy, any device, meta included)."""
         n, hidden = _hf_shape(hc, "fn", lambda n: (2 + n) * n)
         with torch.device("meta"):
-            mega = cls(n, hidden, sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=hc.input_norm.eps)
+            mega = cls(n, hidden, sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=_norm_eps(hc.input_norm))
         mega.fn, mega.base, mega.scale = hc.fn, hc.base, hc.scale
         return mega
 
@@ -89,7 +99,7 @@ class MegaHyperHead(nn.Module):
         """Take over a DeepseekV4HyperHead's Parameter objects (no copy, any device, meta included)."""
         n, hidden = _hf_shape(head, "hc_fn", lambda n: n)
         with torch.device("meta"):
-            mega = cls(n, hidden, hc_eps=head.eps, norm_eps=head.input_norm.eps)
+            mega = cls(n, hidden, hc_eps=head.eps, norm_eps=_norm_eps(head.input_norm))
         mega.hc_fn, mega.hc_base, mega.hc_scale = head.hc_fn, head.hc_base, head.hc_scale
         return mega
 
