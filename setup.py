@@ -17,13 +17,34 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import BaseError, CCompilerError
 
 
 class BuildPlainC(build_ext):
-    """A ctypes library exports no PyInit_ function; do not ask the linker for one."""
+    """A ctypes library exports no PyInit_ function; do not ask the linker for one. Without a
+    working C compiler the package installs all the same: each operation then runs its portable
+    torch path (hyperparallel.kernels.native says why a library is unavailable), and the build
+    says so in one line."""
 
     def get_export_symbols(self, ext):
         return ext.export_symbols
+
+    def run(self):
+        self.not_built = []
+        super().run()
+        if self.not_built:
+            names = ", ".join(name for name, _ in self.not_built)
+            print(f"hyperparallel: no native CPU kernels built ({names}: {self.not_built[0][1]}); "
+                  "the portable torch paths run instead", file=sys.stderr)
+
+    def build_extension(self, ext):
+        if self.not_built:  # (the compiler that failed once fails again: one line, not four)
+            self.not_built.append((ext.name, self.not_built[0][1]))
+            return
+        try:
+            super().build_extension(ext)
+        except (CCompilerError, BaseError, OSError) as error:
+            self.not_built.append((ext.name, str(error).splitlines()[0] if str(error) else type(error).__name__))
 
 
 def generate_vf_table():

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from hyperparallel import __version__
 from hyperparallel.errors import HyperparallelError, error_lines
+from hyperparallel.train import examples
 
 DOCS = "docs/train.md"
+CONFIG_HELP = "the YAML config, or an example config's name (none: the embedded default)"
 # (the kernels benchmark is not kernels.py: run as a script, a file of that name in benchmarks/
 # would be the `kernels` module transformers probes for, in every benchmark run from there)
 BENCHMARKS = {"mx": "mx_ops.py", "train": "train.py", "lowp": "lowp.py", "fsdp": "fsdp.py", "checkpoint": "checkpoint.py",
@@ -222,9 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model from a YAML config (default: configs/default.yaml)",
                                 formatter_class=_WithDefaults,
                                 epilog=f"Every config key, its default and what it does: {DOCS}; `hyperparallel "
-                                       f"train --print-config` prints them all, resolved. Examples: configs/*.yaml "
-                                       f"(one per model family).")
-    train.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
+                                       f"train --print-config` prints them all, resolved. The example configs, by name "
+                                       f"(`hyperparallel train qwen3_moe`): {', '.join(examples.names())}.")
+    train.add_argument("config", nargs="?", help=CONFIG_HELP)
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set training.steps=20 (repeatable)")
     train.add_argument("--nproc", type=int, default=1,
@@ -265,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_plot)
     plan = commands.add_parser("plan", help="the memory and communication plan of a training run, per rank, "
                                              "without allocating the model")
-    plan.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
+    plan.add_argument("config", nargs="?", help=CONFIG_HELP)
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config key, e.g. --set training.micro_batch=8 (repeatable)")
     plan.add_argument("--nproc", type=int, default=None,
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
     prepare = commands.add_parser("prepare", help="tokenize a config's data into token shards ahead of training "
                                                    "(on a cluster: once, on storage every node sees)")
-    prepare.add_argument("config", nargs="?", help="the YAML config (none: the embedded configs/default.yaml)")
+    prepare.add_argument("config", nargs="?", help=CONFIG_HELP)
     prepare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config key, e.g. --set data.workers=16 (repeatable)")
     prepare.set_defaults(func=_prepare)

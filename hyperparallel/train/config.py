@@ -16,6 +16,7 @@ leaves a section out behaves as the demo does.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from pathlib import Path
@@ -35,8 +36,9 @@ from hyperparallel.moe.config import MoEConfig
 from hyperparallel.optim import OptimizerConfig, SchedulerConfig
 from hyperparallel.parallel import CP_MODES, PP_SCHEDULES, RECOMPUTE_MODES
 from hyperparallel.schema import Section, choice, problems
+from hyperparallel.train import examples
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = examples.DEFAULT
 
 
 class ModelSection(Section):
@@ -239,10 +241,23 @@ class CheckpointSection(Section):
     async_: bool = Field(False, alias="async")
 
 
+class WandbSection(Section):
+    # a W&B project name turns Weights & Biases logging on (rank 0; `pip install 'hyperparallel[wandb]'`)
+    project: str | None = None
+    entity: str | None = None  # the W&B user or team (null: the login's default)
+    name: str | None = None  # the run's name (null: the run directory's)
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] = "online"  # offline: files only, `wandb sync` later
+
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"
+
+
 class LoggingSection(Section):
     run_dir: str = "runs/{time}"  # {time}: the start time, YYYYmmdd-HHMMSS
     every: int = Field(10, ge=1)  # steps between printed and recorded metrics
     tensorboard: bool = False
+    wandb: WandbSection = Field(default_factory=WandbSection)  # Weights & Biases (on when a project is named)
     progress: bool = True  # the live progress bar
     peak_tflops: float | None = Field(None, gt=0)  # for MFU; default: measured matmul peak (CPU) or table (GPU)
     trace: bool = False  # write RUN_DIR/trace.json: a timeline of trace_steps steps (Perfetto)
@@ -394,11 +409,32 @@ def _read_model_file(raw: dict, base_dir: Path | None) -> list[str]:
     return []
 
 
+def _data_files_beside(raw: dict, base_dir: Path | None) -> None:
+    """data.files and validation files given relative: beside the config file first, as model.config
+    is (an example config names its data so, from wherever it runs), else from where the command runs."""
+    data = raw.get("data")
+    if base_dir is None or not isinstance(data, dict):
+        return
+
+    def beside(entry):
+        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute():
+            return entry
+        return str(base_dir / entry) if glob.glob(str(base_dir / entry)) else entry
+
+    for key in ("files", "validation"):
+        value = data.get(key)
+        if isinstance(value, str):
+            data[key] = beside(value)
+        elif isinstance(value, list):
+            data[key] = [beside(entry) for entry in value]
+
+
 def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None) -> TrainConfig:
     """Validate a raw mapping; every problem found is in the ConfigError, one per line."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
     found = _read_model_file(raw, base_dir)
+    _data_files_beside(raw, base_dir)
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as error:
@@ -434,15 +470,30 @@ def _model_path_given(raw: dict, overrides: list[str]) -> list[str]:
     return [f"model.path {path} from the command line replaces the config's {', '.join(replaced)}"]
 
 
+def config_path(given: str | Path | None) -> Path:
+    """The config file a command reads: `given` as a path; else, when no such file is there and it
+    is a bare name, the package's example of that name (with or without .yaml); None: the default."""
+    if given is None:
+        return DEFAULT_CONFIG
+    path = Path(given).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/default.yaml)")
+    if path.is_file():
+        return path
+    if len(path.parts) == 1:
+        example = examples.find(path.name)
+        if example is not None:
+            return example
+        raise ConfigError(f"config file {path} does not exist, and no example config has that name "
+                          f"(the examples: {', '.join(examples.names())})")
+    raise ConfigError(f"config file {path} does not exist")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 notes: list[str] | None = None) -> TrainConfig:
     """Read, override and validate a YAML config (the embedded default when `path` is None).
     What the overrides replaced beyond their own keys is appended to `notes` (one line each)."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    if path.is_dir():
-        raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/default.yaml)")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    path = config_path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:

@@ -152,7 +152,8 @@ def _train_on(cfg: TrainConfig, rt, timeout_s: int, libraries: LibraryOutput, st
         _write_run_files(cfg, run_dir_path, dataset.tokenizer)
         run_dir.point_latest(cfg.logging.run_dir, run_dir_path)
 
-    log = MetricsLog(run_dir_path, console, tensorboard=cfg.logging.tensorboard, first_step=start)
+    log = MetricsLog(run_dir_path, console, tensorboard=cfg.logging.tensorboard, first_step=start,
+                     wandb=cfg.logging.wandb, config=cfg.model_dump(mode="json", by_alias=True))
     compute_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else DTYPES[cfg.model.dtype]
     peak = mfu_peak(rt.device, compute_dtype, cfg.logging.peak_tflops)
     announce(console, cfg, built, dataset, accumulation, peak)

@@ -1,5 +1,6 @@
-"""What a run records: metrics.jsonl, TensorBoard events and loss.png (rank 0 only), with each
-record's line on the console (`train.console`), and the peak memory figures.
+"""What a run records: metrics.jsonl, TensorBoard events, a W&B run (`train.wandb_log`) and
+loss.png (rank 0 only), with each record's line on the console (`train.console`), and the peak
+memory figures.
 
 metrics.jsonl holds one JSON object per logged step with at least
 ``step, loss, lr, grad_norm, tokens_per_s, step_time_s, peak_mem_bytes`` (plus ``tflops``,
@@ -94,16 +95,29 @@ class LogWindow:
         return record
 
 
-class MetricsLog:
-    """metrics.jsonl, TensorBoard and the console of rank 0 (other ranks write nothing)."""
+def scalars(record: dict) -> dict[str, float]:
+    """A record's figures as TensorBoard and W&B plot them: every number but the step and window,
+    and each MoE layer's imbalance as its own (moe_imbalance/layer_N)."""
+    out = {key: value for key, value in record.items()
+           if key not in ("step", "window") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    for layer, value in enumerate(record.get("moe_imbalance_per_layer", ())):
+        out[f"moe_imbalance/layer_{layer}"] = value
+    return out
 
-    def __init__(self, run_dir: Path, console: Console, *, tensorboard: bool, first_step: int):
+
+class MetricsLog:
+    """metrics.jsonl, TensorBoard, W&B and the console of rank 0 (other ranks write nothing).
+    `wandb`: logging.wandb (a WandbSection), with `config` the resolved config it records."""
+
+    def __init__(self, run_dir: Path, console: Console, *, tensorboard: bool, first_step: int, wandb=None,
+                 config: dict | None = None):
         self.console = console
         self.enabled = console.enabled
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict] = []
         self.writer = None
+        self.wandb = None
         if not self.enabled:
             return
         self._keep_up_to(first_step)
@@ -111,6 +125,10 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step + 1)
+        if wandb is not None and wandb.enabled():
+            from hyperparallel.train.wandb_log import WandbRun
+
+            self.wandb = WandbRun(wandb, run_dir, config or {})
 
     def _keep_up_to(self, step: int) -> None:
         """A resumed run continues the file: records past the checkpoint's step are dropped."""
@@ -130,11 +148,10 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            for key, value in record.items():
-                if key not in ("step", "window") and isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, step)
-            for layer, value in enumerate(record.get("moe_imbalance_per_layer", ())):
-                self.writer.add_scalar(f"moe_imbalance/layer_{layer}", value, step)
+            for key, value in scalars(record).items():
+                self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, scalars(record))
 
     def step(self, step: int, record: dict | None) -> None:
         """Advance the bar to `step`; `record` (a logged step) goes to every sink."""
@@ -168,5 +185,7 @@ class MetricsLog:
         self.console.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.records:
             draw_loss(self.records, self.run_dir / "loss.png")

@@ -2,8 +2,9 @@
 
 `check(cfg, world, run_dir)` collects every problem it finds into one ConfigError, one per line:
 the batch split over the ranks, the model's config (built as its HF config class, not as
-weights), the tokenizer against the model's vocabulary, the data files, and every directory the
-run will write (the run directory, the checkpoint root, the data cache). The command line runs it
+weights), the tokenizer against the model's vocabulary, the data files, W&B's package where the
+config asks for W&B, and every directory the run will write (the run directory, the checkpoint
+root, the data cache). The command line runs it
 before launching any rank; `train.loop` runs it again on rank 0 for callers of the library.
 What can only be found by reading the data in full (a malformed parquet file, a JSON line)
 is found by `data.prepare`, which reads every input before it writes its first cache file.
@@ -19,7 +20,7 @@ from pathlib import Path
 from hyperparallel.errors import ConfigError, HyperparallelError
 from hyperparallel.models import get_family
 from hyperparallel.parallel import mesh as parallel_mesh
-from hyperparallel.train import data
+from hyperparallel.train import data, wandb_log
 from hyperparallel.train.checkpointing import not_a_model_directory
 from hyperparallel.train.config import TrainConfig
 from hyperparallel.train.run_dir import checkpoint_root
@@ -27,6 +28,7 @@ from hyperparallel.train.run_dir import checkpoint_root
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
     problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg) + compile_problems(cfg)
+    problems += [p for p in [wandb_log.missing(cfg.logging.wandb)] if p]
     try:  # (a model.path that is a training checkpoint has no tokenizer to read: model_problems says what it is)
         vocab = None if _training_output(cfg) else data.tokenizer_vocab_size(cfg.data, cfg.model.path)
     except HyperparallelError as error:

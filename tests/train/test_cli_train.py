@@ -88,7 +88,8 @@ def test_the_real_entry_point_prints_one_line_and_exits_2_without_a_traceback(tm
     result = run("train", "missing.yaml", tmp_path=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: config file missing.yaml does not exist"], result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: config file missing.yaml does not exist, and no example "
+                                                   "config has that name (the examples: chat, "), result.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.train.config import DEFAULT_CONFIG, apply_overrides, load_config
+from hyperparallel.train import examples
+from hyperparallel.train.config import DEFAULT_CONFIG, apply_overrides, config_path, load_config
 
 MINIMAL = "model:\n  family: qwen3\n  config: {hidden_size: 64}\n"
 
@@ -167,6 +168,33 @@ def test_model_config_may_name_a_mapping_file_beside_the_config(tmp_path):
     (tmp_path / "models" / "tiny.yaml").write_text("hidden_size: 64\nnum_hidden_layers: 1\n")
     cfg = load_config(write(tmp_path, "model: {family: qwen3, config: models/tiny.yaml}\n"))
     assert cfg.model.config == {"hidden_size": 64, "num_hidden_layers": 1}
+
+
+def test_data_files_given_relative_are_looked_for_beside_the_config_first(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(write(tmp_path, MINIMAL + "data: {source: files, files: data/*.jsonl, validation: [data/a.jsonl]}\n"))
+    assert cfg.data.files == [str(tmp_path / "data/*.jsonl")] and cfg.data.validation == [str(tmp_path / "data/a.jsonl")]
+    # not there: from where the command runs, as given
+    assert load_config(write(tmp_path, MINIMAL + "data: {source: files, files: other.txt}\n")).data.files == ["other.txt"]
+
+
+def test_an_example_config_is_taken_by_its_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("qwen3_moe", "qwen3_moe.yaml"):
+        assert config_path(name) == examples.DIRECTORY / "qwen3_moe.yaml"
+    chat = load_config("chat")  # its model shape and its data beside it, inside the package
+    assert chat.model.config["hidden_size"] > 0 and chat.data.files == [str(examples.DIRECTORY / "data" / "same_answer_chats.jsonl")]
+    assert {"default", "qwen3_moe", "deepseek_v4", "chat"} <= set(examples.names())
+    # a file of that name where the command runs is the user's: it comes first
+    (tmp_path / "qwen3_moe.yaml").write_text(MINIMAL)
+    assert config_path("qwen3_moe.yaml").resolve() == tmp_path / "qwen3_moe.yaml"
+    with pytest.raises(ConfigError, match=r"^config file qwen4 does not exist, and no example config has that name "
+                                          r"\(the examples: chat, .*qwen3_moe\)$"):
+        config_path("qwen4")
 
 
 def test_the_family_is_read_from_model_path_or_the_inline_model_type(tmp_path):
