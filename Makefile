@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench lint clean test-wheel test-newest test-oldest test-slurm
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ $(BENCH_STAMP): $(STAMP)
 
 test: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
-	$(PY) -m pytest -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -p no:cacheprovider --durations=15 --ignore=tests/slurm tests
 
 demo: setup
 	$(PY) -m hyperparallel train
@@ -47,8 +47,48 @@ bench: $(BENCH_STAMP)
 	$(PY) -m hyperparallel bench kernels
 	$(PY) -m hyperparallel bench data
 
+# The wheel a cluster user installs, checked outside the checkout (scripts/check_wheel.sh).
+test-wheel: setup
+	TORCH_SPEC="$(TORCH_SPEC)" scripts/check_wheel.sh
+
+# The newest releases that install here and the oldest pyproject.toml accepts, each in a venv of
+# its own, running the part of the suite that leans on torch's and transformers' internals
+# (docs/install.md says which and why). This machine's pip is capped at the torch it keeps on
+# disk (/etc/xdg/pip): PIP_CONSTRAINT=/dev/null lifts the cap for the newest.
+NEWEST ?= torch==2.15.0 transformers==5.25.0
+OLDEST ?= torch==2.9.1 transformers==5.8.0
+CROSS_TESTS ?= tests/models tests/kernels tests/mx tests/lowp tests/fusion tests/moe tests/checkpoint \
+	tests/train/test_loop.py tests/train/test_deepseek_v4.py tests/train/test_examples.py tests/train/test_wandb.py
+
+.venv-newest/.installed: $(STAMP)
+	test -x .venv-newest/bin/python || $(PYTHON) -m venv .venv-newest
+	PIP_CONSTRAINT=/dev/null .venv-newest/bin/pip install -q --upgrade pip setuptools wheel
+	PIP_CONSTRAINT=/dev/null .venv-newest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(NEWEST)
+	touch $@
+
+.venv-oldest/.installed: $(STAMP)
+	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/pip install -q --upgrade pip setuptools wheel
+	.venv-oldest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(OLDEST)
+	touch $@
+
+test-newest: .venv-newest/.installed
+	.venv-newest/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	.venv-newest/bin/python -m pytest -p no:cacheprovider $(CROSS_TESTS)
+
+test-oldest: .venv-oldest/.installed
+	.venv-oldest/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	.venv-oldest/bin/python -m pytest -p no:cacheprovider $(CROSS_TESTS)
+
+# scripts/slurm/train.sbatch against a real slurmctld and two slurmd that tests/slurm starts on this
+# machine (Debian's packages, installed here when missing: that needs root).
+test-slurm: setup
+	command -v slurmctld >/dev/null || test -x /usr/sbin/slurmctld || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client; }
+	$(PY) -m pytest -p no:cacheprovider tests/slurm
+
 lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info hyperparallel/_mx_native*.so hyperparallel/_dvm_native*.so
+	rm -rf $(VENV) .venv-newest .venv-oldest build *.egg-info hyperparallel/_mx_native*.so hyperparallel/_dvm_native*.so

@@ -33,7 +33,7 @@ class BuildPlainC(build_ext):
         self.not_built = []
         super().run()
         if self.not_built:
-            names = ", ".join(name for name, _ in self.not_built)
+            names = ", ".join(name.split(".")[-1] for name, _ in self.not_built)
             print(f"hyperparallel: no native CPU kernels built ({names}: {self.not_built[0][1]}); "
                   "the portable torch paths run instead", file=sys.stderr)
 
@@ -43,8 +43,9 @@ class BuildPlainC(build_ext):
             return
         try:
             super().build_extension(ext)
-        except (CCompilerError, BaseError, OSError) as error:
-            self.not_built.append((ext.name, str(error).splitlines()[0] if str(error) else type(error).__name__))
+        except (CCompilerError, BaseError, OSError):
+            compiler = getattr(self.compiler, "compiler_so", None) or ["the C compiler"]
+            self.not_built.append((ext.name, f"{compiler[0]} failed"))
 
 
 def generate_vf_table():

@@ -44,11 +44,12 @@ def load(module: str, signatures: Mapping[str, Signature], *, isa: str | None = 
     `kernels.use_isa`."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        return _unavailable(module, "is not built")
+        return _unavailable(module, "is not built (no C compiler where it was installed; in a checkout: "
+                                    "run `make setup`)")
     try:
         lib = ctypes.CDLL(spec.origin)
     except OSError as e:  # (built for another machine, or a library it links is missing)
-        return _unavailable(module, f"cannot be loaded ({e})")
+        return _unavailable(module, f"cannot be loaded ({e}): run `make setup`")
     version = VERSIONS.get(module)
     table = dict(signatures)
     if version is not None:
@@ -57,17 +58,24 @@ def load(module: str, signatures: Mapping[str, Signature], *, isa: str | None = 
         table.update({f"{isa}_set_isa": ([ctypes.c_int], ctypes.c_char_p), f"{isa}_isa": ([], ctypes.c_char_p)})
     missing = [name for name in table if not hasattr(lib, name)]
     if missing:
-        return _unavailable(module, f"is a stale build (it has no {missing[0]})")
+        return _unavailable(module, f"is a stale build (it has no {missing[0]}): run `make setup`")
     for name, (argtypes, restype) in table.items():
         fn = getattr(lib, name)
         if argtypes is not None:
             fn.argtypes = argtypes
         fn.restype = restype
     if version is not None and (found := getattr(lib, version[0])()) != version[1]:
-        return _unavailable(module, f"is a stale build ({version[0]}() is {found}, this code needs {version[1]})")
+        return _unavailable(module, f"is a stale build ({version[0]}() is {found}, this code needs {version[1]}): "
+                                    "run `make setup`")
     if isa is not None:
         _isa.register(module, getattr(lib, f"{isa}_set_isa"), getattr(lib, f"{isa}_isa"))
     return lib
+
+
+def not_built() -> list[str]:
+    """The native libraries this install has no build of (a source install without a C compiler:
+    setup.py builds none, and every operation runs its portable torch path)."""
+    return [module for module in VERSIONS if importlib.util.find_spec(module) is None]
 
 
 def unavailable_reason(module: str) -> str | None:
@@ -77,8 +85,8 @@ def unavailable_reason(module: str) -> str | None:
 
 
 def _unavailable(module: str, why: str) -> None:
-    _REASONS[module] = f"the native library {module} {why}: run `make setup`"
+    _REASONS[module] = f"the native library {module} {why}"
     return None
 
 
-__all__ = ["VERSIONS", "Signature", "load", "unavailable_reason"]
+__all__ = ["VERSIONS", "Signature", "load", "not_built", "unavailable_reason"]

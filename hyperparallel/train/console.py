@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from hyperparallel.kernels import native
 from hyperparallel.parallel.mesh import MeshShape, describe_groups
 from hyperparallel.parallel.tensor_parallel import tensor_parallel_state
 from hyperparallel.train import data, preflight
@@ -81,6 +82,9 @@ def announce(console: Console, cfg: TrainConfig, built, dataset, accumulation: i
         console.print(built.conversion_summary)
     if built.kernels:  # (none for a model without routers or hyper-connections)
         console.print(built.kernels)
+    if missing := native.not_built():
+        console.print(f"the native CPU kernels are not built ({', '.join(m.split('.')[-1] for m in missing)}; "
+                      "no C compiler where this was installed): the portable torch paths run instead")
     if built.balancer is not None:
         b = built.balancer
         how = {"aux_loss": f"auxiliary loss x {b.aux_loss_coef:g}", "bias": f"correction bias, rate {b.bias_update_rate:g}",

@@ -23,7 +23,8 @@ def _own_reasons(monkeypatch):
 def test_a_library_that_is_not_built_is_none_with_the_reason():
     assert native.load("hyperparallel._no_such_native", SIGNATURES) is None
     assert native.unavailable_reason("hyperparallel._no_such_native") == (
-        "the native library hyperparallel._no_such_native is not built: run `make setup`")
+        "the native library hyperparallel._no_such_native is not built (no C compiler where it was installed; in "
+        "a checkout: run `make setup`)")
 
 
 @pytest.mark.skipif(mega_gate_native.LIB is None, reason="native library not built")
@@ -72,3 +73,20 @@ def _files_with(text: str) -> list[str]:
 def test_one_loader_and_one_triton_support():
     assert _files_with("CDLL(") == ["kernels/native.py"]
     assert _files_with("TRITON_INTERPRET") == ["kernels/triton_support.py"]
+
+
+def test_not_built_names_the_libraries_an_install_lacks(monkeypatch):
+    assert native.not_built() == []  # (make setup built them all)
+    monkeypatch.setitem(native.VERSIONS, "hyperparallel._no_such_native", ("hp_none_version", 1))
+    assert native.not_built() == ["hyperparallel._no_such_native"]
+
+
+def test_mx_on_the_cpu_runs_the_reference_where_its_library_was_not_built(monkeypatch):
+    import torch
+
+    from hyperparallel.mx import backends, reference
+    from hyperparallel.mx.backends import cpu
+
+    assert backends.get_backend(None, torch.device("cpu")) is cpu
+    monkeypatch.setattr(cpu, "_LIB", None)
+    assert backends.get_backend(None, torch.device("cpu")) is reference

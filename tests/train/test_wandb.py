@@ -72,3 +72,12 @@ def test_a_config_asking_for_wandb_without_the_package_is_refused_before_any_wor
     # offline or disabled, or no project: nothing to refuse
     assert wandb_log.missing(config(tmp_path, "qwen3", logging={"wandb": {"project": "p", "mode": "disabled"}})
                              .logging.wandb) is None
+
+
+def test_an_online_run_without_a_wandb_login_is_named_in_one_line(tmp_path, offline_wandb, monkeypatch):
+    from hyperparallel.train.config import WandbSection
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"^logging.wandb: W&B did not start the run \(No API key .*\); "
+                                          r"`wandb login`, or logging.wandb.mode=offline$"):
+        wandb_log.WandbRun(WandbSection(project="p"), tmp_path, {})

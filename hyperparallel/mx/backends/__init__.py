@@ -8,7 +8,8 @@ A backend is a module with four functions (all tensors on its device):
         always goes to the reference, whose float64 holds every exact value)
 Every backend matches ``hyperparallel.mx.reference`` byte for byte.
 
-By default CPU tensors use "cpu" (native kernels) and CUDA tensors "triton". A caller forces one
+By default CPU tensors use "cpu" (native kernels; the reference where they were not built) and
+CUDA tensors "triton". A caller forces one
 with ``backend=...`` on any operator, or for the whole process with the environment variable
 HYPERPARALLEL_MX_BACKEND (read when hyperparallel.mx is imported).
 """
@@ -43,8 +44,8 @@ def get_backend(name: str | None, device: torch.device) -> ModuleType:
 
 
 def _default_for(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
+    if device.type == "cpu":  # (the native kernels, else, where none were built, the reference)
+        return "cpu" if cpu.unavailable_reason(device) is None else "reference"
     if device.type == "cuda":
         return "triton"
     return "reference"

@@ -27,7 +27,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cpu":
         return "the cpu backend takes CPU tensors only"
     if _LIB is None:
-        return _loader.unavailable_reason(_MODULE)
+        return _loader.unavailable_reason(_MODULE) or f"the native library {_MODULE} is not loaded"
     return None
 
 
