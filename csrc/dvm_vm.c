@@ -375,15 +375,16 @@ static void assign_slots(const dvm_ins *ins, int n_instr, const int32_t *kinds, 
  * the middle value, one pass less over the tile), with the same roundings:
  *   t = a * b; d = t * c (or c * t), t FULL        -> MUL_MUL d, a, b, c
  *   t = a * b; d = RSUM t, a and b FULL            -> SUM_MUL d, a, b
- *   t = u(a); d = t * b (or b * t), t FULL          -> UNARY_MUL d, a, b (u: not SIN, COS)
+ *   t = u(a); d = t * b (or b * t), t and a FULL    -> UNARY_MUL d, a, b (u: not SIN, COS; a COPY that
+ *                                                      widens a ROW or SCALAR a to FULL stays as it is)
  * reads_of: per register, the instructions that read it. */
 static void fuse(dvm_ins *ins, int n_instr, const int32_t *reads_of) {
     for (int k = 0; k + 1 < n_instr; k++) {
         dvm_ins *I = &ins[k], *J = &ins[k + 1];
         if (I->kd != KIND_FULL || I->op == OP_STORE || reads_of[I->d] != 1) continue;
         int t = I->d;
-        if (is_unary(I->op) && I->op != OP_SIN && I->op != OP_COS && J->op == OP_MUL && J->kd == KIND_FULL &&
-            (J->a == t) != (J->b == t)) {
+        if (is_unary(I->op) && I->op != OP_SIN && I->op != OP_COS && I->ka == KIND_FULL && J->op == OP_MUL &&
+            J->kd == KIND_FULL && (J->a == t) != (J->b == t)) {
             int b = J->a == t ? J->b : J->a, kb = J->a == t ? J->kb : J->ka;
             J->op = OP_UNARY_MUL;
             J->idx = I->op;

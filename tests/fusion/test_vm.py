@@ -806,6 +806,39 @@ def test_fused_instruction_pairs_round_alike():
     torch.testing.assert_close(results[0][n_full], (x * x).sum(-1, keepdim=True), rtol=1e-5, atol=0)
 
 
+def test_widening_copy_then_mul_is_not_fused():
+    """`t = COPY r` that widens a per-row r to FULL, then `d = t * x` (expand(sum) * y of a
+    decomposed softmax's backward, all loads first): no UNARY_MUL, which would read r's one value
+    per row as a full tile, past its buffer. A row sum and a per-row load, t on either side."""
+    rows, cols = 19, 203  # several rows, rows of 203: vector remainders
+    g = gen(27)
+    dy, y = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g).softmax(-1)
+    r = torch.randn(rows, 1, generator=g)
+    prog = P((F32, F32, F32), (F32, F32))
+    dyl, yl, rl = prog.load(0), prog.load(1), prog.load(2, Kind.ROW)
+    s = prog.op(Op.RSUM, prog.op(Op.MUL, dyl, yl))  # sum(dy * y), per row
+    ydy = prog.op(Op.MUL, yl, dyl)
+    prog.store(prog.op(Op.SUB, ydy, prog.op(Op.MUL, prog.op(Op.COPY, s, kind=Kind.FULL), yl)), 0)  # t first
+    prog.store(prog.op(Op.MUL, dyl, prog.op(Op.COPY, rl, kind=Kind.FULL)), 1)  # dy * expand(r), t second
+    in_strides = [strides(dy), strides(y), strides(r)]
+    results = []
+    old = vm.LIB.hp_dvm_tune(-1)
+    try:
+        for flags in (old & ~16, old | 16):  # fused, then not
+            vm.LIB.hp_dvm_tune(flags)
+            outs = [torch.empty(rows, cols), torch.empty(rows, cols)]
+            vm.run(prog.p, [dy, y, r], outs, rows, cols, in_strides, [strides(o) for o in outs])
+            results.append(outs)
+    finally:
+        vm.LIB.hp_dvm_tune(old)
+    refs = [torch.empty(rows, cols), torch.empty(rows, cols)]
+    reference.run(prog.p, [dy, y, r], refs, rows, cols, in_strides, [strides(o) for o in refs])
+    assert bitwise_equal(results[0][1], refs[1]) and bitwise_equal(results[0][1], dy * r)
+    torch.testing.assert_close(results[0][0], refs[0], rtol=1e-5, atol=1e-5)  # row sums: another order
+    for fused, plain in zip(*results, strict=True):
+        assert torch.equal(fused, plain)
+
+
 # ---------------------------------------------------------------- errors
 
 def expect_error(prog: Program, inputs, outputs, rows, cols, in_strides, out_strides, code, instruction):
