@@ -67,7 +67,9 @@ class _RunLog(logging.Handler):
 
 
 def _console_handlers(logger: logging.Logger) -> list[logging.Handler]:
-    return [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    """The handlers that write to a stream, not a file: StreamHandlers, and torch's (from 2.15 a
+    plain Handler whose `stream` is whatever sys.stderr is when it writes)."""
+    return [h for h in logger.handlers if hasattr(h, "stream") and not isinstance(h, logging.FileHandler)]
 
 
 class LibraryOutput:
