@@ -169,7 +169,8 @@ def _hash_router(router: nn.Module) -> dict:  # DeepSeek-V4's first layers
             "hash_vocab_size": router.tid2eid.shape[0]}
 
 
-# Multi-head latent attention (DeepSeek-V3, Kimi K2), which transformers' plan leaves out: the
+# Multi-head latent attention (DeepSeek-V3, Kimi K2), which transformers' plan leaves out (up to
+# 5.24; from 5.25 it has these entries, with "mla_kv_a_proj": replicated, and its own win): the
 # up-projections split by heads (the query's, and each head's nope-key and value rows); the
 # low-rank down-projections, their norms and the shared rotary key whole on every rank.
 # (transformers' plan splits the dense MLPs and the shared experts.)
@@ -326,13 +327,14 @@ def load_balance_rule(family: ModelFamily, model: nn.Module) -> str:
 
 def tensor_parallel_plan(family: ModelFamily, model: nn.Module) -> dict[str, str] | str:
     """`model`'s tensor-parallel plan (module name pattern -> transformers' style, as the model's
-    `_tp_plan` names them), or why it has none: transformers' own plan, with the family's additions."""
+    `_tp_plan` names them), or why it has none: transformers' own plan, with the family's additions
+    where it has no entry (transformers 5.25 declares DeepSeek-V3's latent attention itself)."""
     if isinstance(family.tensor_parallel, str):
         return family.tensor_parallel
     plan = dict(getattr(model, "_tp_plan", None) or {})
     prefix = getattr(model, "base_model_prefix", "")
     for key, style in (family.tensor_parallel or {}).items():
-        plan[f"{prefix}.{key}" if prefix else key] = style
+        plan.setdefault(f"{prefix}.{key}" if prefix else key, style)
     if not plan:
         return "transformers declares no tensor-parallel plan for it"
     return plan

@@ -25,6 +25,7 @@ with imports():
     from hyperparallel.errors import ConfigError, ShapeError
     from hyperparallel.kernels import mega_mhc
     from hyperparallel.kernels.mega_mhc import MegaHyperConnection, MegaHyperHead
+    from hyperparallel.kernels.mega_mhc.modules import hf_norm_eps
     from hyperparallel.kernels.triton_support import triton
 
 T, N, D = 64, 4, 64
@@ -115,7 +116,7 @@ def test_pre_matches_transformers(backend):
     cot = (torch.randn(T, N), torch.randn(T, N, N), torch.randn(T, D))
     ref = [t.squeeze(0) for t in hc(x.unsqueeze(0))]
     got = mega_mhc.run_pre(backend, x, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS, hc_eps=hc.hc_eps,
-                           norm_eps=hc.input_norm.eps)
+                           norm_eps=hf_norm_eps(hc.input_norm))
     assert_close(got, ref, OUT_TOL)
     assert_close(grads_of(got, cot, [x, *params]), grads_of(ref, cot, [x, *params]), GRAD_TOL)
 
@@ -132,7 +133,7 @@ def test_pre_takes_expanded_gradients(backend):
 
     ref = grads([t.squeeze(0) for t in hc(x.unsqueeze(0))])
     got = grads(mega_mhc.run_pre(backend, x, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS, hc_eps=hc.hc_eps,
-                                 norm_eps=hc.input_norm.eps))
+                                 norm_eps=hf_norm_eps(hc.input_norm)))
     assert_close(got, ref, GRAD_TOL)
 
 
@@ -157,7 +158,7 @@ def test_head_matches_transformers(backend):
     wrt = [x, *head.parameters()]
     ref = (head(x.unsqueeze(0)).squeeze(0),)
     got = (mega_mhc.run_head(backend, x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=head.eps,
-                             norm_eps=head.input_norm.eps),)
+                             norm_eps=hf_norm_eps(head.input_norm)),)
     assert_close(got, ref, OUT_TOL)
     assert_close(grads_of(got, cot, wrt), grads_of(ref, cot, wrt), GRAD_TOL)
 
@@ -177,7 +178,7 @@ def test_layer_step_matches_transformers(backend):
 
     ref = step(lambda s: [t.squeeze(0) for t in hc(s.unsqueeze(0))], hf_mix)
     got = step(lambda s: mega_mhc.run_pre(backend, s, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS,
-                                          hc_eps=hc.hc_eps, norm_eps=hc.input_norm.eps),
+                                          hc_eps=hc.hc_eps, norm_eps=hf_norm_eps(hc.input_norm)),
                lambda *a: mega_mhc.run_post(backend, *a))
     assert_close(got, ref, OUT_TOL)
     assert_close(grads_of(got, cot, wrt), grads_of(ref, cot, wrt), GRAD_TOL)
@@ -202,7 +203,7 @@ def test_bf16_streams_within_rounding(backend):
     x16, bo16 = leaf(T, N, D, dtype=torch.bfloat16), leaf(T, D, dtype=torch.bfloat16, seed=2)
     x32, bo32 = (t.detach().float().requires_grad_() for t in (x16, bo16))
     post, comb, collapsed = mega_mhc.run_pre(backend, x16, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS,
-                                             hc_eps=hc.hc_eps, norm_eps=hc.input_norm.eps)
+                                             hc_eps=hc.hc_eps, norm_eps=hf_norm_eps(hc.input_norm))
     exact = [t.squeeze(0) for t in hc(x32.unsqueeze(0))]
     theirs = [t.squeeze(0) for t in hc(x16.unsqueeze(0))]
     assert collapsed.dtype == theirs[2].dtype == torch.bfloat16
@@ -233,7 +234,7 @@ def test_float16_runs_the_reference_on_cpu():
     assert mega_mhc.backend_for(x) == "reference"
     assert mega_mhc.backend_for(x.float()) == ("native" if HAS_NATIVE else "reference")
     got = mega_mhc.mhc_pre(x, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS, hc_eps=hc.hc_eps,
-                           norm_eps=hc.input_norm.eps)
+                           norm_eps=hf_norm_eps(hc.input_norm))
     for g, w in zip(got, (t.squeeze(0) for t in hc(x.unsqueeze(0))), strict=True):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -310,7 +311,7 @@ def test_saved_bytes_far_below_transformers():
 
     def ours():
         post, comb, collapsed = mega_mhc.mhc_pre(x, hc.fn, hc.base, hc.scale, sinkhorn_iters=ITERS,
-                                                 hc_eps=hc.hc_eps, norm_eps=hc.input_norm.eps)
+                                                 hc_eps=hc.hc_eps, norm_eps=hf_norm_eps(hc.input_norm))
         return mega_mhc.mhc_post(block_out, x, post, comb), collapsed
 
     ratio = saved_bytes(ours, inputs) / saved_bytes(theirs, inputs)
@@ -347,7 +348,7 @@ def test_from_hf_on_meta_and_reset_parameters():
         hc, head = DeepseekV4HyperConnection(config()), DeepseekV4HyperHead(config())
     mega, mega_head = MegaHyperConnection.from_hf(hc), MegaHyperHead.from_hf(head)
     assert mega.fn is hc.fn and mega.fn.is_meta and mega_head.hc_fn is head.hc_fn
-    assert (mega.sinkhorn_iters, mega.hc_eps, mega.norm_eps) == (ITERS, hc.hc_eps, hc.input_norm.eps)
+    assert (mega.sinkhorn_iters, mega.hc_eps, mega.norm_eps) == (ITERS, hc.hc_eps, hf_norm_eps(hc.input_norm))
     mega.to_empty(device="cpu")
     mega_head.to_empty(device="cpu")
     torch.manual_seed(3)

@@ -30,15 +30,16 @@ MOE = ["mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "deepseek_v2", 
        "hunyuan_v1_moe"]
 TYPES = DENSE + MOE
 
-# The two-rank layouts that run beyond FSDP (which every one must); the others are refused, each
+# The two-rank layouts that run beyond FSDP (which every one must), with transformers 5.25 (whose
+# plans added TP to Jamba, Nemotron-H and HunYuan-MoE); the others are refused, each
 # with its one-line reason (sliding windows and state-space layers for CP, plans that keep every
 # projection whole or name none for TP)
 RUNS = {
     "llama": {"tp", "cp"}, "mistral": {"tp"}, "gemma3_text": {"tp"}, "phi3": {"cp"}, "gpt2": {"cp"},
     "gpt_neox": {"tp", "cp"}, "starcoder2": {"tp", "cp"}, "olmo2": {"tp", "cp"}, "cohere": {"cp"}, "mamba": set(),
     "mixtral": {"ep", "tp", "cp"}, "qwen2_moe": {"ep", "tp", "cp"}, "olmoe": {"ep", "cp"}, "gpt_oss": {"ep"},
-    "granitemoe": {"ep", "cp"}, "deepseek_v2": {"ep", "tp", "cp"}, "glm4_moe": {"ep", "tp", "cp"}, "jamba": {"ep"},
-    "nemotron_h": {"ep"}, "hunyuan_v1_moe": {"ep", "cp"},
+    "granitemoe": {"ep", "cp"}, "deepseek_v2": {"ep", "tp", "cp"}, "glm4_moe": {"ep", "tp", "cp"},
+    "jamba": {"ep", "tp"}, "nemotron_h": {"ep", "tp"}, "hunyuan_v1_moe": {"ep", "tp", "cp"},
 }
 # (GPT-2's layers are transformers' Conv1D, which MXFP8 does not convert)
 NO_MXFP8 = {"gpt2"}

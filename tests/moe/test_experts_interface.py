@@ -44,20 +44,30 @@ def moe_types() -> list[str]:
     return [t for t in text_decoder_types() if _decorated_classes(t)]
 
 
-# transformers 5.24's MoE architectures: a new one fails test_every_moe_architecture_is_listed
+# transformers 5.25's MoE architectures: a new one fails test_every_moe_architecture_is_listed;
+# each runs below where the installed transformers has it (an older one has fewer)
 MOE_TYPES = [
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
-    "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+    "flint", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text",
-    "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
-    "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
-    "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open", "zaya",
+    "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe",
+    "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text",
+    "mixtral", "nemotron_h", "olmoe", "param2moe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe",
+    "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe", "solar_open", "zaya",
 ]
+# new in transformers 5.25, not yet run here, each with why
+NOT_YET = {
+    "ergo": "its experts module takes one route per row (top-k 1, unit weight), a calling convention of its own",
+    "kolibri1_1": "the tiny config (hyperparallel.models.tiny) breaks its rule that a layer reads an earlier one's K/V",
+}
+INSTALLED = [t for t in MOE_TYPES if t in text_decoder_types()]
 
 
 def test_every_moe_architecture_is_listed():
-    assert moe_types() == MOE_TYPES
+    """Every MoE type of the installed transformers is one of MOE_TYPES (those of 5.25, each tested
+    below where this transformers has it) or NOT_YET's: a new one is noticed here."""
+    assert set(moe_types()) <= set(MOE_TYPES) | set(NOT_YET), sorted(set(moe_types()) - set(MOE_TYPES) - set(NOT_YET))
 
 
 def _built(model_type: str) -> list[torch.nn.Module]:
@@ -68,7 +78,8 @@ def _built(model_type: str) -> list[torch.nn.Module]:
     modules = []
     for cls in _decorated_classes(model_type):
         torch.manual_seed(0)
-        module = cls(config)
+        # (a few take their layer's index too, from transformers 5.25: BailingHybrid's per-layer limits)
+        module = cls(config, 0) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(config)
         with torch.no_grad():
             for param in module.parameters():
                 param.normal_(0.0, 0.2)
@@ -99,7 +110,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).detach())
 
 
-@pytest.mark.parametrize("model_type", MOE_TYPES)
+@pytest.mark.parametrize("model_type", INSTALLED)
 def test_grouped_experts_compute_what_transformers_eager_experts_compute(model_type):
     modules = _built(model_type)
     assert modules

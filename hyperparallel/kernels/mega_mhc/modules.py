@@ -21,7 +21,7 @@ def _hf_shape(module: nn.Module, fn_name: str, rows) -> tuple[int, int]:
     return n, fn.shape[1] // n
 
 
-def _norm_eps(norm: nn.Module) -> float:
+def hf_norm_eps(norm: nn.Module) -> float:
     """The epsilon of an HF DeepseekV4UnweightedRMSNorm: `eps` up to transformers 5.24,
     `variance_epsilon` (as every other RMSNorm of transformers names it) from 5.25."""
     for name in ("variance_epsilon", "eps"):
@@ -54,7 +54,7 @@ class MegaHyperConnection(nn.Module):
         """Take over a DeepseekV4HyperConnection's Parameter objects (no copy, any device, meta included)."""
         n, hidden = _hf_shape(hc, "fn", lambda n: (2 + n) * n)
         with torch.device("meta"):
-            mega = cls(n, hidden, sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=_norm_eps(hc.input_norm))
+            mega = cls(n, hidden, sinkhorn_iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, norm_eps=hf_norm_eps(hc.input_norm))
         mega.fn, mega.base, mega.scale = hc.fn, hc.base, hc.scale
         return mega
 
@@ -99,7 +99,7 @@ class MegaHyperHead(nn.Module):
         """Take over a DeepseekV4HyperHead's Parameter objects (no copy, any device, meta included)."""
         n, hidden = _hf_shape(head, "hc_fn", lambda n: n)
         with torch.device("meta"):
-            mega = cls(n, hidden, hc_eps=head.eps, norm_eps=_norm_eps(head.input_norm))
+            mega = cls(n, hidden, hc_eps=head.eps, norm_eps=hf_norm_eps(head.input_norm))
         mega.hc_fn, mega.hc_base, mega.hc_scale = head.hc_fn, head.hc_base, head.hc_scale
         return mega
 
