@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
+# the newest transformers tested (pyproject.toml admits any newer: a fresh machine's suite stays the
+# one that passed; docs/install.md)
+TRANSFORMERS_SPEC ?= transformers==5.25.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h) hyperparallel/fu
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q --no-build-isolation -e ".[test,gpu]"
+	HYPERPARALLEL_NATIVE_REQUIRED=1 $(PIP) install -q --no-build-isolation -e ".[test,gpu]" "$(TRANSFORMERS_SPEC)"
 	touch $(STAMP)
 
 # What only the benchmarks compare against (torchao, accelerate for the HF Trainer): not in the
@@ -49,29 +52,29 @@ bench: $(BENCH_STAMP)
 
 # The wheel a cluster user installs, checked outside the checkout (scripts/check_wheel.sh).
 test-wheel: setup
-	TORCH_SPEC="$(TORCH_SPEC)" scripts/check_wheel.sh
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" scripts/check_wheel.sh
 
 # The newest releases that install here and the oldest pyproject.toml accepts, each in a venv of
 # its own, running the part of the suite that leans on torch's and transformers' internals
 # (docs/install.md says which and why). This machine's pip is capped at the torch it keeps on
 # disk (/etc/xdg/pip): PIP_CONSTRAINT=/dev/null lifts the cap for the newest.
 NEWEST ?= torch==2.15.0 transformers==5.25.0
-OLDEST ?= torch==2.9.1 transformers==5.8.0
+OLDEST ?= torch==2.13.0 transformers==5.24.0
 # (tests/models/test_coverage.py: the sweep's matrix is the default transformers', docs/models.md)
 CROSS_TESTS ?= tests/models tests/kernels tests/mx tests/lowp tests/fusion tests/moe tests/checkpoint \
 	tests/train/test_loop.py tests/train/test_deepseek_v4.py tests/train/test_examples.py tests/train/test_wandb.py \
 	--ignore=tests/models/test_coverage.py
 
-.venv-newest/.installed: $(STAMP)
+.venv-newest/.installed: $(STAMP) Makefile
 	test -x .venv-newest/bin/python || $(PYTHON) -m venv .venv-newest
 	PIP_CONSTRAINT=/dev/null .venv-newest/bin/pip install -q --upgrade pip setuptools wheel
-	PIP_CONSTRAINT=/dev/null .venv-newest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(NEWEST)
+	HYPERPARALLEL_NATIVE_REQUIRED=1 PIP_CONSTRAINT=/dev/null .venv-newest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(NEWEST)
 	touch $@
 
-.venv-oldest/.installed: $(STAMP)
+.venv-oldest/.installed: $(STAMP) Makefile
 	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/pip install -q --upgrade pip setuptools wheel
-	.venv-oldest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(OLDEST)
+	HYPERPARALLEL_NATIVE_REQUIRED=1 .venv-oldest/bin/pip install -q --no-build-isolation -e ".[test,gpu]" $(OLDEST)
 	touch $@
 
 test-newest: .venv-newest/.installed

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hyperparallel {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train = commands.add_parser("train", help="train a model from a YAML config (default: configs/default.yaml)",
+    train = commands.add_parser("train", help="train a model from a YAML config (default: the embedded default.yaml)",
                                 formatter_class=_WithDefaults,
                                 epilog=f"Every config key, its default and what it does: {DOCS}; `hyperparallel "
                                        f"train --print-config` prints them all, resolved. The example configs, by name "

@@ -242,8 +242,8 @@ class CheckpointSection(Section):
 
 
 class WandbSection(Section):
-    # a W&B project name turns Weights & Biases logging on (rank 0; `pip install 'hyperparallel[wandb]'`)
-    project: str | None = None
+    # a W&B project name turns Weights & Biases logging on (rank 0; `pip install wandb`)
+    project: str | None = Field(None, min_length=1)
     entity: str | None = None  # the W&B user or team (null: the login's default)
     name: str | None = None  # the run's name (null: the run directory's)
     tags: list[str] = Field(default_factory=list)
@@ -409,15 +409,17 @@ def _read_model_file(raw: dict, base_dir: Path | None) -> list[str]:
     return []
 
 
-def _data_files_beside(raw: dict, base_dir: Path | None) -> None:
-    """data.files and validation files given relative: beside the config file first, as model.config
-    is (an example config names its data so, from wherever it runs), else from where the command runs."""
+def _data_files_beside(raw: dict, base_dir: Path) -> None:
+    """The config file's own data.files and validation files, given relative and not found from
+    where the command runs: beside the config file, as an example config names its data (so it
+    runs from any directory). What is found where the command runs stays as written (a run's
+    fingerprint holds it); --set values are the command line's, never moved."""
     data = raw.get("data")
-    if base_dir is None or not isinstance(data, dict):
+    if not isinstance(data, dict):
         return
 
     def beside(entry):
-        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute():
+        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute() or glob.glob(entry):
             return entry
         return str(base_dir / entry) if glob.glob(str(base_dir / entry)) else entry
 
@@ -434,7 +436,6 @@ def from_mapping(raw: Any, source: str = "config", base_dir: Path | None = None)
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
     found = _read_model_file(raw, base_dir)
-    _data_files_beside(raw, base_dir)
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as error:
@@ -472,15 +473,18 @@ def _model_path_given(raw: dict, overrides: list[str]) -> list[str]:
 
 def config_path(given: str | Path | None) -> Path:
     """The config file a command reads: `given` as a path; else, when no such file is there and it
-    is a bare name, the package's example of that name (with or without .yaml); None: the default."""
+    is a bare name, NAME.yaml where the command runs, else the package's example of that name (with
+    or without .yaml); None: the default."""
     if given is None:
         return DEFAULT_CONFIG
     path = Path(given).expanduser()
     if path.is_dir():
-        raise ConfigError(f"config {path} is a directory; give a YAML file (e.g. configs/default.yaml)")
+        raise ConfigError(f"config {path} is a directory; give a YAML file, or an example config's name")
     if path.is_file():
         return path
     if len(path.parts) == 1:
+        if (local := path.with_name(f"{path.name}.yaml")).is_file():  # (`train my` for ./my.yaml)
+            return local
         example = examples.find(path.name)
         if example is not None:
             return example
@@ -507,6 +511,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(error, 'problem', error)}") from None
     if isinstance(raw, dict):
+        _data_files_beside(raw, path.resolve().parent)
         replaced = _model_path_given(raw, overrides or [])
         raw = apply_overrides(raw, overrides or [])
         if notes is not None:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from hyperparallel.errors import ConfigError, HyperparallelError
+from hyperparallel.kernels import native
 from hyperparallel.models import get_family
 from hyperparallel.parallel import mesh as parallel_mesh
 from hyperparallel.train import data, wandb_log
@@ -86,7 +87,20 @@ def compile_problems(cfg: TrainConfig, cuda: bool | None = None) -> list[str]:
     if cfg.training.compile == "dvm" and cuda:
         return ["training.compile: dvm runs its fused kernels on the CPU, and this run trains on CUDA GPUs; "
                 "use training.compile: inductor (the default) or none"]
+    if cfg.training.compile == "dvm" and "hyperparallel._dvm_native" in native.not_built():
+        return ["training.compile: dvm runs the DVM's native interpreter, which this install has no build of "
+                "(no C compiler where it was installed); use training.compile: none (or inductor)"]
+    if cfg.training.compile == "inductor" and not cuda and not _cpp_compiler():
+        return ["training.compile: inductor compiles C++ for the CPU, and this machine has no C++ compiler "
+                "($CXX, else g++); use training.compile: none"]
     return []
+
+
+def _cpp_compiler() -> str | None:
+    """The C++ compiler Inductor's CPU code builds with (its config's default: $CXX, else g++)."""
+    import shutil
+
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def data_problems(cfg: TrainConfig) -> list[str]:

@@ -3,7 +3,7 @@ logged to a W&B run from rank 0, with the resolved config.
 
 The run directory is the W&B run: its id is kept in RUN_DIR/wandb_run_id, so a run resumed in its
 directory (checkpoint.resume, an elastic restart) continues the same W&B run, and W&B's own files
-go to RUN_DIR/wandb/. The `wandb` package is optional (`pip install 'hyperparallel[wandb]'`):
+go to RUN_DIR/wandb/. The `wandb` package is optional (`pip install wandb`, or the [wandb] extra):
 `missing()` names it before any work when a config asks for W&B without it.
 """
 
@@ -21,8 +21,8 @@ def missing(settings) -> str | None:
     """The one-line problem of a config asking for W&B where the package is not installed."""
     if not settings.enabled() or importlib.util.find_spec("wandb") is not None:
         return None
-    return ("logging.wandb.project is set but the wandb package is not installed: "
-            "pip install 'hyperparallel[wandb]' (or wandb), or remove logging.wandb.project")
+    return ("logging.wandb.project is set but the wandb package is not installed: pip install wandb "
+            "(or the package's [wandb] extra), or remove logging.wandb.project")
 
 
 def _run_id(run_dir: Path) -> tuple[str, bool]:

@@ -170,15 +170,20 @@ def test_model_config_may_name_a_mapping_file_beside_the_config(tmp_path):
     assert cfg.model.config == {"hidden_size": 64, "num_hidden_layers": 1}
 
 
-def test_data_files_given_relative_are_looked_for_beside_the_config_first(tmp_path, monkeypatch):
+def test_data_files_not_found_where_the_command_runs_are_looked_for_beside_the_config(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "mine.jsonl").write_text('{"text": "y"}\n')
     monkeypatch.chdir(elsewhere)
-    cfg = load_config(write(tmp_path, MINIMAL + "data: {source: files, files: data/*.jsonl, validation: [data/a.jsonl]}\n"))
-    assert cfg.data.files == [str(tmp_path / "data/*.jsonl")] and cfg.data.validation == [str(tmp_path / "data/a.jsonl")]
-    # not there: from where the command runs, as given
+    config = write(tmp_path, MINIMAL + "data: {source: files, files: data/a.jsonl, validation: [data/*.jsonl]}\n")
+    cfg = load_config(config)
+    # validation's glob matches where the command runs (data/mine.jsonl): as written
+    assert cfg.data.files == [str(tmp_path / "data/a.jsonl")] and cfg.data.validation == ["data/*.jsonl"]
+    # the command line's value is never moved
+    assert load_config(config, ["data.files=data/a.jsonl"]).data.files == ["data/a.jsonl"]
+    # found nowhere: as written (the data check names it)
     assert load_config(write(tmp_path, MINIMAL + "data: {source: files, files: other.txt}\n")).data.files == ["other.txt"]
 
 

@@ -358,3 +358,22 @@ def test_dvm_on_cuda_gpus_is_refused_before_any_work():
     (problem,) = compile_problems(dvm, cuda=True)
     assert problem.startswith("training.compile: dvm runs its fused kernels on the CPU") and "inductor" in problem
     assert compile_problems(_config("qwen3", training={"compile": "inductor"}), cuda=True) == []
+
+
+def test_a_compiler_this_install_or_machine_lacks_is_refused_before_any_work(monkeypatch):
+    """No DVM build (a source install without a C compiler), or no C++ compiler for Inductor's CPU
+    code: each named, with the setting that runs instead."""
+    from hyperparallel.kernels import native
+    from hyperparallel.train.preflight import compile_problems
+
+    dvm, inductor = (_config("qwen3", training={"compile": c}) for c in ("dvm", "inductor"))
+    assert compile_problems(dvm, cuda=False) == compile_problems(inductor, cuda=False) == []  # (this machine: both)
+    monkeypatch.setattr(native, "not_built", lambda: ["hyperparallel._dvm_native"])
+    (problem,) = compile_problems(dvm, cuda=False)
+    assert problem.startswith("training.compile: dvm runs the DVM's native interpreter, which this install has no "
+                              "build of") and problem.endswith("use training.compile: none (or inductor)")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    (problem,) = compile_problems(inductor, cuda=False)
+    assert problem == ("training.compile: inductor compiles C++ for the CPU, and this machine has no C++ compiler "
+                       "($CXX, else g++); use training.compile: none")
+    assert compile_problems(inductor, cuda=True) == []  # (on GPUs it compiles Triton)

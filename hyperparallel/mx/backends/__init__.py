@@ -22,8 +22,10 @@ from types import ModuleType
 import torch
 
 from hyperparallel.errors import BackendError
+from hyperparallel.kernels import native as native_libraries
 from hyperparallel.mx import reference
 from hyperparallel.mx.backends import cpu, triton
+from hyperparallel.mx.backends import native as mx_native
 
 BACKENDS = ("reference", "cpu", "triton")
 # Imported up front (triton itself is imported lazily inside its backend) so that choosing a
@@ -44,8 +46,9 @@ def get_backend(name: str | None, device: torch.device) -> ModuleType:
 
 
 def _default_for(device: torch.device) -> str:
-    if device.type == "cpu":  # (the native kernels, else, where none were built, the reference)
-        return "cpu" if cpu.unavailable_reason(device) is None else "reference"
+    if device.type == "cpu":  # (the native kernels; the reference where this install built none: a stale
+        # or broken build of a checkout still says why, through the cpu backend)
+        return "reference" if mx_native.MODULE in native_libraries.not_built() else "cpu"
     if device.type == "cuda":
         return "triton"
     return "reference"
