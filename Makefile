@@ -96,4 +96,4 @@ lint: setup
 	$(VENV)/bin/ruff check hyperparallel tests benchmarks
 
 clean:
-	rm -rf $(VENV) .venv-newest .venv-oldest build *.egg-info hyperparallel/_mx_native*.so hyperparallel/_dvm_native*.so
+	rm -rf $(VENV) .venv-newest .venv-oldest build *.egg-info hyperparallel/_*_native*.so

@@ -40,17 +40,21 @@ class BuildPlainC(build_ext):
 
     def build_extension(self, ext):
         if self.not_built:  # (the compiler that failed once fails again: one line, not four)
-            self.not_built.append((ext.name, self.not_built[0][1]))
+            self._not_built(ext, self.not_built[0][1])
             return
         try:
             super().build_extension(ext)
         except CCompilerError as error:  # (no compiler, or one that fails: CompileError, LinkError)
             # a checkout's `make setup` must build them: there a failure is the code's, not the machine's
-            if os.environ.get("HYPERPARALLEL_NATIVE_REQUIRED"):
+            if os.environ.get("HYPERPARALLEL_NATIVE_REQUIRED") == "1":
                 raise
-            stale = Path(self.get_ext_fullpath(ext.name))
-            stale.unlink(missing_ok=True)  # (never a build older than the sources beside the package)
-            self.not_built.append((ext.name, (str(error).splitlines() or [type(error).__name__])[0][:160]))
+            self._not_built(ext, (str(error).splitlines() or [type(error).__name__])[0][:160])
+
+    def _not_built(self, ext, why: str) -> None:
+        # (this build's own output, never the checkout's: setuptools builds into build_lib and copies
+        # from there; none older than the sources may ship)
+        Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+        self.not_built.append((ext.name, why))
 
 
 def generate_vf_table():
@@ -74,6 +78,8 @@ def compile_args():
 
 
 generate_vf_table()
+# optional: an install without a compiler (an editable one too) copies only what was built
+OPTIONAL = os.environ.get("HYPERPARALLEL_NATIVE_REQUIRED") != "1"
 setup(
     ext_modules=[
         Extension(
@@ -83,6 +89,7 @@ setup(
             depends=["csrc/mx_common.h", "csrc/hp_isa.h"],
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
+            optional=OPTIONAL,
         ),
         Extension(
             "hyperparallel._dvm_native",
@@ -96,6 +103,7 @@ setup(
             extra_compile_args=compile_args() + ["-fno-math-errno", "-fno-trapping-math"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],  # sinf, cosf, powf outside the vectorized ranges
+            optional=OPTIONAL,
         ),
         Extension(
             "hyperparallel._mega_gate_native",
@@ -105,6 +113,7 @@ setup(
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
             libraries=["m"],
+            optional=OPTIONAL,
         ),
         Extension(
             "hyperparallel._mega_mhc_native",
@@ -114,6 +123,7 @@ setup(
             extra_compile_args=compile_args(),
             extra_link_args=["-fopenmp"],
             libraries=["m"],
+            optional=OPTIONAL,
         ),
     ],
     cmdclass={"build_ext": BuildPlainC},

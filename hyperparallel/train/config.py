@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -419,9 +420,12 @@ def _data_files_beside(raw: dict, base_dir: Path) -> None:
         return
 
     def beside(entry):
-        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute() or glob.glob(entry):
+        def found(pattern: str) -> bool:  # (as the data loader matches: ~ expanded, ** recursive)
+            return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
+
+        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute() or found(entry):
             return entry
-        return str(base_dir / entry) if glob.glob(str(base_dir / entry)) else entry
+        return str(base_dir / entry) if found(str(base_dir / entry)) else entry
 
     for key in ("files", "validation"):
         value = data.get(key)

@@ -97,10 +97,14 @@ def compile_problems(cfg: TrainConfig, cuda: bool | None = None) -> list[str]:
 
 
 def _cpp_compiler() -> str | None:
-    """The C++ compiler Inductor's CPU code builds with (its config's default: $CXX, else g++)."""
+    """The C++ compiler Inductor's CPU code builds with, as its default config finds it on Linux:
+    $CXX, else g++; or the g++ it installs itself (TORCH_INDUCTOR_INSTALL_GXX)."""
     import shutil
 
-    return shutil.which(os.environ.get("CXX") or "g++")
+    if os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"):
+        return "g++ (Inductor installs it)"
+    cxx = os.environ.get("CXX", "g++")
+    return shutil.which(cxx) if cxx else None
 
 
 def data_problems(cfg: TrainConfig) -> list[str]:

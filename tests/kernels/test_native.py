@@ -89,6 +89,7 @@ def test_mx_on_the_cpu_runs_the_reference_where_its_library_was_not_built(monkey
     from hyperparallel.mx import backends, reference
     from hyperparallel.mx.backends import cpu
 
-    assert backends.get_backend(None, torch.device("cpu")) is cpu
-    monkeypatch.setattr(backends.native_libraries, "not_built", lambda: ["hyperparallel._mx_native"])
+    assert backends.get_backend(None, torch.device("cpu")) is cpu  # (this install built it)
+    assert backends.cpu_default(["hyperparallel._mx_native"]) == "reference" and backends.cpu_default([]) == "cpu"
+    monkeypatch.setattr(backends, "_CPU_DEFAULT", backends.cpu_default(["hyperparallel._mx_native"]))
     assert backends.get_backend(None, torch.device("cpu")) is reference

@@ -372,6 +372,7 @@ def test_a_compiler_this_install_or_machine_lacks_is_refused_before_any_work(mon
     (problem,) = compile_problems(dvm, cuda=False)
     assert problem.startswith("training.compile: dvm runs the DVM's native interpreter, which this install has no "
                               "build of") and problem.endswith("use training.compile: none (or inductor)")
+    monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
     monkeypatch.setenv("CXX", "no-such-compiler")
     (problem,) = compile_problems(inductor, cuda=False)
     assert problem == ("training.compile: inductor compiles C++ for the CPU, and this machine has no C++ compiler "

@@ -45,10 +45,18 @@ def get_backend(name: str | None, device: torch.device) -> ModuleType:
     return module
 
 
+def cpu_default(not_built: list[str]) -> str:
+    """The native kernels; the reference where this install built none (a source install without a
+    C compiler). A checkout's stale or broken build is not that: the cpu backend says why it cannot run."""
+    return "reference" if mx_native.MODULE in not_built else "cpu"
+
+
+_CPU_DEFAULT = cpu_default(native_libraries.not_built())
+
+
 def _default_for(device: torch.device) -> str:
-    if device.type == "cpu":  # (the native kernels; the reference where this install built none: a stale
-        # or broken build of a checkout still says why, through the cpu backend)
-        return "reference" if mx_native.MODULE in native_libraries.not_built() else "cpu"
+    if device.type == "cpu":
+        return _CPU_DEFAULT
     if device.type == "cuda":
         return "triton"
     return "reference"
