@@ -3,9 +3,9 @@
 `check(cfg, world, run_dir)` collects every problem it finds into one ConfigError, one per line:
 the batch split over the ranks, the model's config (built as its HF config class, not as
 weights), the tokenizer against the model's vocabulary, the data files, W&B's package where the
-config asks for W&B, and every directory the run will write (the run directory, the checkpoint
-root, the data cache). The command line runs it
-before launching any rank; `train.loop` runs it again on rank 0 for callers of the library.
+config asks for W&B, the compiler a compile backend needs, and every directory the run will write
+(the run directory, the checkpoint root, the data cache). The command line runs it before
+launching any rank; `train.loop` runs it again on rank 0 for callers of the library.
 What can only be found by reading the data in full (a malformed parquet file, a JSON line)
 is found by `data.prepare`, which reads every input before it writes its first cache file.
 """
