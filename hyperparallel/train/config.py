@@ -16,10 +16,8 @@ leaves a section out behaves as the demo does.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +36,7 @@ from hyperparallel.optim import OptimizerConfig, SchedulerConfig
 from hyperparallel.parallel import CP_MODES, PP_SCHEDULES, RECOMPUTE_MODES
 from hyperparallel.schema import Section, choice, problems
 from hyperparallel.train import examples
+from hyperparallel.train.data import sources
 
 DEFAULT_CONFIG = examples.DEFAULT
 
@@ -420,12 +419,9 @@ def _data_files_beside(raw: dict, base_dir: Path) -> None:
         return
 
     def beside(entry):
-        def found(pattern: str) -> bool:  # (as the data loader matches: ~ expanded, ** recursive)
-            return bool(glob.glob(os.path.expanduser(pattern), recursive=True))
-
-        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute() or found(entry):
+        if not isinstance(entry, str) or Path(entry).expanduser().is_absolute() or sources.matches(entry):
             return entry
-        return str(base_dir / entry) if found(str(base_dir / entry)) else entry
+        return str(base_dir / entry) if sources.matches(str(base_dir / entry)) else entry
 
     for key in ("files", "validation"):
         value = data.get(key)

@@ -1,5 +1,5 @@
 """The example configs, shipped inside the package (hyperparallel/configs/, which the checkout's
-configs/ links to) so that an installed wheel has them: `hyperparallel train qwen3_moe` names one,
+configs/ links to) so that an installed wheel has them: `hyperparallel train NAME` names one,
 and no config at all means default.yaml. Standard library only: the CLI's help lists them."""
 
 from __future__ import annotations

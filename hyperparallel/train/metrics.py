@@ -147,11 +147,12 @@ class MetricsLog:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        figures = scalars(record)
         if self.writer is not None:
-            for key, value in scalars(record).items():
+            for key, value in figures.items():
                 self.writer.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(step, scalars(record))
+            self.wandb.log(step, figures)
 
     def step(self, step: int, record: dict | None) -> None:
         """Advance the bar to `step`; `record` (a logged step) goes to every sink."""

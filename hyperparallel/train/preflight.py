@@ -29,7 +29,7 @@ from hyperparallel.train.run_dir import checkpoint_root
 
 def check(cfg: TrainConfig, world: int, run_dir: Path) -> None:
     problems = layout_problems(cfg, world) + data.input_problems(cfg.data) + data_problems(cfg) + compile_problems(cfg)
-    problems += [p for p in [wandb_log.missing(cfg.logging.wandb)] if p]
+    problems += wandb_log.problems(cfg.logging.wandb)
     try:  # (a model.path that is a training checkpoint has no tokenizer to read: model_problems says what it is)
         vocab = None if _training_output(cfg) else data.tokenizer_vocab_size(cfg.data, cfg.model.path)
     except HyperparallelError as error:

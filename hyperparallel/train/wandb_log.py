@@ -4,7 +4,7 @@ logged to a W&B run from rank 0, with the resolved config.
 The run directory is the W&B run: its id is kept in RUN_DIR/wandb_run_id, so a run resumed in its
 directory (checkpoint.resume, an elastic restart) continues the same W&B run, and W&B's own files
 go to RUN_DIR/wandb/. The `wandb` package is optional (`pip install wandb`, or the [wandb] extra):
-`missing()` names it before any work when a config asks for W&B without it.
+`problems()` names it before any work when a config asks for W&B without it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 ID_FILE = "wandb_run_id"
 
 
-def missing(settings) -> str | None:
-    """The one-line problem of a config asking for W&B where the package is not installed."""
+def problems(settings) -> list[str]:
+    """A config asking for W&B where the package is not installed: its one-line problem."""
     if not settings.enabled() or importlib.util.find_spec("wandb") is not None:
-        return None
-    return ("logging.wandb.project is set but the wandb package is not installed: pip install wandb "
-            "(or the package's [wandb] extra), or remove logging.wandb.project")
+        return []
+    return ["logging.wandb.project is set but the wandb package is not installed: pip install wandb "
+            "(or the package's [wandb] extra), or remove logging.wandb.project"]
 
 
 def _run_id(run_dir: Path) -> tuple[str, bool]:

@@ -70,8 +70,8 @@ def test_a_config_asking_for_wandb_without_the_package_is_refused_before_any_wor
         preflight.check(cfg, 1, tmp_path / "run")
     assert not (tmp_path / "run").exists()
     # offline or disabled, or no project: nothing to refuse
-    assert wandb_log.missing(config(tmp_path, "qwen3", logging={"wandb": {"project": "p", "mode": "disabled"}})
-                             .logging.wandb) is None
+    assert wandb_log.problems(config(tmp_path, "qwen3", logging={"wandb": {"project": "p", "mode": "disabled"}})
+                              .logging.wandb) == []
 
 
 def test_an_online_run_without_a_wandb_login_is_named_in_one_line(tmp_path, offline_wandb, monkeypatch):

@@ -83,16 +83,21 @@ def _dataset_directory(directory: Path, split: str, key: str) -> tuple[list[Path
     return files, []
 
 
+def matches(pattern: str) -> list[str]:
+    """The paths a data pattern names: ~ expanded, globs (** recursive), sorted."""
+    return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+
+
 def find(patterns: list[str], key: str, split: str = "train") -> tuple[list[Source], list[str]]:
     """The sources `patterns` name (globs allowed) and every problem a look finds (missing,
     unreadable, an empty dataset directory), all at once; nothing is read in full."""
     sources: list[Source] = []
     problems = []
     for pattern in patterns:
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        if not matches:
+        paths = matches(pattern)
+        if not paths:
             problems.append(f"{key}: {pattern!r} matches no file")
-        for match in map(Path, matches):
+        for match in map(Path, paths):
             if match.is_dir():
                 try:
                     files, found = _dataset_directory(match, split, key)
