@@ -50,9 +50,8 @@ BENCH_SIZES = {
 }
 
 # A Python snippet's sizes, by (page, a line it contains): whole numbers replaced (a bf16 product
-# of the pages' 8192 x 4096 x 4096 takes minutes on a CPU without bf16 dot products).
+# of docs/mx.md's 8192 x 4096 x 1024 is slow on a CPU without bf16 dot products).
 SNIPPET_SIZES = {
-    ("README.md", "mx.mx_mm("): {"8192": "256", "4096": "128", "1000": "32"},
     ("docs/mx.md", "mx.mx_grouped_mm("): {"8192": "256", "4096": "128", "1000": "32", "5000": "160"},
 }
 
