@@ -213,6 +213,14 @@ class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _config_arguments(command: argparse.ArgumentParser, example: str) -> None:
+    """The config a command reads: a YAML file or an example config's name, and `--set` overrides
+    (`example`: one for the help)."""
+    command.add_argument("config", nargs="?", help=CONFIG_HELP)
+    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help=f"override a config key, e.g. --set {example} (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyperparallel",
@@ -226,9 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=f"Every config key, its default and what it does: {DOCS}; `hyperparallel "
                                        f"train --print-config` prints them all, resolved. The example configs, by name "
                                        f"(`hyperparallel train qwen3_moe`): {', '.join(examples.names())}.")
-    train.add_argument("config", nargs="?", help=CONFIG_HELP)
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set training.steps=20 (repeatable)")
+    _config_arguments(train, "training.steps=20")
     train.add_argument("--nproc", type=int, default=1,
                        help="ranks to launch on this machine, through torchrun's elastic agent (1: in this process)")
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -267,9 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=_plot)
     plan = commands.add_parser("plan", help="the memory and communication plan of a training run, per rank, "
                                              "without allocating the model")
-    plan.add_argument("config", nargs="?", help=CONFIG_HELP)
-    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config key, e.g. --set training.micro_batch=8 (repeatable)")
+    _config_arguments(plan, "training.micro_batch=8")
     plan.add_argument("--nproc", type=int, default=None,
                       help="the ranks the run would have (default: --nnodes x --gpus-per-node, else 1); nothing is "
                            "launched")
@@ -286,9 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
     prepare = commands.add_parser("prepare", help="tokenize a config's data into token shards ahead of training "
                                                    "(on a cluster: once, on storage every node sees)")
-    prepare.add_argument("config", nargs="?", help=CONFIG_HELP)
-    prepare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config key, e.g. --set data.workers=16 (repeatable)")
+    _config_arguments(prepare, "data.workers=16")
     prepare.set_defaults(func=_prepare)
     bench = commands.add_parser("bench", help="run a benchmark and print its side-by-side table")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")

@@ -23,6 +23,9 @@ from hyperparallel.kernels import instruction_set as _isa
 # A function's ctypes (argtypes, restype); argtypes None leaves the arguments unconverted (the
 # caller passes ctypes objects of the exact C types, as the DVM's hot call does).
 Signature = tuple[list | None, type | None]
+# The C types the libraries' signature tables are written in: a pointer (void *, a tensor's data),
+# int64_t, int, float.
+PTR, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 # Each library's version function (csrc: hp_<name>_version) and the version this code was written
 # against: the C side raises it whenever a function's arguments or meaning change.
@@ -89,4 +92,4 @@ def _unavailable(module: str, why: str) -> None:
     return None
 
 
-__all__ = ["VERSIONS", "Signature", "load", "not_built", "unavailable_reason"]
+__all__ = ["F32", "I64", "INT", "PTR", "VERSIONS", "Signature", "load", "not_built", "unavailable_reason"]

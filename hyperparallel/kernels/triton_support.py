@@ -10,6 +10,13 @@ again whenever TRITON_INTERPRET changed since. So TRITON_INTERPRET=1 (the kernel
 interpreter, on CPU tensors: how the tests run them) is honoured when it is set any time before
 a call, even after triton was imported (importing torch can import it).
 
+[Note: shared jit helpers] The helpers more than one kernel module calls (`reduce_max`,
+`reduce_min`, `reduce_sum`: tl.reduce with Triton's own combine functions; `rounded`: fp32 to a
+store's dtype, bf16 rounded to nearest even) are written once, at the end of this module, and
+jitted here. A kernel module imports the ones it calls and names them in its JitKernels'
+`shared`; its build() binds their jit functions in the module's namespace, where its kernels'
+calls find them.
+
 [Note: recorded launches] Inside `recorded_launches()` every JitKernels' build() binds its names
 to recorders instead: ``kernel[grid](*args, **kwargs)`` appends a `Launch` and runs nothing, and
 CPU tensors are accepted as a GPU's would be. So a kernel module's own wrappers, called on small
@@ -21,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -126,12 +133,16 @@ class JitKernels:
     triton.language.standard, are preferred because the interpreter reduces with numpy only for
     those; not tl.max / tl.sum themselves, which are jit functions made when triton is imported and
     which the interpreter cannot call when triton was imported before TRITON_INTERPRET was set.
-    Should a Triton version rename its own, this module's fallback is jitted instead.
+    Should a Triton version rename its own, this module's fallback is jitted instead. `shared`
+    names the helpers of this module that its kernels call (see [Note: shared jit helpers]).
     """
 
-    def __init__(self, namespace: dict, combines: Mapping[str, str] | None = None):
+    def __init__(self, namespace: dict, combines: Mapping[str, str] | None = None, shared: Sequence[str] = ()):
         self._namespace = namespace
         self._combines = dict(combines or {})
+        self._shared = tuple(shared)
+        if unknown := [name for name in self._shared if name not in _SHARED._sources]:
+            raise ValueError(f"{self.module}: {unknown} are no shared jit helpers of {__name__}")
         self._sources: dict[str, Callable] = {}
         self._built_for: bool | str | None = None  # the interpret mode the kernels were jitted in, or "record"
 
@@ -152,6 +163,7 @@ class JitKernels:
             return
         for name, fn in self._sources.items():
             self._namespace[name] = _Recorder(self, name) if mode == "record" else triton.jit(fn)
+        self._namespace.update({name: _SHARED.jitted(name) for name in self._shared})
         for name, kind in self._combines.items():
             standard, fallback = COMBINES[kind]
             own = getattr(tl.standard, standard, None)
@@ -166,5 +178,40 @@ class JitKernels:
         return self._namespace[name]
 
 
-__all__ = ["COMBINES", "IMPORT_ERROR", "JitKernels", "Launch", "interpret", "on_device", "recorded_launches", "tl",
-           "triton", "unavailable_reason"]
+# ------------------------------------------------------------------------- shared jit helpers
+# Plain functions, made triton.jit functions of this module by _SHARED.build(), which a kernel
+# module's build() calls when its `shared` names any (see [Note: shared jit helpers]).
+
+_SHARED = JitKernels(globals(), combines={"_MAX": "max", "_MIN": "min", "_SUM": "sum"})
+_MAX = _MIN = _SUM = None  # set by _SHARED.build()
+
+
+@_SHARED.register
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _MAX)
+
+
+@_SHARED.register
+def reduce_min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _MIN)
+
+
+@_SHARED.register
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _SUM)
+
+
+@_SHARED.register
+def rounded(x, dtype: tl.constexpr):
+    """fp32 x in `dtype`, rounded to nearest even. bf16 by hand: the interpreter's cast truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nearest = tl.where(x != x, 0x7FC0, nearest)  # NaN stays NaN
+        return nearest.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+__all__ = ["COMBINES", "IMPORT_ERROR", "JitKernels", "Launch", "interpret", "on_device", "recorded_launches",
+           "reduce_max", "reduce_min", "reduce_sum", "rounded", "tl", "triton", "unavailable_reason"]

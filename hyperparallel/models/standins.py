@@ -21,9 +21,13 @@ accelerate hook bound to the old module) are not.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from torch import nn
 
 _STAND_INS: dict[tuple[type, type], type] = {}  # (ours, theirs) -> the stand-in class
+# What gives the classes ours may stand in for, importing their modules (`register_classes`)
+_CLASSES: list[Callable[[], Iterable[type[nn.Module]]]] = []
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs")
 _READ_BY_TRANSFORMERS = ("_is_expert_parallel",)  # the private attributes transformers' experts code reads
@@ -64,23 +68,30 @@ def stands_in(module: nn.Module) -> bool:
     return "stands_in_for" in vars(type(module))
 
 
+def register_classes(classes: Callable[[], Iterable[type[nn.Module]]]) -> None:
+    """`classes()` gives transformers classes a module of ours may stand in for, importing their
+    modeling modules (models.families registers its tuned families' MoE classes when imported):
+    unpickling finds the stand-ins of every class of those modules."""
+    _CLASSES.append(classes)
+
+
 def __getattr__(name: str) -> type[nn.Module]:
     """A stand-in class by name (what unpickling a swapped model asks this module for): the class
-    it replaced is looked up among transformers' modeling modules already imported, and the tuned
-    families' (a fresh process unpickling a generic model imports its modeling module first)."""
+    it replaced is looked up among transformers' modeling modules already imported (a fresh process
+    unpickling a model has imported its modeling module first: the model's class comes first in the
+    pickle), after those of `register_classes`."""
     if name.startswith("__") or "As" not in name:  # (the import system asks modules for __path__ and the like)
         raise AttributeError(name)
     import sys
 
     from hyperparallel.moe import GroupedExperts, TopKRouter
 
-    from .families import all_moe_block_classes
-
     theirs_name, ours_name = name.rsplit("As", 1)
     ours = {"GroupedExperts": GroupedExperts, "TopKRouter": TopKRouter}.get(ours_name)
     if ours is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    all_moe_block_classes()  # (imports the tuned families' modeling modules)
+    for classes in _CLASSES:
+        classes()  # (imports their modeling modules)
     for module_name, module in list(sys.modules.items()):
         theirs = getattr(module, theirs_name, None) if module_name.startswith("transformers.models.") else None
         if isinstance(theirs, type) and issubclass(theirs, nn.Module):

@@ -253,9 +253,3 @@ class TaskGraph:
             for dep in task.deps:
                 users[dep].append(task.index)
         return users
-
-    def run(self, executor=None) -> None:
-        """Run every task once, in an order the dependencies allow (see `multicore.scheduler`)."""
-        from hyperparallel.multicore.scheduler import run
-
-        run(self, executor)

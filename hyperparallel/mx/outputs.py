@@ -50,3 +50,12 @@ def grouped(x: torch.Tensor, num_groups: int, elem_dtype: torch.dtype, empty: Em
 
 def dequantized(data: torch.Tensor, dtype: torch.dtype, empty: Empty | None = None) -> torch.Tensor:
     return (empty or _like(data))(list(data.shape), dtype)
+
+
+def register_fakes(quantize, quantize_dual, quantize_grouped, dequantize) -> None:
+    """A backend's four custom ops (the backend functions' arguments, in order) get their fake
+    implementations: the outputs by these rules, unfilled."""
+    quantize.register_fake(lambda x, axis, elem_dtype, scale_mode: quantized(x, axis, elem_dtype))
+    quantize_dual.register_fake(lambda x, elem_dtype, scale_mode: dual(x, elem_dtype))
+    quantize_grouped.register_fake(lambda x, offsets, elem_dtype, scale_mode: grouped(x, offsets.shape[0], elem_dtype))
+    dequantize.register_fake(lambda data, scale, axis, group_offsets, dtype: dequantized(data, dtype))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from hyperparallel.errors import ShapeError
-from hyperparallel.mx import reference
 from hyperparallel.mx.backends import get_backend
 from hyperparallel.mx.format import (
     BLOCK_SIZE,
@@ -86,10 +85,5 @@ def quantize_grouped(
 
 
 def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
-    """The values of `mx` in `dtype` (each rounded once from its exact value)."""
-    if not dtype.is_floating_point or dtype.itemsize < 2:
-        raise ShapeError(f"dequantize needs a float dtype of 16 bits or more, got {dtype}")
-    impl = get_backend(backend, mx.device)
-    if dtype == torch.float64:  # float32 cannot hold every exact value (E8M0 spans 2^+-127)
-        impl = reference
-    return impl.dequantize(mx.data, mx.scale, mx.axis, mx.group_offsets, dtype)
+    """The values of `mx` in `dtype` (each rounded once from its exact value): `MXTensor.dequantize`."""
+    return mx.dequantize(dtype, backend=backend)

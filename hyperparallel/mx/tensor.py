@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from hyperparallel.errors import ShapeError
+from hyperparallel.mx import reference
+from hyperparallel.mx.backends import get_backend
 from hyperparallel.mx.format import BLOCK_SIZE
 
 
@@ -46,9 +48,13 @@ class MXTensor:
         return replace(self, data=self.data.t(), scale=self.scale.t(), axis=1 - self.axis)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
-        from hyperparallel.mx.quantize import dequantize
-
-        return dequantize(self, dtype, backend=backend)
+        """The values in `dtype` (each rounded once from its exact value)."""
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ShapeError(f"dequantize needs a float dtype of 16 bits or more, got {dtype}")
+        impl = get_backend(backend, self.device)
+        if dtype == torch.float64:  # float32 cannot hold every exact value (E8M0 spans 2^+-127)
+            impl = reference
+        return impl.dequantize(self.data, self.scale, self.axis, self.group_offsets, dtype)
 
     def __repr__(self) -> str:
         grouped = f", groups={len(self.group_offsets)}" if self.group_offsets is not None else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,6 @@ def resolve(resume: str, root: Path, *, restarted: bool = False) -> Path | None:
 def check_matches(path: Path, cfg) -> dict:
     """The train state saved in checkpoint `path`, after checking that `cfg` may continue it: the
     same fingerprint (what decides the numbers; the keys that differ are named)."""
-    from hyperparallel.train.config import differences
-
     state = checkpoint.read_manifest(path)["extra"]
     if state.get("fingerprint") != cfg.fingerprint():
         saved = state.get("config")
@@ -68,6 +67,24 @@ def check_matches(path: Path, cfg) -> dict:
             f"resume it with the config it was made with"
         )
     return state
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for each key of two configs' `fingerprinted()` that differs (`model.config:
+    ...` names the inline config's keys that differ): what a refused resume names, and a run
+    `resume: latest` passes over."""
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "(absent)"), after.get(key, "(absent)")
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            lines.append(f"{key}: " + ", ".join(f"{k} {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
+                                                for k in inner))
+        else:
+            lines.append(f"{key}: {old!r} -> {new!r}")
+    return lines
 
 
 def load(path: Path, model, optimizer, cfg) -> dict:

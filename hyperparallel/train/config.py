@@ -346,23 +346,6 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for each fingerprinted key that differs (`model.config: ...` names the
-    inline config's keys that differ)."""
-    lines = []
-    for key in sorted(set(before) | set(after)):
-        old, new = before.get(key, "(absent)"), after.get(key, "(absent)")
-        if old == new:
-            continue
-        if isinstance(old, dict) and isinstance(new, dict):
-            inner = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-            lines.append(f"{key}: " + ", ".join(f"{k} {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}"
-                                                for k in inner))
-        else:
-            lines.append(f"{key}: {old!r} -> {new!r}")
-    return lines
-
-
 def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):

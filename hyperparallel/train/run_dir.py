@@ -91,8 +91,8 @@ def runs_of(template: str) -> list[Path]:
 
 
 def newest_matching_run(template: str, cfg) -> Path:
-    from hyperparallel.train.checkpointing import complete_checkpoints
-    from hyperparallel.train.config import differences, load_config
+    from hyperparallel.train.checkpointing import complete_checkpoints, differences
+    from hyperparallel.train.config import load_config
 
     wanted = cfg.fingerprinted()
     runs = runs_of(template)

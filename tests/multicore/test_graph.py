@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.multicore import TaskGraph
+from hyperparallel.multicore import TaskGraph, run
 
 
 def noop() -> None:
@@ -298,7 +298,7 @@ def run_a_graph_that_closes_over_itself() -> tuple[TaskGraph, object]:
     g = TaskGraph("cycle")
     y = g.buffer("y", rows=2)
     g.add("make", "vector", lambda: (y.set(torch.ones(2)), g.hold(torch.zeros(1))), writes=[y])
-    g.run()
+    run(g)
     return g, weakref.ref(y.tensor)
 
 

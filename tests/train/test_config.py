@@ -314,7 +314,7 @@ def test_the_fingerprint_ignores_how_a_run_is_laid_out_computed_and_waited_for(t
 
 
 def test_the_differences_of_two_configs_name_their_keys(tmp_path):
-    from hyperparallel.train.config import differences
+    from hyperparallel.train.checkpointing import differences
 
     before = load_config(write(tmp_path, MINIMAL)).fingerprinted()
     after = load_config(write(tmp_path, MINIMAL), ["optimizer.lr=0.5", "model.config.num_hidden_layers=3"]).fingerprinted()

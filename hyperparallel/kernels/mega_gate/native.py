@@ -1,29 +1,23 @@
-"""MegaGate's native kernels of csrc/mega_gate.c (``hyperparallel._mega_gate_native``), loaded by
-kernels' loader. ``LIB`` is None when the library is not built or is a stale build; MegaGate then
-runs its reference on CPU tensors.
+"""The C of csrc/mega_gate.c, the router's forward and backward on CPU tensors: its functions'
+signatures for kernels' loader, and ``LIB``, the loaded ``hyperparallel._mega_gate_native`` (None
+where it is not built or is stale: MegaGate then runs its reference).
 """
 
 from __future__ import annotations
 
-import ctypes
-
-from hyperparallel.kernels import native
+from hyperparallel.kernels.native import F32, I64, INT, PTR, load
 
 MODULE = "hyperparallel._mega_gate_native"
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_F32 = ctypes.c_float
 _SIGNATURES = {
     # logits, T, E, bias, hash, score, k, groups, top_groups, norm, scale, eps,
     # weights, indices, counts, prob_sum, threads
-    "hp_mega_gate_forward": ([_P, _I64, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F32, _F32,
-                              _P, _P, _P, _P, _INT], _INT),
+    "hp_mega_gate_forward": ([PTR, I64, I64, PTR, PTR, INT, INT, INT, INT, INT, F32, F32,
+                              PTR, PTR, PTR, PTR, INT], INT),
     # logits, T, E, indices, grad_weights, grad_prob_sum, score, k, norm, scale, eps, grad_logits, threads
-    "hp_mega_gate_backward": ([_P, _I64, _I64, _P, _P, _P, _INT, _INT, _INT, _F32, _F32, _P, _INT], _INT),
+    "hp_mega_gate_backward": ([PTR, I64, I64, PTR, PTR, PTR, INT, INT, INT, F32, F32, PTR, INT], INT),
 }
 
 # The kernels' status codes (csrc/mega_gate.c)
 OK, BAD_HASH_INDEX, NO_MEMORY = 0, -1, -2
 
-LIB = native.load(MODULE, _SIGNATURES, isa="hp_mega_gate")
+LIB = load(MODULE, _SIGNATURES, isa="hp_mega_gate")

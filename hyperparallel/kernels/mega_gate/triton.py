@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton
+from hyperparallel.kernels.triton_support import JitKernels, on_device, reduce_max, reduce_min, reduce_sum, tl, triton
 
 _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 _TILE = 4096  # logits per program: 32 per thread at 4 warps
@@ -31,27 +31,11 @@ _NUM_WARPS = 4
 
 
 # ------------------------------------------------------------------------------------ kernels
-# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use. The
-# reductions' combine functions (_MAX, _MIN, _SUM) are Triton's own where it has them.
+# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use; the
+# reductions are kernels.triton_support's (its [Note: shared jit helpers]).
 
-_KERNELS = JitKernels(globals(), combines={"_MAX": "max", "_MIN": "min", "_SUM": "sum"})
+_KERNELS = JitKernels(globals(), shared=("reduce_max", "reduce_min", "reduce_sum"))
 _jit = _KERNELS.register
-_MAX = _MIN = _SUM = None  # set by _KERNELS.build()
-
-
-@_jit
-def _max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _MAX)
-
-
-@_jit
-def _min(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _MIN)
-
-
-@_jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _SUM)
 
 
 @_jit
@@ -88,9 +72,9 @@ def _forward_kernel(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, counts_ptr, 
     x = tl.load(logits_ptr + rows[:, None, None] * E + col, mask=ok, other=0.0)
 
     if SCORE == 0:  # softmax as PyTorch: exp(x - max) times the reciprocal of their sum
-        m = _max(_max(tl.where(col_ok, x, float("-inf")), 2), 1)
+        m = reduce_max(reduce_max(tl.where(col_ok, x, float("-inf")), 2), 1)
         e = tl.where(col_ok, tl.exp(x - m[:, None, None]), 0.0)
-        r = 1.0 / _sum(_sum(e, 2), 1)
+        r = 1.0 / reduce_sum(reduce_sum(e, 2), 1)
         p = e * r[:, None, None]
     else:
         p = tl.where(col_ok, _elementwise_score(x, SCORE), 0.0)
@@ -118,7 +102,7 @@ def _forward_kernel(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, counts_ptr, 
         counted = slot_ok
 
     if NORM:
-        ws = ws / tl.where(row_ok, _sum(ws, 1) + eps, 1.0)[:, None]  # rows past T: no 0 / 0
+        ws = ws / tl.where(row_ok, reduce_sum(ws, 1) + eps, 1.0)[:, None]  # rows past T: no 0 / 0
     ws = ws * scale
     tl.store(w_ptr + rows[:, None] * K + slot, ws, mask=slot_ok)
     tl.store(idx_ptr + rows[:, None] * K + slot, chosen, mask=slot_ok)
@@ -128,26 +112,26 @@ def _forward_kernel(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, counts_ptr, 
         if SCORE == 0:
             q = p
         else:
-            q = p / _sum(_sum(p, 2), 1)[:, None, None]
+            q = p / reduce_sum(reduce_sum(p, 2), 1)[:, None, None]
         q = tl.where(ok, q, 0.0)
-        tl.atomic_add(psum_ptr + col, _sum(q, 0)[None, :, :], mask=col_ok)
+        tl.atomic_add(psum_ptr + col, reduce_sum(q, 0)[None, :, :], mask=col_ok)
 
 
 @_jit
 def _restrict_to_groups(choice, g, j, G_PAD: tl.constexpr, PER_PAD: tl.constexpr, GROUPS: tl.constexpr,
                         TOP_GROUPS: tl.constexpr):
     """Experts outside the TOP_GROUPS groups of best two-expert sum at -inf."""
-    best = _max(choice, 2)  # [BLOCK_T, G_PAD]
-    first = _min(tl.where(choice == best[:, :, None], j[None, None, :], PER_PAD), 2)
-    second = _max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), 2)
+    best = reduce_max(choice, 2)  # [BLOCK_T, G_PAD]
+    first = reduce_min(tl.where(choice == best[:, :, None], j[None, None, :], PER_PAD), 2)
+    second = reduce_max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), choice), 2)
     group_ok = g[None, :] < GROUPS
     group_score = tl.where(group_ok, best + second, float("-inf"))
     selected = group_score != group_score  # all False, [BLOCK_T, G_PAD]
     for _ in tl.static_range(TOP_GROUPS):
         candidate = tl.where(selected, float("-inf"), group_score)
-        top = _max(candidate, 1)
+        top = reduce_max(candidate, 1)
         hit = (candidate == top[:, None]) & group_ok & ~selected
-        pick = _min(tl.where(hit, g[None, :], G_PAD), 1)
+        pick = reduce_min(tl.where(hit, g[None, :], G_PAD), 1)
         selected = selected | (g[None, :] == pick[:, None])
     return tl.where(selected[:, :, None], choice, float("-inf"))
 
@@ -165,12 +149,12 @@ def _top_k(choice, p, col, col_ok, BLOCK_T: tl.constexpr, K: tl.constexpr, K_PAD
     big = 1 << 30
     for s in tl.range(K):
         candidate = tl.where(taken, float("-inf"), choice)
-        top = _max(_max(candidate, 2), 1)
+        top = reduce_max(reduce_max(candidate, 2), 1)
         hit = (candidate == top[:, None, None]) & col_ok & ~taken
-        e = _min(_min(tl.where(hit, col, big), 2), 1)
+        e = reduce_min(reduce_min(tl.where(hit, col, big), 2), 1)
         pick = col == e[:, None, None]
         taken = taken | pick
-        w = _sum(_sum(tl.where(pick, p, 0.0), 2), 1)
+        w = reduce_sum(reduce_sum(tl.where(pick, p, 0.0), 2), 1)
         chosen = tl.where(slot == s, e[:, None].to(tl.int64), chosen)
         ws = tl.where(slot == s, w[:, None], ws)
     return chosen, ws
@@ -187,9 +171,9 @@ def _backward_kernel(logits_ptr, idx_ptr, gw_ptr, gs_ptr, out_ptr, T, E, scale, 
     ok = row_ok[:, None] & col_ok
     x = tl.load(logits_ptr + rows[:, None] * E + col, mask=ok, other=0.0)
     if SCORE == 0:
-        m = _max(tl.where(col_ok, x, float("-inf")), 1)
+        m = reduce_max(tl.where(col_ok, x, float("-inf")), 1)
         e = tl.where(col_ok, tl.exp(x - m[:, None]), 0.0)
-        r = 1.0 / _sum(e, 1)
+        r = 1.0 / reduce_sum(e, 1)
         p = e * r[:, None]
     else:
         p = tl.where(col_ok, _elementwise_score(x, SCORE), 0.0)
@@ -208,25 +192,25 @@ def _backward_kernel(logits_ptr, idx_ptr, gw_ptr, gs_ptr, out_ptr, T, E, scale, 
         ws = tl.where(in_range, ws, 0.0)
         dw = tl.load(gw_ptr + rows[:, None] * K + slot, mask=slot_ok, other=0.0) * scale
         if NORM:  # division's backward as PyTorch computes it
-            denom = tl.where(row_ok, _sum(ws, 1) + eps, 1.0)[:, None]  # rows past T: no 0 / 0
-            through = _sum(-dw * ((ws / denom) / denom), 1)
+            denom = tl.where(row_ok, reduce_sum(ws, 1) + eps, 1.0)[:, None]  # rows past T: no 0 / 0
+            through = reduce_sum(-dw * ((ws / denom) / denom), 1)
             dw = dw / denom + through[:, None]
         dw = tl.where(in_range, dw, 0.0)
         for s in tl.range(K):  # scatter-add: a hash table may repeat an expert
-            e_s = _sum(tl.where(slot == s, chosen, 0), 1)
-            dw_s = _sum(tl.where(slot == s, dw, 0.0), 1)
+            e_s = reduce_sum(tl.where(slot == s, chosen, 0), 1)
+            dw_s = reduce_sum(tl.where(slot == s, dw, 0.0), 1)
             g += tl.where(col == e_s[:, None], dw_s[:, None], 0.0)
     if HAS_GS:
         gs = tl.load(gs_ptr + col, mask=col_ok, other=0.0)
         if SCORE == 0:
             g += gs
         else:
-            total = _sum(p, 1)[:, None]
-            through = _sum(tl.where(col_ok, -gs * ((p / total) / total), 0.0), 1)
+            total = reduce_sum(p, 1)[:, None]
+            through = reduce_sum(tl.where(col_ok, -gs * ((p / total) / total), 0.0), 1)
             g += tl.where(col_ok, gs / total + through[:, None], 0.0)
 
     if SCORE == 0:
-        dot = _sum(g * p, 1)
+        dot = reduce_sum(g * p, 1)
         dx = (g - dot[:, None]) * p
     elif SCORE == 1:
         dx = g * (1.0 - p) * p

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton
+from hyperparallel.kernels.triton_support import JitKernels, on_device, reduce_max, reduce_sum, rounded, tl, triton
 
 _TILE = 4096  # elements of a program's element-wise tile
 _BLOCK_K = 64  # columns of a projection step (tl.dot wants 16 or more on every side)
@@ -31,34 +31,11 @@ _NUM_WARPS = 4
 
 
 # ------------------------------------------------------------------------------------ kernels
-# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use. The
-# reductions' combine functions (_MAX, _SUM) are Triton's own where it has them.
+# Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use; the
+# reductions and the rounding are kernels.triton_support's (its [Note: shared jit helpers]).
 
-_KERNELS = JitKernels(globals(), combines={"_MAX": "max", "_SUM": "sum"})
+_KERNELS = JitKernels(globals(), shared=("reduce_max", "reduce_sum", "rounded"))
 _jit = _KERNELS.register
-_MAX = _SUM = None  # set by _KERNELS.build()
-
-
-@_jit
-def _max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _MAX)
-
-
-@_jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _SUM)
-
-
-@_jit
-def _rounded(x, dtype: tl.constexpr):
-    """fp32 x in `dtype`, rounded to nearest even. bf16 by hand: the interpreter's cast truncates."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        nearest = tl.where(x != x, 0x7FC0, nearest)  # NaN stays NaN
-        return nearest.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @_jit
@@ -80,7 +57,7 @@ def _project_kernel(x_ptr, fn_ptr, z_ptr, r_ptr, T, K, M, norm_eps, BLOCK_T: tl.
         f = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc += tl.dot(x, f, input_precision="ieee")
         squares += x * x
-    r = 1.0 / tl.sqrt_rn(_sum(squares, 1) / K + norm_eps)
+    r = 1.0 / tl.sqrt_rn(reduce_sum(squares, 1) / K + norm_eps)
     tl.store(z_ptr + rows[:, None] * M + m[None, :], acc, mask=row_ok[:, None] & m_ok[None, :])
     tl.store(r_ptr + rows, r, mask=row_ok)
 
@@ -109,9 +86,9 @@ def _softmax_rows(z_ptr, base_ptr, scale_ptr, rows, row_ok, r, M, N: tl.constexp
     b = tl.load(base_ptr + col, mask=ok, other=0.0)
     s = tl.load(scale_ptr + 2)
     logit = tl.where(ok, z * r[:, None, None] * s + b, float("-inf"))
-    top = tl.where(j < N, _max(logit, 2)[:, :, None], 0.0)  # padded rows: no -inf - -inf
+    top = tl.where(j < N, reduce_max(logit, 2)[:, :, None], 0.0)  # padded rows: no -inf - -inf
     e = tl.where(ok, tl.exp(logit - top), 0.0)
-    total = _sum(e, 2)[:, :, None]
+    total = reduce_sum(e, 2)[:, :, None]
     return e * (1.0 / tl.where(j < N, total, 1.0))
 
 
@@ -119,9 +96,9 @@ def _softmax_rows(z_ptr, base_ptr, scale_ptr, rows, row_ok, r, M, N: tl.constexp
 def _normalize(c, eps, AXIS: tl.constexpr):
     """c / (its sums along AXIS (1: columns, 2: rows) + eps); zero padding stays zero."""
     if AXIS == 1:
-        d = _sum(c, 1)[:, None, :] + eps
+        d = reduce_sum(c, 1)[:, None, :] + eps
     else:
-        d = _sum(c, 2)[:, :, None] + eps
+        d = reduce_sum(c, 2)[:, :, None] + eps
     return c / d
 
 
@@ -129,11 +106,11 @@ def _normalize(c, eps, AXIS: tl.constexpr):
 def _normalize_backward(g, c, ok, eps, AXIS: tl.constexpr):
     """The gradient w.r.t. c of _normalize(c), from g w.r.t. its output; padding held at zero."""
     if AXIS == 1:
-        d = _sum(c, 1)[:, None, :] + eps
-        gc = _sum(g * c, 1)[:, None, :]
+        d = reduce_sum(c, 1)[:, None, :] + eps
+        gc = reduce_sum(g * c, 1)[:, None, :]
     else:
-        d = _sum(c, 2)[:, :, None] + eps
-        gc = _sum(g * c, 2)[:, :, None]
+        d = reduce_sum(c, 2)[:, :, None] + eps
+        gc = reduce_sum(g * c, 2)[:, :, None]
     return tl.where(ok, g / d - gc / (d * d), 0.0)
 
 
@@ -163,8 +140,8 @@ def _weights_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
         d = d0 + tl.arange(0, BLOCK_D)
         ok3 = row_ok[:, None, None] & stream_ok & (d[None, None, :] < D)
         x = tl.load(x_ptr + (rows[:, None, None] * N + i[None, :, None]) * D + d[None, None, :], mask=ok3, other=0.0)
-        out = _sum(tl.where(ok3, pre[:, :, None] * x.to(tl.float32), 0.0), 1)
-        tl.store(col_ptr + rows[:, None] * D + d[None, :], _rounded(out, col_ptr.dtype.element_ty),
+        out = reduce_sum(tl.where(ok3, pre[:, :, None] * x.to(tl.float32), 0.0), 1)
+        tl.store(col_ptr + rows[:, None] * D + d[None, :], rounded(out, col_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (d[None, :] < D))
 
 
@@ -188,7 +165,7 @@ def _weights_backward_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, gpost_ptr
             ok3 = i_ok[:, :, None] & d_ok[None, None, :]
             x = tl.load(x_ptr + (rows[:, None, None] * N + i[None, :, None]) * D + d[None, None, :], mask=ok3,
                         other=0.0)
-            g_pre += _sum(x.to(tl.float32) * g.to(tl.float32)[:, None, :], 2)
+            g_pre += reduce_sum(x.to(tl.float32) * g.to(tl.float32)[:, None, :], 2)
     sig = _gate(z_ptr, base_ptr, scale_ptr, rows, row_ok, r, M, 0, 0, N, N_PAD)
     tl.store(pre_ptr + rows[:, None] * N + i[None, :], sig + hc_eps, mask=i_ok)
     tl.store(gu_ptr + rows[:, None] * M + i[None, :], g_pre * (1.0 - sig) * sig, mask=i_ok)
@@ -227,7 +204,7 @@ def _weights_backward_kernel(x_ptr, z_ptr, r_ptr, base_ptr, scale_ptr, gpost_ptr
                 g = _normalize_backward(g, c, ok, hc_eps, 2)
             c = tl.load(slot, mask=row_ok[:, None, None], other=0.0)
             g = _normalize_backward(g, c, ok, hc_eps, 1)
-            dot = _sum(g * prob, 2)[:, :, None]  # softmax's backward, per row
+            dot = reduce_sum(g * prob, 2)[:, :, None]  # softmax's backward, per row
             gu_comb = prob * (g - dot)
         tl.store(gu_ptr + rows[:, None, None] * M + 2 * N + j * N + k, gu_comb, mask=row_ok3)
 
@@ -267,7 +244,7 @@ def _grad_x_kernel(x_ptr, fn_ptr, gz_ptr, coef_ptr, pre_ptr, gcol_ptr, gx_ptr, T
         g = tl.load(gcol_ptr + t[:, None] * D + (k % D)[None, :], mask=ok, other=0.0).to(tl.float32)
         p = tl.load(pre_ptr + t[:, None] * N + (k // D)[None, :], mask=ok, other=0.0)
         acc += g * p
-    tl.store(gx_ptr + t[:, None] * K + k[None, :], _rounded(acc, gx_ptr.dtype.element_ty), mask=ok)
+    tl.store(gx_ptr + t[:, None] * K + k[None, :], rounded(acc, gx_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
@@ -287,7 +264,7 @@ def _post_kernel(bo_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, T, D, N: tl.constex
         x_j = tl.load(x_ptr + (t[:, None] * N + j) * D + d[None, :], mask=td_ok, other=0.0).to(tl.float32)
         acc += c_j[:, :, None] * x_j[:, None, :]
     out = out_ptr + (t[:, None, None] * N + kk[None, :, None]) * D + d[None, None, :]
-    tl.store(out, _rounded(acc, out_ptr.dtype.element_ty), mask=wk_ok[:, :, None] & d_ok[None, None, :])
+    tl.store(out, rounded(acc, out_ptr.dtype.element_ty), mask=wk_ok[:, :, None] & d_ok[None, None, :])
 
 
 @_jit
@@ -310,20 +287,20 @@ def _post_backward_kernel(g_ptr, bo_ptr, x_ptr, post_ptr, comb_ptr, gbo_ptr, gx_
         g = tl.load(g_ptr + (t[:, None, None] * N + kk[None, :, None]) * D + d[None, None, :], mask=ok3, other=0.0)
         g = g.to(tl.float32)
         if NEED_BO:
-            g_bo = _sum(post[:, :, None] * g, 1)
-            tl.store(gbo_ptr + t[:, None] * D + d[None, :], _rounded(g_bo, gbo_ptr.dtype.element_ty), mask=td_ok)
+            g_bo = reduce_sum(post[:, :, None] * g, 1)
+            tl.store(gbo_ptr + t[:, None] * D + d[None, :], rounded(g_bo, gbo_ptr.dtype.element_ty), mask=td_ok)
         if NEED_POST:
             bo = tl.load(bo_ptr + t[:, None] * D + d[None, :], mask=td_ok, other=0.0).to(tl.float32)
-            acc_post += _sum(g * bo[:, None, :], 2)
+            acc_post += reduce_sum(g * bo[:, None, :], 2)
         for j in tl.static_range(N):
             if NEED_X:
                 c_j = tl.load(comb_ptr + (t[:, None] * N + j) * N + kk[None, :], mask=wk_ok, other=0.0)
-                g_x = _sum(c_j[:, :, None] * g, 1)
-                tl.store(gx_ptr + (t[:, None] * N + j) * D + d[None, :], _rounded(g_x, gx_ptr.dtype.element_ty),
+                g_x = reduce_sum(c_j[:, :, None] * g, 1)
+                tl.store(gx_ptr + (t[:, None] * N + j) * D + d[None, :], rounded(g_x, gx_ptr.dtype.element_ty),
                          mask=td_ok)
             if NEED_COMB:
                 x_j = tl.load(x_ptr + (t[:, None] * N + j) * D + d[None, :], mask=td_ok, other=0.0).to(tl.float32)
-                row = _sum(g * x_j[:, None, :], 2)  # [BLOCK_T, N_PAD]: g_comb[t, j, :]
+                row = reduce_sum(g * x_j[:, None, :], 2)  # [BLOCK_T, N_PAD]: g_comb[t, j, :]
                 acc_comb += tl.where(kk[None, :, None] == j, row[:, None, :], 0.0)
     if NEED_POST:
         tl.store(gpost_ptr + t[:, None] * N + kk[None, :], acc_post, mask=wk_ok)

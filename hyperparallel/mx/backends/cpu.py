@@ -60,11 +60,6 @@ def _quantize(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, scale_mode: s
     return data, scale
 
 
-@_quantize.register_fake
-def _(x, axis, elem_dtype, scale_mode):
-    return outputs.quantized(x, axis, elem_dtype)
-
-
 @torch.library.custom_op("hyperparallel::mx_quantize_dual_cpu", mutates_args=())
 def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     x = x.contiguous()
@@ -78,11 +73,6 @@ def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) ->
     return out
 
 
-@_quantize_dual.register_fake
-def _(x, elem_dtype, scale_mode):
-    return outputs.dual(x, elem_dtype)
-
-
 @torch.library.custom_op("hyperparallel::mx_quantize_grouped_cpu", mutates_args=())
 def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
@@ -94,11 +84,6 @@ def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.
             _ptr(scale), _ELEM_CODES[elem_dtype], _MODE_CODES[scale_mode], _threads(),
         )
     return data, scale
-
-
-@_quantize_grouped.register_fake
-def _(x, offsets, elem_dtype, scale_mode):
-    return outputs.grouped(x, offsets.shape[0], elem_dtype)
 
 
 @torch.library.custom_op("hyperparallel::mx_dequantize_cpu", mutates_args=())
@@ -116,9 +101,8 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offset
     return out if out_dtype == dtype else out.to(dtype)
 
 
-@_dequantize.register_fake
-def _(data, scale, axis, group_offsets, dtype):
-    return outputs.dequantized(data, dtype)
+# (their fake implementations, for torch.compile: the outputs, unfilled)
+outputs.register_fakes(_quantize, _quantize_dual, _quantize_grouped, _dequantize)
 
 
 def quantize(x, axis, elem_dtype, scale_mode):

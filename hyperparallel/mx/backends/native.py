@@ -6,21 +6,16 @@ itself unavailable with the loader's reason.
 
 from __future__ import annotations
 
-import ctypes
-
-from hyperparallel.kernels import native
+from hyperparallel.kernels.native import I64, INT, PTR, load
 
 MODULE = "hyperparallel._mx_native"
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
 _SIGNATURES = {
     # kernels (csrc/mx_quant.c)
-    "hp_mx_quant_rows": ([_P, _INT, _I64, _I64, _P, _P, _INT, _INT, _INT], None),
-    "hp_mx_quant_cols": ([_P, _INT, _I64, _I64, _P, _P, _P, _P, _P, _INT, _INT, _INT], None),
-    "hp_mx_quant_dual": ([_P, _INT, _I64, _I64, _P, _P, _P, _P, _INT, _INT, _INT], None),
-    "hp_mx_dequant_rows": ([_P, _P, _I64, _I64, _INT, _P, _INT, _INT], None),
-    "hp_mx_dequant_cols": ([_P, _P, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _INT], None),
+    "hp_mx_quant_rows": ([PTR, INT, I64, I64, PTR, PTR, INT, INT, INT], None),
+    "hp_mx_quant_cols": ([PTR, INT, I64, I64, PTR, PTR, PTR, PTR, PTR, INT, INT, INT], None),
+    "hp_mx_quant_dual": ([PTR, INT, I64, I64, PTR, PTR, PTR, PTR, INT, INT, INT], None),
+    "hp_mx_dequant_rows": ([PTR, PTR, I64, I64, INT, PTR, INT, INT], None),
+    "hp_mx_dequant_cols": ([PTR, PTR, I64, I64, PTR, PTR, PTR, INT, PTR, INT, INT], None),
 }
 
-LIB = native.load(MODULE, _SIGNATURES, isa="hp_mx")
+LIB = load(MODULE, _SIGNATURES, isa="hp_mx")

@@ -363,11 +363,6 @@ def _quantize(x: torch.Tensor, axis: int, elem_dtype: torch.dtype, scale_mode: s
     return data, scale
 
 
-@_quantize.register_fake
-def _(x, axis, elem_dtype, scale_mode):
-    return outputs.quantized(x, axis, elem_dtype)
-
-
 @torch.library.custom_op("hyperparallel::mx_quantize_dual_triton", mutates_args=())
 def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     M, K = x.shape
@@ -387,11 +382,6 @@ def _quantize_dual(x: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) ->
     return out
 
 
-@_quantize_dual.register_fake
-def _(x, elem_dtype, scale_mode):
-    return outputs.dual(x, elem_dtype)
-
-
 @torch.library.custom_op("hyperparallel::mx_quantize_grouped_triton", mutates_args=())
 def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.dtype, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
@@ -405,11 +395,6 @@ def _quantize_grouped(x: torch.Tensor, offsets: torch.Tensor, elem_dtype: torch.
         _quant_cols(_bits(x), data.view(torch.uint8), scale.view(torch.uint8), scale.shape[0], K, M, table,
                     _quant_meta(x, elem_dtype, scale_mode))
     return data, scale
-
-
-@_quantize_grouped.register_fake
-def _(x, offsets, elem_dtype, scale_mode):
-    return outputs.grouped(x, offsets.shape[0], elem_dtype)
 
 
 @torch.library.custom_op("hyperparallel::mx_dequantize_triton", mutates_args=())
@@ -438,9 +423,8 @@ def _dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int, group_offset
     return out if out_dtype == dtype else out.to(dtype)
 
 
-@_dequantize.register_fake
-def _(data, scale, axis, group_offsets, dtype):
-    return outputs.dequantized(data, dtype)
+# (their fake implementations, for torch.compile: the outputs, unfilled)
+outputs.register_fakes(_quantize, _quantize_dual, _quantize_grouped, _dequantize)
 
 
 def quantize(x, axis, elem_dtype, scale_mode):
