@@ -77,7 +77,10 @@ def _train(args: argparse.Namespace) -> int:
     except SystemExit:
         raise
     except BaseException as error:
-        elastic.record_failure(error)
+        from hyperparallel.train import roll_call
+
+        timed_out = elastic.failure_kind(error) == "timeout"
+        elastic.record_failure(error, absent=roll_call.missing() if timed_out else None)
         return 2 if isinstance(error, HyperparallelError) else 1
 
 

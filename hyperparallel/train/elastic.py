@@ -69,8 +69,9 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def record_failure(error: BaseException) -> None:
-    """Write `error` into this rank's torchrun error file (nothing outside torchrun)."""
+def record_failure(error: BaseException, absent: list[int] | None = None) -> None:
+    """Write `error` into this rank's torchrun error file (nothing outside torchrun), with the ranks
+    a timeout's roll call found absent (`roll_call.missing`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -80,7 +81,7 @@ def record_failure(error: BaseException) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     trace.write_text("".join(traceback.format_exception(error)))
     record = {"message": message, "timestamp": str(int(time.time())),
-              "hyperparallel": {"kind": kind, "traceback": str(trace)}}
+              "hyperparallel": {"kind": kind, "traceback": str(trace), "absent": absent}}
     _write_json(Path(path), record)
 
 
@@ -150,6 +151,10 @@ def describe(rank: int, failure) -> tuple[str, bool]:
             False
     if sig is not None:
         return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
+    if kind == "timeout" and (absent := _ours(getattr(failure, "error_file_data", None)).get("absent")):
+        who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}"
+        return (f"{who} stopped answering (stuck, or a step longer than training.timeout_s): rank {rank}'s collective "
+                f"timed out waiting, and {who} missed the roll call after it ({failure.message})"), False
     if kind == "timeout":
         return (f"rank {rank} timed out waiting for the other ranks: another rank is stuck, or training.timeout_s is "
                 f"shorter than a step ({failure.message})"), False

@@ -20,7 +20,7 @@ from hyperparallel import traffic
 from hyperparallel.checkpoint.model_card import DTYPES
 from hyperparallel.checkpoint.model_card import KEY as MODEL_CARD
 from hyperparallel.errors import ConfigError
-from hyperparallel.train import checkpointing, elastic, preflight, run_dir
+from hyperparallel.train import checkpointing, elastic, preflight, roll_call, run_dir
 from hyperparallel.train.build import build_batches, build_data, build_optimization, build_trained_model
 from hyperparallel.train.checkpointing import Checkpointer
 from hyperparallel.train.config import TrainConfig, dump
@@ -111,6 +111,8 @@ def _train(cfg: TrainConfig, libraries: LibraryOutput, stop_after: int | None,
     check_restartable(cfg.logging.run_dir, elastic.launched_by_hyperparallel())
     timeout_s = cfg.training.collective_timeout_s(device_for_this_rank().type)
     with joined(timeout_s) as rt:
+        if elastic.launched_by_hyperparallel():  # (its launcher names a stuck rank from the roll call)
+            roll_call.prepare(timeout_s)
         return _train_on(cfg, rt, timeout_s, libraries, stop_after, on_step)
 
 

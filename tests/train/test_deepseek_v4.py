@@ -6,7 +6,8 @@ run op by op as transformers' do and the hyper-connections are transformers' own
 AdamW's eps is 1e-5 here, not 1e-8: a gradient element that is rounding noise around zero (the
 hyper-connections' base and scale gradients are sums that nearly cancel) would otherwise move
 its weight by +-lr at once, and the two runs then part by Adam's doing, not the kernels' (with
-1e-8 the losses measured up to 5e-4 apart by step 18; with 1e-5, 2.1e-7 at most).
+1e-8 the losses measured up to 5e-4 apart by step 18; with 1e-5, at most 1.1e-6 or, on another
+machine, one step 1.03e-5: the first test).
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ def test_deepseek_v4_trains_with_mega_gate_and_mega_mhc_as_without(tmp_path, cap
     log_on = capsys.readouterr().out
     off = losses(tmp_path, "off", kernels=False)
     assert len(on) == STEPS and on[-1] < on[0] - 0.5  # it learns
-    # measured on an AVX-512 machine: every step within 3.4e-7 relative but step 16, 1.03e-5 apart
-    # (a near-tie of router scores the two rounding orders break differently, for that step only)
-    assert on == pytest.approx(off, rel=1e-4)
+    # relative differences measured: on a 2-core AVX-512 machine at most 7.5e-7 on 1 thread (step
+    # 16), 1.1e-6 on 2 and 4 (step 15); on another AVX-512 machine every step within 3.4e-7 but step
+    # 16, 1.03e-5 apart (a near-tie of router scores the two rounding orders break differently, for
+    # that step only). So: every step within 1e-5 but one at most, that one within 1e-4.
+    apart = [abs(a - b) / b for a, b in zip(on, off, strict=True)]
+    assert sum(d > 1e-5 for d in apart) <= 1 and max(apart) < 1e-4, apart
     assert "kernels: MegaGate on (4 routers), MegaMHC on (4 hyper-connected layers)" in log_on
     assert "kernels: MegaGate off, MegaMHC off" in capsys.readouterr().out
 
@@ -49,13 +53,19 @@ def test_deepseek_v4_trains_with_mega_gate_and_mega_mhc_as_without(tmp_path, cap
 def test_deepseek_v4_trains_in_mxfp8_with_the_kernels_as_without(tmp_path):
     """MXFP8 rounds to 3 mantissa bits: inputs 1e-7 apart (the kernels' fp32 rounding) put an
     element of some block on the other side of a rounding boundary, and the runs part from the
-    second step on. Measured over 20 steps: the first step 1.8e-6 relative apart, steps 2-6 up to
-    6.8e-4, later ones up to 1.1e-2. Six steps here (20 cost the suite half a minute)."""
+    second step on. Measured over 20 steps (an earlier build, another machine): the first step
+    1.8e-6 relative apart, steps 2-6 up to 6.8e-4, later ones up to 1.1e-2. Six steps here (20
+    cost the suite half a minute)."""
     mx = {"low_precision": {"enabled": True}}
     on = losses(tmp_path, "on", kernels=True, steps=6, **mx)
     off = losses(tmp_path, "off", kernels=False, steps=6, **mx)
+    # measured on a 2-core AVX-512 machine, 1 thread (2 threads): the first 4 steps equal, then
+    # 1.8e-5 and 5.6e-5 (3.5e-5) apart. Steps 2-6 within 2e-3: 36x that (3x the earlier 6.8e-4);
+    # the gradient through each MegaMHC layer's output cut to 0.2 parts them by up to 6.1e-3 (which
+    # 1e-2 let through). An error in the forward shows in the first step: the routing weights 0.1%
+    # too large part it by 3.3e-5.
     assert on[0] == pytest.approx(off[0], rel=2e-5)
-    assert on[1:] == pytest.approx(off[1:], rel=1e-2)
+    assert on[1:] == pytest.approx(off[1:], rel=2e-3)
 
 
 # The steps of the EP run that stay within fp32 rounding of each other. The kernels round in

@@ -12,18 +12,18 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from hyperparallel.errors import ConfigError
-from hyperparallel.train import elastic
+from hyperparallel.train import elastic, roll_call
 from hyperparallel.train.distributed import check_restartable
 from hyperparallel.train.launch import check_nproc
 
 
-def recorded(tmp_path, monkeypatch, rank: int, error: BaseException) -> ProcessFailure:
+def recorded(tmp_path, monkeypatch, rank: int, error: BaseException, absent: list[int] | None = None) -> ProcessFailure:
     path = tmp_path / str(rank) / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
     try:
         raise error
     except BaseException as raised:  # with its traceback, as a rank records it
-        elastic.record_failure(raised)
+        elastic.record_failure(raised, absent)
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(path))
 
 
@@ -60,6 +60,33 @@ def test_a_timeout_is_named_before_the_stuck_rank_the_agent_killed(tmp_path, mon
     rank, failure = elastic.root_cause(failures)
     line, _ = elastic.describe(rank, failure)
     assert rank == 0 and line.startswith("rank 0 timed out waiting for the other ranks: another rank is stuck")
+
+
+def test_the_ranks_a_roll_call_missed_are_named_as_stuck(tmp_path, monkeypatch):
+    failures = {0: recorded(tmp_path, monkeypatch, 0, TIMED_OUT, absent=[1, 3]), 1: killed(tmp_path, 1, signal.SIGKILL),
+                2: recorded(tmp_path, monkeypatch, 2, TIMED_OUT, absent=[]), 3: killed(tmp_path, 3, signal.SIGKILL)}
+    rank, failure = elastic.root_cause(failures)
+    line, _ = elastic.describe(rank, failure)
+    assert rank == 0 and line.startswith("ranks 1, 3 stopped answering (stuck, or a step longer than training.timeout_s): "
+                                         "rank 0's collective timed out waiting, and ranks 1, 3 missed the roll call "
+                                         "after it (RuntimeError: [gloo"), line
+
+
+# What gloo's monitored_barrier raises (torch 2.13), on rank 0 and on a rank that rank 0 left waiting
+ROLL_CALL_ON_RANK_0 = "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 10000 ms"
+ROLL_CALL_RANK_0_STUCK = ("Rank 2 successfully reached monitoredBarrier, but received errors while waiting for "
+                          "send/recv from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: \n"
+                          "[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms for send operation")
+ROLL_CALL_RANK_0_DONE = ("Rank 2 successfully reached monitoredBarrier, but received errors while waiting for "
+                         "send/recv from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: \n"
+                         "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32433.")
+
+
+@pytest.mark.parametrize("message, absent", [(ROLL_CALL_ON_RANK_0, [1, 3]), (ROLL_CALL_RANK_0_STUCK, [0]),
+                                             (ROLL_CALL_RANK_0_DONE, []),
+                                             ("[Rank 0]: Rank 2 failed to pass monitoredBarrier in 10000 ms", [2])])
+def test_the_roll_call_reads_who_was_absent_from_gloos_words(message, absent):
+    assert roll_call.absent_in(message) == absent
 
 
 def test_a_user_error_in_the_ranks_is_its_own_message(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""A rank that dies, an elastic restart, a preempted job and Ctrl-C, through the command line.
+"""A rank that dies or hangs, an elastic restart, a preempted job and Ctrl-C, through the command line.
 
 Each run is 2 gloo ranks (`hyperparallel train --nproc 2`) of a tiny fp32 model, compared with
 one uninterrupted run of the same layout (on the 2 ranks of the session's shared spawn): resuming
@@ -205,3 +205,63 @@ def test_sigterm_while_the_ranks_start_stops_them_and_says_nothing_was_saved(tmp
                                 "error: stopped by SIGTERM before the ranks saved a checkpoint; no checkpoint was "
                                 "complete"], err
     assert rank_pids(cache) == {}  # none left behind, restarts included
+
+
+HANG_TIMEOUT_S = 10  # training.timeout_s of the hang test: short, as its run waits that long
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits for `pid` (sent to a stopped process, it waits for SIGCONT)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    pending = {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines())
+               if k in ("SigPnd", "ShdPnd")}
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in pending.values())
+
+
+def test_a_rank_that_hangs_alive_ends_the_run_after_the_timeout_with_one_line_naming_it(tmp_path):
+    """Rank 1 stopped (SIGSTOP: alive, holding its sockets, answering nothing) after step 2:
+    rank 0's next collective waits training.timeout_s for it and fails, rank 1 misses the roll call
+    after it (`train.roll_call`), and the launcher's one line names rank 1, with rank 0's timeout
+    (gloo's "Timed out waiting 10000ms": this run's timeout_s, not the default 300 s).
+
+    The agent then stops rank 1 with SIGTERM, which ends a rank stuck in a loop or a call at once
+    (the ranks keep SIGTERM fatal) but waits on a stopped one: once it is pending, the test lets
+    rank 1 go on (SIGCONT) to see it, rather than wait the agent's 30 s before its SIGKILL."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    config = str(write_config(tmp_path, run_dir))
+    proc = start(tmp_path, cache, config, "--nproc", "2", "--set", f"training.timeout_s={HANG_TIMEOUT_S}")
+    try:
+        pids = pause_after_step_2(run_dir, cache, proc)
+        resume({0: pids[0]})  # rank 0 goes on; rank 1 stays stopped
+        # a bound, never a hang: with the default timeout (300 s on CPU) rank 0 would still wait
+        deadline = time.monotonic() + HANG_TIMEOUT_S + 120
+        while proc.poll() is None and not sigterm_pending(pids[1]):
+            assert time.monotonic() < deadline, "rank 0 did not time out: the agent never stopped rank 1"
+            time.sleep(0.01)
+        resume({1: pids[1]})
+        out, err = proc.communicate(timeout=60)
+    finally:  # however it went: no rank left behind, stopped or not (SIGKILL ends a stopped one too)
+        for pid in rank_pids(cache).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    assert "Traceback" not in err + out
+    newest = run_dir / "checkpoints" / "step_00000002"  # rank 0 cannot finish step 3 alone
+    assert sorted((run_dir / "checkpoints").glob("step_????????")) == [newest]
+    [line] = err.splitlines()
+    said = ("error: rank 1 stopped answering (stuck, or a step longer than training.timeout_s): rank 0's collective "
+            "timed out waiting, and rank 1 missed the roll call after it (RuntimeError: ")
+    assert line.startswith(said), line
+    gloo = line[len(said):]
+    assert f"Timed out waiting {HANG_TIMEOUT_S * 1000}ms" in gloo, line  # gloo's words: this run's timeout
+    assert gloo.endswith(f"); the run stopped; newest complete checkpoint: {newest} "
+                         f"(continue with --set checkpoint.resume=latest)"), line
+    assert rank_pids(cache) == {}  # none left behind
