@@ -79,8 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     except BaseException as error:
         from hyperparallel.train import roll_call
 
-        timed_out = elastic.failure_kind(error) == "timeout"
-        elastic.record_failure(error, absent=roll_call.missing() if timed_out else None)
+        elastic.record_failure(error, absent=roll_call.missing() if elastic.waited_for_a_rank(error) else None)
         return 2 if isinstance(error, HyperparallelError) else 1
 
 

@@ -77,7 +77,8 @@ def _imports(path: Path, root: Path) -> list[tuple[int, str, str | None, bool]]:
     here = path.relative_to(root).with_suffix("").parts  # ("hyperparallel", "moe", "router")
     if here[-1] == "__init__":
         here = here[:-1]
-    typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    typing_only = {id(inner) for node in ast.walk(tree)  # (`if TYPE_CHECKING:` exactly; `if not ...` runs)
+                   if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
                    for statement in node.body for inner in ast.walk(statement)}
     found = []
     for node in ast.walk(tree):

@@ -159,8 +159,8 @@ class JitKernels:
         """Jit every registered function (again, if TRITON_INTERPRET changed since), rebinding
         the module's names; recorders instead while launches are recorded."""
         mode = "record" if _recording is not None else interpret()
-        if self._built_for == mode:
-            return
+        if self._built_for == mode and (not self._shared or _SHARED._built_for == mode):
+            return  # (the shared helpers too: another module may have built them for another mode since)
         for name, fn in self._sources.items():
             self._namespace[name] = _Recorder(self, name) if mode == "record" else triton.jit(fn)
         self._namespace.update({name: _SHARED.jitted(name) for name in self._shared})

@@ -29,7 +29,6 @@ from hyperparallel.kernels.router_groups import group_problem
 from ..errors import ConfigError
 from .catalog import causal_lm_types, left_out
 from .layers import layer_configs
-from .standins import register_classes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -300,8 +299,6 @@ def family_for_model_type(model_type: str) -> ModelFamily | None:
 def all_moe_block_classes() -> tuple[type[nn.Module], ...]:
     return tuple(cls for family in FAMILIES.values() for cls in family.moe_block_classes)
 
-
-register_classes(all_moe_block_classes)  # (their modules hold the routers and experts ours stand in for)
 
 
 def computes_aux_loss(model: nn.Module) -> bool:

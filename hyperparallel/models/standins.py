@@ -21,13 +21,9 @@ accelerate hook bound to the old module) are not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from torch import nn
 
 _STAND_INS: dict[tuple[type, type], type] = {}  # (ours, theirs) -> the stand-in class
-# What gives the classes ours may stand in for, importing their modules (`register_classes`)
-_CLASSES: list[Callable[[], Iterable[type[nn.Module]]]] = []
 _HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
           "_forward_pre_hooks_with_kwargs")
 _READ_BY_TRANSFORMERS = ("_is_expert_parallel",)  # the private attributes transformers' experts code reads
@@ -45,8 +41,22 @@ def stand_in_class(ours: type[nn.Module], theirs: type[nn.Module]) -> type[nn.Mo
         # (__init__ refused: built directly, TopKRouter's super().__init__() would reach theirs)
         cls = _STAND_INS[ours, theirs] = type(f"{theirs.__name__}As{ours.__name__}", (ours, theirs),
                                               {"__module__": __name__, "__init__": _refuse_init,
-                                               "stands_in_for": theirs})
+                                               "stands_in_for": theirs, "__reduce_ex__": _reduce_ex})
     return cls
+
+
+def _reduce_ex(self, protocol):
+    """A stand-in pickles (and deep-copies) as the pair of classes it is made of, each by its own
+    module and name, so a fresh process unpickling it imports the transformers modeling module it
+    stands in for, and makes the same class again (`_rebuilt`)."""
+    ours, theirs = type(self).__bases__
+    return _rebuilt, (ours, theirs, self.__getstate__())
+
+
+def _rebuilt(ours: type[nn.Module], theirs: type[nn.Module], state: dict) -> nn.Module:
+    module = nn.Module.__new__(stand_in_class(ours, theirs))
+    module.__setstate__(state)
+    return module
 
 
 def stand_in(ours: nn.Module, replaced: nn.Module) -> nn.Module:
@@ -66,34 +76,3 @@ def stand_in(ours: nn.Module, replaced: nn.Module) -> nn.Module:
 def stands_in(module: nn.Module) -> bool:
     """Whether `module` is one of ours standing in for a transformers module."""
     return "stands_in_for" in vars(type(module))
-
-
-def register_classes(classes: Callable[[], Iterable[type[nn.Module]]]) -> None:
-    """`classes()` gives transformers classes a module of ours may stand in for, importing their
-    modeling modules (models.families registers its tuned families' MoE classes when imported):
-    unpickling finds the stand-ins of every class of those modules."""
-    _CLASSES.append(classes)
-
-
-def __getattr__(name: str) -> type[nn.Module]:
-    """A stand-in class by name (what unpickling a swapped model asks this module for): the class
-    it replaced is looked up among transformers' modeling modules already imported (a fresh process
-    unpickling a model has imported its modeling module first: the model's class comes first in the
-    pickle), after those of `register_classes`."""
-    if name.startswith("__") or "As" not in name:  # (the import system asks modules for __path__ and the like)
-        raise AttributeError(name)
-    import sys
-
-    from hyperparallel.moe import GroupedExperts, TopKRouter
-
-    theirs_name, ours_name = name.rsplit("As", 1)
-    ours = {"GroupedExperts": GroupedExperts, "TopKRouter": TopKRouter}.get(ours_name)
-    if ours is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for classes in _CLASSES:
-        classes()  # (imports their modeling modules)
-    for module_name, module in list(sys.modules.items()):
-        theirs = getattr(module, theirs_name, None) if module_name.startswith("transformers.models.") else None
-        if isinstance(theirs, type) and issubclass(theirs, nn.Module):
-            return stand_in_class(ours, theirs)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +27,8 @@ RESULT = "HYPERPARALLEL_RESULT"  # where rank 0 writes how the run ended
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
               "NCCL communicator was aborted", "Read error")
 _TIMED_OUT = ("Timed out waiting", "Socket Timeout", "timed out", "Watchdog caught collective operation timeout")
+# ... and only a collective's, waiting for another rank (not a store's, or a network call's)
+_COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms for (send|recv)|Watchdog caught collective operation timeout")
 
 
 def launched_by_hyperparallel() -> bool:
@@ -62,6 +65,12 @@ def failure_kind(error: BaseException) -> str:
     if any(marker in text for marker in _PEER_LOST):
         return "peer_lost"
     return "user" if isinstance(error, HyperparallelError) else "error"
+
+
+def waited_for_a_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective that timed out waiting for another rank (gloo's or NCCL's
+    words), what a roll call (`roll_call`) can tell more of."""
+    return failure_kind(error) == "timeout" and bool(_COLLECTIVE_TIMED_OUT.search(str(error)))
 
 
 def one_line(error: BaseException) -> str:
@@ -143,14 +152,9 @@ def root_cause(failures: dict) -> tuple[int, object]:
 def describe(rank: int, failure) -> tuple[str, bool]:
     """One line for a failed rank, and whether it was the user's mistake (exit 2, no hints)."""
     kind, sig = kind_of(failure), _signal(failure)
+    # what a rank recorded first: a signal after it is the agent stopping a rank that had failed
     if kind == "user":
         return failure.message, True
-    if sig == "SIGABRT":
-        return (f"rank {rank} (pid {failure.pid}) was aborted (SIGABRT; on GPUs NCCL's watchdog does this when a "
-                f"collective fails or waits longer than training.timeout_s, often for a rank that died or is stuck)"), \
-            False
-    if sig is not None:
-        return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
     if kind == "timeout" and (absent := _ours(getattr(failure, "error_file_data", None)).get("absent")):
         who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}"
         return (f"{who} stopped answering (stuck, or a step longer than training.timeout_s): rank {rank}'s collective "
@@ -160,4 +164,10 @@ def describe(rank: int, failure) -> tuple[str, bool]:
                 f"shorter than a step ({failure.message})"), False
     if kind in ("error", "peer_lost"):
         return f"rank {rank} failed: {failure.message} (traceback: {traceback_of(failure)})", False
+    if sig == "SIGABRT":
+        return (f"rank {rank} (pid {failure.pid}) was aborted (SIGABRT; on GPUs NCCL's watchdog does this when a "
+                f"collective fails or waits longer than training.timeout_s, often for a rank that died or is stuck)"), \
+            False
+    if sig is not None:
+        return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
     return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}", False

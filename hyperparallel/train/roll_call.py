@@ -34,12 +34,15 @@ def prepare(timeout_s: int) -> None:
     global _group, _wait_s
     if dist.is_initialized() and dist.get_world_size() > 1:
         _wait_s = min(timeout_s, _LONGEST_WAIT_S)
-        _group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_wait_s))
+        # the group's own timeout (another rank's wait for rank 0's answer) twice the roll call's:
+        # rank 0 ends the roll call first, and its closing the group ends the others' wait at once
+        _group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * _wait_s))
 
 
 def missing() -> list[int] | None:
     """The ranks that did not answer the roll call (rank 0: every one it did not hear; another
-    rank: [0] when rank 0 did not answer in time, else []); None without a roll call to make."""
+    rank: [0] when rank 0 did not answer within twice the wait, else []); None without a roll
+    call to make."""
     if _group is None:
         return None
     try:
@@ -52,8 +55,8 @@ def missing() -> list[int] | None:
 
 def absent_in(message: str) -> list[int]:
     """The ranks a failed `monitored_barrier` names as absent: rank 0's "Ranks 1, 3 failed to pass
-    monitoredBarrier", another rank's timeout waiting for rank 0 ([0]; when rank 0 ended the roll
-    call itself, having named the absent ones, another rank's wait fails otherwise: [])."""
+    monitoredBarrier"; another rank's timeout waiting for rank 0: [0]; another rank's wait ended
+    otherwise (rank 0 closed the group, having named the absent ones): []."""
     if named := re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message):
         return sorted(int(rank) for rank in named.group(1).split(",") if rank.strip())
     if "from rank 0" in message and "Timed out" in message:

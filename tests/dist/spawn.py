@@ -60,6 +60,8 @@ PARTS = (
     Part("parallel_trainer", "tests.dist.test_parallel_layouts:trainer_runs", (4,), ("tests.dist.test_parallel_layouts",)),
     Part("comm_bytes", "tests.train.test_comm_bytes:on_ranks", (2, 4), ("tests.train.test_comm_bytes",)),
     Part("coverage", "tests.models.test_coverage:on_ranks", (2,), ("tests.models.test_coverage",)),
+    # last: its stuck rank goes on to nothing while the others wait out the roll call
+    Part("roll_call", "tests.train.test_roll_call:on_ranks", (3,), ("tests.train.test_roll_call",)),
 )
 
 

@@ -1,9 +1,10 @@
-"""Stand-ins unpickle in a fresh process (models/standins.py's __getattr__): a swapped model finds
-the classes its modules stand in for in its own modeling module, which the model's class imports
-first; a lone swapped module finds them among the classes models.families registers."""
+"""Stand-ins unpickle in a fresh process that has imported nothing (models/standins.py pickles a
+stand-in as its two classes, each by its own module): a swapped model, a lone swapped module and a
+list of them; and a deep copy is the same class again."""
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import subprocess
@@ -11,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from torch import nn
 
 from hyperparallel.models import build_model, swap_moe_blocks
 from hyperparallel.models.standins import stands_in
@@ -27,11 +30,12 @@ def swapped():
     return model
 
 
-def unpickled(data: bytes, first: str = "") -> list[str]:
-    """The class names of the stand-ins in `data` unpickled by a fresh process (after `first`)."""
-    code = (f"{first}\nimport json, pickle, sys\nfrom hyperparallel.models.standins import stands_in\n"
+def unpickled(data: bytes) -> list[str]:
+    """The class names of the stand-ins in `data` unpickled by a fresh process."""
+    code = ("import json, pickle, sys\n"
             "found = pickle.loads(sys.stdin.buffer.read())\n"
-            "print(json.dumps(sorted({type(m).__name__ for m in found.modules() if stands_in(m)})))")
+            "print(json.dumps(sorted({type(m).__name__ for m in found.modules() if type(m).__name__.endswith("
+            "('AsTopKRouter', 'AsGroupedExperts'))})))")
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.decode().splitlines()[-1])
 
@@ -42,6 +46,17 @@ def test_a_swapped_model_unpickles_in_a_fresh_process(swapped):
     assert unpickled(pickle.dumps(swapped)) == names
 
 
-def test_a_lone_stand_in_unpickles_where_the_families_are_registered(swapped):
+def test_a_lone_stand_in_and_a_list_of_them_unpickle_in_a_fresh_process(swapped):
     router = next(m for m in swapped.modules() if type(m).__name__ == "Qwen3MoeTopKRouterAsTopKRouter")
-    assert unpickled(pickle.dumps(router), "import hyperparallel.models.families") == [type(router).__name__]
+    experts = next(m for m in swapped.modules() if type(m).__name__ == "Qwen3MoeExpertsAsGroupedExperts")
+    assert unpickled(pickle.dumps(router)) == [type(router).__name__]
+    assert unpickled(pickle.dumps(nn.ModuleList([router, experts]))) == sorted([type(router).__name__,
+                                                                                type(experts).__name__])
+
+
+def test_a_deep_copy_is_the_same_stand_in_with_equal_weights(swapped):
+    experts = next(m for m in swapped.modules() if stands_in(m) and type(m).__name__.endswith("GroupedExperts"))
+    copied = copy.deepcopy(experts)
+    assert type(copied) is type(experts) and isinstance(copied, type(experts).stands_in_for)
+    for (name, a), (_, b) in zip(experts.state_dict().items(), copied.state_dict().items(), strict=True):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name

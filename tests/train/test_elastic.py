@@ -72,6 +72,25 @@ def test_the_ranks_a_roll_call_missed_are_named_as_stuck(tmp_path, monkeypatch):
                                          "after it (RuntimeError: [gloo"), line
 
 
+def test_a_rank_that_recorded_its_failure_is_named_for_it_though_the_agent_then_stopped_it(tmp_path, monkeypatch):
+    """Rank 0 ends the roll call, records, and the agent may stop it (SIGTERM) before it exits."""
+    failure = recorded(tmp_path, monkeypatch, 0, TIMED_OUT, absent=[2])
+    stopped = ProcessFailure(local_rank=0, pid=1000, exitcode=-signal.SIGTERM, error_file=failure.error_file)
+    failures = {0: stopped, 1: killed(tmp_path, 1, signal.SIGTERM), 2: killed(tmp_path, 2, signal.SIGKILL)}
+    rank, failure = elastic.root_cause(failures)
+    assert rank == 0 and elastic.describe(rank, failure)[0].startswith("rank 2 stopped answering")
+
+
+@pytest.mark.parametrize("error, waited", [
+    (TIMED_OUT, True),
+    (RuntimeError("[Rank 0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"), True),
+    (ConfigError("logging.wandb: wandb.init failed: Run initialization has timed out after 90.0 sec."), False),
+    (RuntimeError("Socket Timeout: the store at 10.0.0.1:29500 did not answer"), False),
+    (PEER_LOST, False)])
+def test_only_a_collectives_timeout_calls_the_roll(error, waited):
+    assert elastic.waited_for_a_rank(error) is waited
+
+
 # What gloo's monitored_barrier raises (torch 2.13), on rank 0 and on a rank that rank 0 left waiting
 ROLL_CALL_ON_RANK_0 = "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 10000 ms"
 ROLL_CALL_RANK_0_STUCK = ("Rank 2 successfully reached monitoredBarrier, but received errors while waiting for "

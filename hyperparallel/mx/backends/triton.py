@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperparallel.kernels.triton_support import JitKernels, on_device, tl, triton, unavailable_reason
+from hyperparallel.kernels.triton_support import JitKernels, on_device, reduce_max, tl, triton, unavailable_reason
 from hyperparallel.mx import outputs
 from hyperparallel.mx.format import BLOCK_SIZE, num_blocks
 from hyperparallel.mx.groups import grouped_scale_rows
@@ -52,12 +52,8 @@ _NUM_WARPS = 4
 # ------------------------------------------------------------------------------------ kernels
 # Plain functions, made triton.jit functions of this module by _KERNELS.build() on first use.
 
-_KERNELS = JitKernels(globals(), combines={"_MAX_COMBINE": "max"})
+_KERNELS = JitKernels(globals(), shared=("reduce_max",))  # (the block-amax reductions)
 _jit = _KERNELS.register
-
-# The combine function of the block-amax reductions, set by _KERNELS.build(): Triton's own (the
-# one tl.max uses), kernels.triton_support's should a Triton version rename it.
-_MAX_COMBINE = None
 
 
 @_jit
@@ -131,7 +127,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, R, N, NB, TILES_C, BLOCK_R: tl.const
     mask = (rows[:, None, None] < R) & (cols < N)
     offs = rows[:, None, None] * N + cols
     xb = _load_bits(x_ptr, offs, mask, IN_KIND)
-    byte = _scale_byte(tl.reduce(xb & 0x7FFFFFFF, 2, _MAX_COMBINE), EMAX, RCEIL)
+    byte = _scale_byte(reduce_max(xb & 0x7FFFFFFF, 2), EMAX, RCEIL)
     codes = _encode(xb, byte[:, :, None], MAX_BITS, NORMAL_BITS, MAGIC_BITS, MAGIC, MANT_SHIFT, REBIAS)
     codes = tl.where(byte[:, :, None] == 255, 0x7F, codes)
     tl.store(q_ptr + offs, codes.to(tl.uint8), mask=mask)
@@ -167,7 +163,7 @@ def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, start_ptr, len_ptr, C, n, NB, TILES_
     mask = (r[:, None] < length) & (cols[None, :] < C)
     offs = (start + r[:, None]).to(tl.int64) * C + cols[None, :]
     xb = _load_bits(x_ptr, offs, mask, IN_KIND)
-    byte = _scale_byte(tl.reduce(xb & 0x7FFFFFFF, 0, _MAX_COMBINE), EMAX, RCEIL)
+    byte = _scale_byte(reduce_max(xb & 0x7FFFFFFF, 0), EMAX, RCEIL)
     codes = _encode(xb, byte[None, :], MAX_BITS, NORMAL_BITS, MAGIC_BITS, MAGIC, MANT_SHIFT, REBIAS)
     codes = tl.where(byte[None, :] == 255, 0x7F, codes)
     tl.store(q_ptr + offs, codes.to(tl.uint8), mask=mask)
@@ -193,14 +189,14 @@ def _quant_dual_kernel(x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, NBK, TILES_K
     xb = _load_bits(x_ptr, offs, mask, IN_KIND)
     a = xb & 0x7FFFFFFF
 
-    row_byte = _scale_byte(tl.reduce(a, 2, _MAX_COMBINE), EMAX, RCEIL)  # [32, BLOCKS]
+    row_byte = _scale_byte(reduce_max(a, 2), EMAX, RCEIL)  # [32, BLOCKS]
     codes = _encode(xb, row_byte[:, :, None], MAX_BITS, NORMAL_BITS, MAGIC_BITS, MAGIC, MANT_SHIFT, REBIAS)
     codes = tl.where(row_byte[:, :, None] == 255, 0x7F, codes)
     tl.store(qr_ptr + offs, codes.to(tl.uint8), mask=mask)
     smask = (rows[:, None] < M) & (blocks[None, :] < NBK)
     tl.store(sr_ptr + rows[:, None] * NBK + blocks[None, :], row_byte.to(tl.uint8), mask=smask)
 
-    col_byte = _scale_byte(tl.reduce(a, 0, _MAX_COMBINE), EMAX, RCEIL)  # [BLOCKS, 32]
+    col_byte = _scale_byte(reduce_max(a, 0), EMAX, RCEIL)  # [BLOCKS, 32]
     codes = _encode(xb, col_byte[None, :, :], MAX_BITS, NORMAL_BITS, MAGIC_BITS, MAGIC, MANT_SHIFT, REBIAS)
     codes = tl.where(col_byte[None, :, :] == 255, 0x7F, codes)
     tl.store(qc_ptr + offs, codes.to(tl.uint8), mask=mask)

@@ -38,7 +38,7 @@ RUN_MODULES = (
     "hyperparallel.train.config", "hyperparallel.train.console", "hyperparallel.train.distributed",
     "hyperparallel.train.elastic", "hyperparallel.train.evaluate", "hyperparallel.train.metrics",
     "hyperparallel.train.peak_flops", "hyperparallel.train.preemption", "hyperparallel.train.preflight",
-    "hyperparallel.train.quiet", "hyperparallel.train.run_dir", "hyperparallel.train.step",
+    "hyperparallel.train.quiet", "hyperparallel.train.roll_call", "hyperparallel.train.run_dir", "hyperparallel.train.step",
     "hyperparallel.train.tracing",
 )
 
