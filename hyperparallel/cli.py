@@ -79,7 +79,9 @@ def _train(args: argparse.Namespace) -> int:
     except BaseException as error:
         from hyperparallel.train import roll_call
 
-        elastic.record_failure(error, absent=roll_call.missing() if elastic.waited_for_a_rank(error) else None)
+        elastic.record_failure(error)  # (first: the agent may stop this rank during the roll call)
+        if elastic.waited_for_a_rank(error) and (absent := roll_call.missing()) is not None:
+            elastic.record_failure(error, absent)
         return 2 if isinstance(error, HyperparallelError) else 1
 
 

@@ -48,15 +48,17 @@ def stand_in_class(ours: type[nn.Module], theirs: type[nn.Module]) -> type[nn.Mo
 def _reduce_ex(self, protocol):
     """A stand-in pickles (and deep-copies) as the pair of classes it is made of, each by its own
     module and name, so a fresh process unpickling it imports the transformers modeling module it
-    stands in for, and makes the same class again (`_rebuilt`)."""
-    ours, theirs = type(self).__bases__
-    return _rebuilt, (ours, theirs, self.__getstate__())
+    stands in for, and makes the same class again (`_new`); its state follows, set once the object
+    exists (so references back to it, a hook bound to it, copy to the copy). A class made from a
+    stand-in by someone else (a wrapper's subclass) pickles as Python pickles any object."""
+    cls = type(self)
+    if "stands_in_for" not in vars(cls):
+        return object.__reduce_ex__(self, protocol)
+    return _new, (cls.__bases__[0], cls.stands_in_for), self.__getstate__()
 
 
-def _rebuilt(ours: type[nn.Module], theirs: type[nn.Module], state: dict) -> nn.Module:
-    module = nn.Module.__new__(stand_in_class(ours, theirs))
-    module.__setstate__(state)
-    return module
+def _new(ours: type[nn.Module], theirs: type[nn.Module]) -> nn.Module:
+    return nn.Module.__new__(stand_in_class(ours, theirs))
 
 
 def stand_in(ours: nn.Module, replaced: nn.Module) -> nn.Module:

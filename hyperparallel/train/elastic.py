@@ -26,9 +26,12 @@ RESULT = "HYPERPARALLEL_RESULT"  # where rank 0 writes how the run ended
 # for one that is alive but stuck: gloo's and NCCL's words.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
               "NCCL communicator was aborted", "Read error")
-_TIMED_OUT = ("Timed out waiting", "Socket Timeout", "timed out", "Watchdog caught collective operation timeout")
-# ... and only a collective's, waiting for another rank (not a store's, or a network call's)
-_COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms for (send|recv)|Watchdog caught collective operation timeout")
+_TIMED_OUT = ("Timed out waiting", "Socket Timeout", "timed out", "Watchdog caught collective operation timeout",
+              "Application timeout caused pair closure")
+# ... and only a collective's, waiting for another rank (not a store's, or a network call's); gloo's
+# "pair closure" is this rank's other operation of the group that timed out
+_COLLECTIVE_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms for (send|recv)|Watchdog caught collective operation "
+                                   r"timeout|Application timeout caused pair closure")
 
 
 def launched_by_hyperparallel() -> bool:
@@ -57,20 +60,26 @@ def read_json(path: Path) -> dict | None:
 
 def failure_kind(error: BaseException) -> str:
     """user (a HyperparallelError), timeout (a collective waited training.timeout_s for a rank that
-    is stuck), peer_lost (a collective failed because another rank died) or error (anything else)."""
-    # first: a CheckpointError around a collective that lost its peer is not the user's mistake
+    is stuck), peer_lost (a collective failed because another rank died, or closed the group when
+    its own wait timed out) or error (anything else)."""
     text = f"{type(error).__name__}: {error}"
+    if isinstance(error, HyperparallelError):  # (ours around a collective, a CheckpointError, is no mistake
+        # of the user's; a message of the user's that says "timed out", a network call's, is)
+        if _COLLECTIVE_TIMED_OUT.search(text):
+            return "timeout"
+        return "peer_lost" if any(marker in text for marker in _PEER_LOST) else "user"
     if any(marker in text for marker in _TIMED_OUT):
         return "timeout"
-    if any(marker in text for marker in _PEER_LOST):
-        return "peer_lost"
-    return "user" if isinstance(error, HyperparallelError) else "error"
+    return "peer_lost" if any(marker in text for marker in _PEER_LOST) else "error"
 
 
 def waited_for_a_rank(error: BaseException) -> bool:
     """Whether `error` is a collective that timed out waiting for another rank (gloo's or NCCL's
-    words), what a roll call (`roll_call`) can tell more of."""
-    return failure_kind(error) == "timeout" and bool(_COLLECTIVE_TIMED_OUT.search(str(error)))
+    words) or lost it: a roll call (`roll_call`) can tell which rank is stuck. (A rank whose wait
+    timed out closes its pairs, so its neighbours' collectives fail as peer_lost, before their
+    own timeout: they answer the roll call too, or rank 0 would name them.)"""
+    kind = failure_kind(error)
+    return kind == "peer_lost" or (kind == "timeout" and bool(_COLLECTIVE_TIMED_OUT.search(str(error))))
 
 
 def one_line(error: BaseException) -> str:
@@ -97,6 +106,11 @@ def record_failure(error: BaseException, absent: list[int] | None = None) -> Non
 def _ours(record: dict | None) -> dict:
     """What `record_failure` put in an error file for us (kind, traceback), or {}."""
     return (record or {}).get("hyperparallel") or {}
+
+
+def absent_of(failure) -> list[int]:
+    """The ranks a failed rank's roll call found absent ([] when it made none, or all answered)."""
+    return _ours(getattr(failure, "error_file_data", None)).get("absent") or []
 
 
 def kind_of(failure) -> str | None:
@@ -126,25 +140,30 @@ def _signal(failure) -> str | None:
 
 def root_cause(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the failure that most likely started it, out of torchrun's per-rank
-    failures: an error a rank raised or a collective that timed out (a stuck rank: the agent then
-    kills that one with SIGKILL), before a rank killed from outside (SIGKILL, a crash), before one
-    NCCL's watchdog aborted (SIGABRT: its collective failed or timed out, often because of
-    another), before a rank that only lost its peers, before one the agent stopped (SIGTERM)."""
+    failures: an error a rank raised, before a roll call that named the stuck ranks, before a
+    collective that timed out (a stuck rank: the agent then kills that one with SIGKILL), before a
+    rank killed from outside (SIGKILL, a crash), before one NCCL's watchdog aborted (SIGABRT: its
+    collective failed or timed out, often because of another), before a rank that only lost its
+    peers, before one the agent stopped (SIGTERM)."""
     def rank_order(item):
         rank, failure = item
         kind, sig = kind_of(failure), _signal(failure)
-        if kind in ("user", "error", "timeout"):
+        if kind in ("user", "error"):
             order = 0
-        elif sig is not None and sig not in ("SIGTERM", "SIGINT", "SIGABRT"):
+        elif absent_of(failure):
             order = 1
-        elif sig == "SIGABRT":  # on GPUs: NCCL's watchdog ending a rank whose collective failed
+        elif kind == "timeout":
             order = 2
-        elif kind == "peer_lost":
+        elif sig is not None and sig not in ("SIGTERM", "SIGINT", "SIGABRT"):
+            order = 3
+        elif sig == "SIGABRT":  # on GPUs: NCCL's watchdog ending a rank whose collective failed
             order = 4
+        elif kind == "peer_lost":
+            order = 6
         elif sig is not None:
-            order = 5
+            order = 7
         else:
-            order = 3  # exited non-zero without saying why
+            order = 5  # exited non-zero without saying why
         return order, rank
     return min(failures.items(), key=rank_order)
 
@@ -152,17 +171,18 @@ def root_cause(failures: dict) -> tuple[int, object]:
 def describe(rank: int, failure) -> tuple[str, bool]:
     """One line for a failed rank, and whether it was the user's mistake (exit 2, no hints)."""
     kind, sig = kind_of(failure), _signal(failure)
-    # what a rank recorded first: a signal after it is the agent stopping a rank that had failed
+    # what a rank recorded, before the signal the agent may then have stopped it with (but NCCL's
+    # SIGABRT says more than the peer it lost)
     if kind == "user":
         return failure.message, True
-    if kind == "timeout" and (absent := _ours(getattr(failure, "error_file_data", None)).get("absent")):
+    if absent := absent_of(failure):
         who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}"
-        return (f"{who} stopped answering (stuck, or a step longer than training.timeout_s): rank {rank}'s collective "
-                f"timed out waiting, and {who} missed the roll call after it ({failure.message})"), False
+        return (f"{who} stopped answering (stuck, or a step longer than training.timeout_s): a collective timed out "
+                f"waiting, and {who} missed the roll call after it (rank {rank}: {failure.message})"), False
     if kind == "timeout":
         return (f"rank {rank} timed out waiting for the other ranks: another rank is stuck, or training.timeout_s is "
                 f"shorter than a step ({failure.message})"), False
-    if kind in ("error", "peer_lost"):
+    if kind == "error":
         return f"rank {rank} failed: {failure.message} (traceback: {traceback_of(failure)})", False
     if sig == "SIGABRT":
         return (f"rank {rank} (pid {failure.pid}) was aborted (SIGABRT; on GPUs NCCL's watchdog does this when a "
@@ -170,4 +190,6 @@ def describe(rank: int, failure) -> tuple[str, bool]:
             False
     if sig is not None:
         return f"rank {rank} (pid {failure.pid}) was killed by {sig}", False
+    if kind == "peer_lost":
+        return f"rank {rank} failed: {failure.message} (traceback: {traceback_of(failure)})", False
     return f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode}", False

@@ -5,8 +5,9 @@ stopped process, a step far longer than the timeout) fails on the ranks that wai
 nothing of which rank they waited for. So each rank whose collective timed out then answers a
 roll call, `dist.monitored_barrier` on a gloo group of its own made at start (the run's groups may
 be broken by the timeout): rank 0 hears every rank that answers within the wait and names the
-others; a rank that hears nothing back from rank 0 names rank 0. The launcher's one line names
-them (`elastic.describe`).
+others; a rank that hears nothing back from rank 0 within twice the wait names rank 0. The
+launcher's one line names them (`elastic.describe`). Ranks whose collective failed because a
+timed-out rank closed its connections (gloo's) answer too (`elastic.waited_for_a_rank`).
 
 The wait is the run's timeout, at most a minute: every rank not stuck is then past its own
 collective's timeout too, unless it waited in one that began much later (another mesh

@@ -54,9 +54,14 @@ def test_a_lone_stand_in_and_a_list_of_them_unpickle_in_a_fresh_process(swapped)
                                                                                 type(experts).__name__])
 
 
-def test_a_deep_copy_is_the_same_stand_in_with_equal_weights(swapped):
+def test_a_deep_copy_is_the_same_stand_in_with_equal_weights_and_references_to_itself(swapped):
     experts = next(m for m in swapped.modules() if stands_in(m) and type(m).__name__.endswith("GroupedExperts"))
-    copied = copy.deepcopy(experts)
+    experts.myself = [experts]  # a reference back to the module, as a hook's bound method holds
+    try:
+        copied = copy.deepcopy(experts)
+    finally:
+        del experts.myself
     assert type(copied) is type(experts) and isinstance(copied, type(experts).stands_in_for)
+    assert copied.myself[0] is copied  # (not a second copy, made before the first was in deepcopy's memo)
     for (name, a), (_, b) in zip(experts.state_dict().items(), copied.state_dict().items(), strict=True):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name

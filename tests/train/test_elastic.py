@@ -68,8 +68,17 @@ def test_the_ranks_a_roll_call_missed_are_named_as_stuck(tmp_path, monkeypatch):
     rank, failure = elastic.root_cause(failures)
     line, _ = elastic.describe(rank, failure)
     assert rank == 0 and line.startswith("ranks 1, 3 stopped answering (stuck, or a step longer than training.timeout_s): "
-                                         "rank 0's collective timed out waiting, and ranks 1, 3 missed the roll call "
-                                         "after it (RuntimeError: [gloo"), line
+                                         "a collective timed out waiting, and ranks 1, 3 missed the roll call after it "
+                                         "(rank 0: RuntimeError: [gloo"), line
+
+
+def test_a_roll_call_that_named_the_stuck_rank_is_the_root_cause_whoever_timed_out_first(tmp_path, monkeypatch):
+    """Rank 1's collective timed out first; rank 0's then lost its peer (gloo closes a timed-out
+    rank's pairs) and made the roll call, which named rank 2; the agent killed rank 2 at last."""
+    failures = {0: recorded(tmp_path, monkeypatch, 0, PEER_LOST, absent=[2]),
+                1: recorded(tmp_path, monkeypatch, 1, TIMED_OUT, absent=[]), 2: killed(tmp_path, 2, signal.SIGKILL)}
+    rank, failure = elastic.root_cause(failures)
+    assert rank == 0 and elastic.describe(rank, failure)[0].startswith("rank 2 stopped answering")
 
 
 def test_a_rank_that_recorded_its_failure_is_named_for_it_though_the_agent_then_stopped_it(tmp_path, monkeypatch):
@@ -81,13 +90,17 @@ def test_a_rank_that_recorded_its_failure_is_named_for_it_though_the_agent_then_
     assert rank == 0 and elastic.describe(rank, failure)[0].startswith("rank 2 stopped answering")
 
 
-@pytest.mark.parametrize("error, waited", [
-    (TIMED_OUT, True),
-    (RuntimeError("[Rank 0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"), True),
-    (ConfigError("logging.wandb: wandb.init failed: Run initialization has timed out after 90.0 sec."), False),
-    (RuntimeError("Socket Timeout: the store at 10.0.0.1:29500 did not answer"), False),
-    (PEER_LOST, False)])
-def test_only_a_collectives_timeout_calls_the_roll(error, waited):
+@pytest.mark.parametrize("error, kind, waited", [
+    (TIMED_OUT, "timeout", True),
+    (RuntimeError("[Rank 0]: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"),
+     "timeout", True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:593] Application timeout caused pair closure"), "timeout", True),
+    (PEER_LOST, "peer_lost", True),
+    (ConfigError("logging.wandb: wandb.init failed: Run initialization has timed out after 90.0 sec."), "user", False),
+    (RuntimeError("Socket Timeout: the store at 10.0.0.1:29500 did not answer"), "timeout", False),
+    (MemoryError("out of memory"), "error", False)])
+def test_only_a_collective_that_waited_for_a_rank_calls_the_roll(error, kind, waited):
+    assert elastic.failure_kind(error) == kind
     assert elastic.waited_for_a_rank(error) is waited
 
 
