@@ -176,7 +176,7 @@ def test_bf16_training_equals_pytorch_fsdp2_with_the_same_policy(spawned):
     # (v_proj rows 22 and 26, o_proj row 58, the input norm; the embedding's row 18 below them)
     # differ from a plain model's under the same autocast by one bf16 ulp, in one process as on 4
     # ranks, with equal forwards: FSDP2's own backward, where ours equals the plain model's (measured
-    # with the step's full gradients). Not the shards or the reduction order: FSDP2 laid out with
+    # with the step's full gradients; but the embedding's, which ours, as FSDP2, computes in bf16). Not the shards or the reduction order: FSDP2 laid out with
     # columns for rows gives its own losses to the bit. The losses then drift to 6e-6, 8e-6 and
     # 2.9e-5 relative at steps 3-5: bounded at 1e-4 there (3x), 1e-5 elsewhere.
     bound = 1e-4 if len(spawned) == 4 else 1e-5
