@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass, fields, replace
-from datetime import timedelta
 
 import torch
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.train.peak_flops import GPU_PEAK_BF16_TFLOPS, cpu_peak_tflops
+from hyperparallel.train.planning import cpu_gloo
 
 
 @dataclass(frozen=True)
@@ -65,10 +64,10 @@ class DeviceModel:
     # launches no kernel (a view, an alias) and per module call
     dispatch_s: float = 0.0
     module_s: float = 0.0
-    # the CPU's: what a collective call costs the ranks' cores (the calling thread's and gloo's own
-    # threads' time), fixed and per byte sent; a collective takes at least that (0: not counted)
-    collective_cpu_s: float = 0.0
-    collective_cpu_bytes_per_s: float = 0.0
+    # the CPU's: what a collective call takes among the run's ranks on their shared cores, by the
+    # size of its group: (ranks in the group, seconds besides its bytes, bytes sent per second),
+    # measured (cpu_gloo.py); empty: the link model (a GPU's)
+    collective_calls: tuple[tuple[int, float, float], ...] = ()
     # the CPU's: the fraction of matmul_flops a product reaches by its smallest dimension, and of
     # attention's rate by one head's FLOPs ((size, fraction) pairs, measured; log-linear between
     # them, the ends beyond); empty: 1 (a GPU's datasheet rates, its small kernels at op_floor_s)
@@ -93,6 +92,13 @@ class DeviceModel:
             return self.matmul_flops["bfloat16"]
         return self.matmul_flops.get(key, self.matmul_flops["float32"])
 
+    def call(self, ranks: int) -> tuple[float, float]:
+        """(seconds besides its bytes, bytes sent per second) of a collective call over `ranks` ranks
+        (`collective_calls`: the group size measured, or the nearest above, else the largest)."""
+        above = [c for c in self.collective_calls if c[0] >= ranks]
+        _, fixed, rate = min(above) if above else max(self.collective_calls)
+        return fixed, rate
+
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency per ring step) of a group's links."""
         if spans_nodes:
@@ -105,7 +111,7 @@ class DeviceModel:
         if not overrides:
             return self
         names = {f.name for f in fields(self)} - {"name", "source", "peak_bf16_flops", "matmul_ladder",
-                                                   "attention_ladder"}
+                                                   "attention_ladder", "collective_calls"}
         flops = dict(self.matmul_flops)
         changes: dict = {}
         flat = {}
@@ -300,56 +306,6 @@ def _module_s(count: int = 300) -> float:
     return max(_best_seconds(called, 5) - _best_seconds(inline, 5), 0.0) / count
 
 
-def _gloo_link(ranks: int, nbytes: int = 8 * 2**20) -> dict[str, float]:
-    """Gloo among `ranks` ranks of this machine, as many as the run has and sharing the cores as
-    its ranks do: gloo groups in as many threads of this process (a collective waits with the
-    interpreter lock released), all-reducing one element and `nbytes`. Returns the link's
-    bandwidth and latency per ring step (the best calls' wall time), and the CPU time one rank's
-    call takes (its calling thread's and gloo's own threads', all ranks' process time over the
-    ranks), fixed and per byte sent: work the ranks' cores do, which no overlap hides there."""
-    from torch.distributed import HashStore, ProcessGroupGloo
-
-    store = HashStore()
-    results: dict[int, tuple[float, float]] = {}
-    calls = {"small": 20, "large": 3}
-    # (a timeout: a rank whose gloo group fails to start must not leave the others waiting for ever)
-    begin = threading.Barrier(ranks + 1, timeout=120)
-    end = threading.Barrier(ranks + 1, timeout=120)
-    cpu: dict[str, float] = {}
-
-    def rank(r: int) -> None:
-        group = ProcessGroupGloo(store, r, ranks, timedelta(seconds=60))
-        small, large = torch.ones(1), torch.ones(nbytes // 4)
-
-        def all_reduce(t):
-            return lambda: group.allreduce([t]).wait()
-
-        # (wall time: a collective waits on its peers)
-        results[r] = (_best_seconds(all_reduce(small), calls["small"], time.perf_counter),
-                      _best_seconds(all_reduce(large), calls["large"], time.perf_counter))
-        for name, t in (("small", small), ("large", large)):  # (the CPU time of the same calls, all ranks together)
-            begin.wait()
-            for _ in range(calls[name]):
-                group.allreduce([t]).wait()
-            end.wait()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for name in ("small", "large"):
-        begin.wait()
-        start = time.process_time()
-        end.wait()
-        cpu[name] = (time.process_time() - start) / (calls[name] * ranks)
-    for t in threads:
-        t.join()
-    small, large = max(r[0] for r in results.values()), max(r[1] for r in results.values())
-    steps = 2 * (ranks - 1)  # a ring all-reduce: reduce-scatter, then all-gather
-    sent = steps * nbytes / ranks  # (what each rank sends)
-    return {"bytes_per_s": sent / max(large - small, 1e-9), "latency_s": small / steps,
-            "cpu_s": cpu["small"], "cpu_bytes_per_s": sent / max(cpu["large"] - cpu["small"], 1e-9)}
-
-
 _measured: dict[int, DeviceModel] = {}
 
 
@@ -380,16 +336,17 @@ def measure_cpu(ranks: int) -> DeviceModel:
         matmul_ladder, attention_ladder = _ladders()
     finally:
         torch.set_num_threads(saved)
-    link = _gloo_link(max(ranks, 2))
+    calls = cpu_gloo.measure(ranks)
+    g, fixed, rate = calls[-1]  # (the link of the largest group: a pipeline's sends, MegaMoE's waves)
+    link = {"bytes_per_s": rate, "latency_s": fixed / (2 * (g - 1))}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(
         name="cpu", matmul_flops=flops, memory_bytes_per_s=memory, memory_bytes=total_memory // ranks,
         intra_node_bytes_per_s=link["bytes_per_s"], intra_node_latency_s=link["latency_s"],
         inter_node_bytes_per_s=link["bytes_per_s"], inter_node_latency_s=link["latency_s"], ranks_per_node=ranks,
         op_floor_s=floor, overlap=False, peak_bf16_flops=flops["bfloat16"], dispatch_s=dispatch, module_s=module,
-        # (the ranks' cores do it all: over the share of them each rank gets)
-        collective_cpu_s=link["cpu_s"] / host, collective_cpu_bytes_per_s=link["cpu_bytes_per_s"] * host,
+        collective_calls=calls,
         matmul_ladder=matmul_ladder, attention_ladder=attention_ladder,
-        source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo among {max(ranks, 2)})",
+        source=f"measured now on this machine ({cores} cores shared by {ranks} rank(s), gloo among {max(ranks, 2)} processes)",
     )
     return _measured[ranks]

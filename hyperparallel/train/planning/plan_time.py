@@ -28,8 +28,9 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
   slot, all-reduce 2 (W-1) steps of bytes / W, all-to-all (W-1) steps of bytes / W; each step pays
   the link's latency, the bytes its bandwidth. A group whose ranks span machines (the mesh's
   order: dp_replicate, dp_shard, cp, tp, tp innermost) uses the inter-node link. On the CPU a
-  call takes at least the CPU time gloo spends on it (measured among as many ranks as the run
-  has, on the same cores: the calling thread's and gloo's own threads').
+  call takes what one of its group size took in a row of them, measured among as many processes
+  as the run has ranks, on the same cores, every group calling at once (`cpu_gloo.py`), fixed and
+  per byte sent.
 - what is exposed: tensor parallelism's, context parallelism's and the sequential expert
   dispatch's collectives sit on the critical path. FSDP's all-gathers (prefetched) and
   reduce-scatters, HSDP's and DDP's all-reduces run beside the step's compute on a GPU: exposed is
@@ -104,11 +105,11 @@ class Collective:
     def seconds(self, device: DeviceModel) -> float:
         if self.ranks <= 1:
             return 0.0
+        if device.collective_calls:  # (the CPU: a call as measured among the run's ranks on their cores)
+            fixed, rate = device.call(self.ranks)
+            return self.calls * (fixed + self.sent_per_call() / rate)
         bandwidth, latency = device.link(self.spans_nodes)
-        per_call = COLLECTIVE_STEPS[self.kind](self.ranks) * latency + self.sent_per_call() / bandwidth
-        if device.collective_cpu_s:  # (the CPU: at least the work the call gives the ranks' shared cores)
-            per_call = max(per_call, device.collective_cpu_s + self.sent_per_call() / device.collective_cpu_bytes_per_s)
-        return self.calls * per_call
+        return self.calls * (COLLECTIVE_STEPS[self.kind](self.ranks) * latency + self.sent_per_call() / bandwidth)
 
 
 def spans_nodes(stride: int, size: int, ranks_per_node: int) -> bool:
