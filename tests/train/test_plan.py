@@ -344,18 +344,20 @@ def test_ring_costs_of_a_collective():
 
 def test_a_cpu_collective_costs_a_call_of_its_group_size_as_measured():
     """On the CPU a call costs what gloo's calls of its group's size took among the run's ranks
-    (device_model.collective_calls), fixed and per byte sent; a size not measured takes the next
-    larger one's, or the largest's."""
+    (device_model.collective_calls), fixed, per byte sent and per second of compute before it; a
+    size not measured takes the next larger one's, or the largest's."""
     from dataclasses import replace
 
     from hyperparallel.train.planning.device_model import GPUS
     from hyperparallel.train.planning.plan_time import Collective
 
-    cpu = replace(GPUS["h100"], name="cpu", overlap=False, collective_calls=((2, 1e-3, 1e8), (4, 2e-3, 5e7)))
+    cpu = replace(GPUS["h100"], name="cpu", overlap=False, collective_calls=((2, 1e-3, 1e8, 0.5), (4, 2e-3, 5e7, 0.25)))
     pair = Collective("tp", "tp", "all_reduce", 2, 1000, 5)
     four = Collective("fsdp", "dp_shard", "all_gather", 4, 1000, 1)
     assert pair.seconds(cpu) == pytest.approx(5 * (1e-3 + 1000 / 1e8))
+    assert pair.seconds(cpu, compute_s=4e-3) == pytest.approx(5 * (1e-3 + 0.5 * 4e-3 + 1000 / 1e8))
     assert four.seconds(cpu) == pytest.approx(2e-3 + 3000 / 5e7)
+    assert four.seconds(cpu, compute_s=4e-3) == pytest.approx(2e-3 + 1e-3 + 3000 / 5e7)
     assert Collective("x", "ep", "all_to_all", 3, 900, 1).seconds(cpu) == pytest.approx(2e-3 + 600 / 5e7)
     assert Collective("x", "ep", "all_to_all", 8, 800, 1).seconds(cpu) == pytest.approx(2e-3 + 700 / 5e7)
 
@@ -367,9 +369,10 @@ def test_gloo_is_measured_among_processes_for_each_group_size():
 
     assert cpu_gloo.group_sizes(1) == [2] and cpu_gloo.group_sizes(4) == [2, 4] and cpu_gloo.group_sizes(6) == [2, 3, 6]
     table = cpu_gloo.measure(2, nbytes=2**18)
-    assert [g for g, _, _ in table] == [2]
-    (_, fixed, rate), = table
-    assert 0 < fixed < 1 and rate > 1e6  # (a call takes under a second; a link moves over a MB/s)
+    assert [g for g, *_ in table] == [2]
+    (_, fixed, rate, slope), = table
+    # (a call takes under a second; a link moves over a MB/s; compute never makes a call quicker)
+    assert 0 < fixed < 1 and rate > 1e6 and slope >= 0
 
 
 def test_a_plan_extrapolated_from_two_depths_is_the_whole_plan():

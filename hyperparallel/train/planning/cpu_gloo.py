@@ -7,6 +7,14 @@ own threads' work on the shared cores, their wake-ups, and each rank waiting for
 scheduled, none of which one process's threads show (their calls cost a rank less CPU and finish
 sooner: measured 0.31 against 0.41 ms of CPU for a small all-reduce among 4 ranks on 2 cores).
 
+A step computes between its calls, and the more it computes the more a call costs where the
+ranks outnumber the cores: a rank reaching a call waits for peers the scheduler has not yet run
+to the same point (among 4 processes on 2 cores, a small all-reduce in groups of 2 took 0.75 ms
+more per call after 0.6 ms of compute, 1.3 after 3.6 and 5.0 after 11 ms of compute; in groups
+of 4, 2.0 after 1.3 ms and 3.9 after 3.6). So each group size is measured a second time with a
+chunk of compute before every call, against the same chunks without calls: what a call adds per
+second of compute before it (its wall time, every rank computing at once) is its `slope`.
+
     python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT NBYTES   # one rank (measure() starts them)
 """
 
@@ -20,7 +28,7 @@ import sys
 import time
 from datetime import timedelta
 
-SMALL_CALLS, LARGE_CALLS = 200, 10
+SMALL_CALLS, LARGE_CALLS, CHUNKS = 200, 10, 100
 TIMEOUT = timedelta(seconds=120)  # a rank that fails to start must not leave the others waiting for ever
 
 
@@ -40,10 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float], ...]:
-    """(group size, seconds a call takes besides its bytes, bytes sent per second) for each group
-    size of `group_sizes(ranks)`, from `max(ranks, 2)` processes started here; the slowest rank's
-    mean call, of 4 bytes and of `nbytes`."""
+def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float, float], ...]:
+    """(group size, seconds a call takes besides its bytes, bytes sent per second, seconds a call
+    adds per second of compute before it) for each group size of `group_sizes(ranks)`, from
+    `max(ranks, 2)` processes started here; the slowest rank's mean call, of 4 bytes and of
+    `nbytes`, and after a chunk of compute."""
     world = max(ranks, 2)
     port = _free_port()
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -57,9 +66,9 @@ def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float], 
     per_rank = [json.loads(out) for out, _ in outputs]
     table = []
     for g in group_sizes(world):
-        small = max(r[str(g)][0] for r in per_rank)
-        large = max(r[str(g)][1] for r in per_rank)
-        table.append((g, small, sent_per_rank(g, nbytes) / max(large - small, 1e-9)))
+        small, large, chunk, chunk_and_call = (max(r[str(g)][i] for r in per_rank) for i in range(4))
+        slope = max(chunk_and_call - chunk - small, 0.0) / chunk
+        table.append((g, small, sent_per_rank(g, nbytes) / max(large - small, 1e-9), slope))
     return tuple(table)
 
 
@@ -71,18 +80,31 @@ def _rank(rank: int, world: int, port: int, nbytes: int) -> dict[str, tuple[floa
     store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
     everyone = ProcessGroupGloo(PrefixStore("all", store), rank, world, TIMEOUT)
     small, large = torch.ones(1), torch.ones(nbytes // 4)
+    x, w = torch.randn(256, 96), torch.randn(96, 96) / 10
+
+    def chunk():  # (about 1 ms of one core: a layer's worth of small products and element-wise work)
+        y = x
+        for _ in range(10):
+            y = torch.nn.functional.silu(y @ w) + x
+
+    def row(calls: int, body) -> float:
+        """The mean wall time of `body` in a row of `calls`, every rank at once."""
+        everyone.barrier().wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            body()
+        return (time.perf_counter() - start) / calls
+
     out = {}
     for g in group_sizes(world):
         group = ProcessGroupGloo(PrefixStore(f"{g}/{rank // g}", store), rank % g, g, TIMEOUT)
-        seconds = []
-        for t, calls in ((small, SMALL_CALLS), (large, LARGE_CALLS)):
-            group.allreduce([t]).wait()  # (warm: the pair's connections)
-            everyone.barrier().wait()
-            start = time.perf_counter()
-            for _ in range(calls):
-                group.allreduce([t]).wait()
-            seconds.append((time.perf_counter() - start) / calls)
-        out[str(g)] = tuple(seconds)
+        group.allreduce([large]).wait()  # (warm: the pair's connections)
+
+        def call(t, group=group):
+            group.allreduce([t]).wait()
+
+        out[str(g)] = (row(SMALL_CALLS, lambda: call(small)), row(LARGE_CALLS, lambda: call(large)),
+                       row(CHUNKS, chunk), row(CHUNKS, lambda: (chunk(), call(small))))
     everyone.barrier().wait()
     return out
 

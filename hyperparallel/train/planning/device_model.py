@@ -65,9 +65,10 @@ class DeviceModel:
     dispatch_s: float = 0.0
     module_s: float = 0.0
     # the CPU's: what a collective call takes among the run's ranks on their shared cores, by the
-    # size of its group: (ranks in the group, seconds besides its bytes, bytes sent per second),
-    # measured (cpu_gloo.py); empty: the link model (a GPU's)
-    collective_calls: tuple[tuple[int, float, float], ...] = ()
+    # size of its group: (ranks in the group, seconds besides its bytes, bytes sent per second,
+    # seconds added per second of compute before the call), measured (cpu_gloo.py); empty: the
+    # link model (a GPU's)
+    collective_calls: tuple[tuple[int, float, float, float], ...] = ()
     # the CPU's: the fraction of matmul_flops a product reaches by its smallest dimension, and of
     # attention's rate by one head's FLOPs ((size, fraction) pairs, measured; log-linear between
     # them, the ends beyond); empty: 1 (a GPU's datasheet rates, its small kernels at op_floor_s)
@@ -92,12 +93,13 @@ class DeviceModel:
             return self.matmul_flops["bfloat16"]
         return self.matmul_flops.get(key, self.matmul_flops["float32"])
 
-    def call(self, ranks: int) -> tuple[float, float]:
+    def call(self, ranks: int, compute_s: float = 0.0) -> tuple[float, float]:
         """(seconds besides its bytes, bytes sent per second) of a collective call over `ranks` ranks
-        (`collective_calls`: the group size measured, or the nearest above, else the largest)."""
+        after `compute_s` of compute (`collective_calls`: the group size measured, or the nearest
+        above, else the largest)."""
         above = [c for c in self.collective_calls if c[0] >= ranks]
-        _, fixed, rate = min(above) if above else max(self.collective_calls)
-        return fixed, rate
+        _, fixed, rate, slope = min(above) if above else max(self.collective_calls)
+        return fixed + slope * compute_s, rate
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency per ring step) of a group's links."""
@@ -315,7 +317,8 @@ def measure_cpu(ranks: int) -> DeviceModel:
     cores' worth each rank gets (cores / ranks threads, at least 1, the ranks' threads sharing the
     cores); the host's time per operator, per view and per module call, on one thread, over the
     share of a core each rank's interpreter gets (all of one, or cores / ranks when the ranks
-    outnumber the cores); gloo's bandwidth and latency among `ranks` ranks on these cores.
+    outnumber the cores); gloo's calls among `ranks` processes on these cores, for each group size
+    a layout can have (cpu_gloo.py).
     Single-thread figures are thread CPU time (and the matmul the best this machine has shown:
     peak_flops' cache), so other processes' load does not lower them: the plan is of the run alone."""
     if ranks in _measured:
@@ -337,7 +340,7 @@ def measure_cpu(ranks: int) -> DeviceModel:
     finally:
         torch.set_num_threads(saved)
     calls = cpu_gloo.measure(ranks)
-    g, fixed, rate = calls[-1]  # (the link of the largest group: a pipeline's sends, MegaMoE's waves)
+    g, fixed, rate, _ = calls[-1]  # (the link of the largest group: a pipeline's sends, MegaMoE's waves)
     link = {"bytes_per_s": rate, "latency_s": fixed / (2 * (g - 1))}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(

@@ -30,7 +30,8 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
   order: dp_replicate, dp_shard, cp, tp, tp innermost) uses the inter-node link. On the CPU a
   call takes what one of its group size took in a row of them, measured among as many processes
   as the run has ranks, on the same cores, every group calling at once (`cpu_gloo.py`), fixed and
-  per byte sent.
+  per byte sent, plus what the compute before it adds (the step's compute spread evenly over its
+  calls, times the measured seconds a call adds per second of compute before it).
 - what is exposed: tensor parallelism's, context parallelism's and the sequential expert
   dispatch's collectives sit on the critical path. FSDP's all-gathers (prefetched) and
   reduce-scatters, HSDP's and DDP's all-reduces run beside the step's compute on a GPU: exposed is
@@ -102,11 +103,14 @@ class Collective:
     def sent(self) -> int:
         return self.calls * self.sent_per_call()
 
-    def seconds(self, device: DeviceModel) -> float:
+    def seconds(self, device: DeviceModel, compute_s: float = 0.0) -> float:
+        """Its calls' time in a step (`compute_s`: the step's compute before each call, on average:
+        on the CPU, where the ranks share the cores, a call waits longer the more its peers had to
+        compute first)."""
         if self.ranks <= 1:
             return 0.0
         if device.collective_calls:  # (the CPU: a call as measured among the run's ranks on their cores)
-            fixed, rate = device.call(self.ranks)
+            fixed, rate = device.call(self.ranks, compute_s)
             return self.calls * (fixed + self.sent_per_call() / rate)
         bandwidth, latency = device.link(self.spans_nodes)
         return self.calls * (COLLECTIVE_STEPS[self.kind](self.ranks) * latency + self.sent_per_call() / bandwidth)
@@ -348,11 +352,13 @@ def predict(*, device: DeviceModel, ops: OpCosts, accumulation: int, collectives
     `Timeline.without_casts_of`.)"""
     micro = (ops.fused() if compiled else ops).seconds(device, attention_factor, mx)
     compute = accumulation * micro
+    # (the compute before each call, on average: the step's spread over its calls)
+    between = compute / max(sum(c.calls for c in collectives if c.ranks > 1), 1)
     comm: dict[str, float] = {}
     critical: dict[str, float] = {}
     beside: dict[str, list[Collective]] = {}
     for c in collectives:
-        seconds = c.seconds(device)
+        seconds = c.seconds(device, between)
         comm[c.dimension] = comm.get(c.dimension, 0.0) + seconds
         if c.exposure == "simulated" and device.overlap:
             continue  # (moe_exposed_s)
