@@ -360,19 +360,29 @@ def test_a_cpu_collective_costs_a_call_of_its_group_size_as_measured():
     assert four.seconds(cpu, compute_s=4e-3) == pytest.approx(2e-3 + 1e-3 + 3000 / 5e7)
     assert Collective("x", "ep", "all_to_all", 3, 900, 1).seconds(cpu) == pytest.approx(2e-3 + 600 / 5e7)
     assert Collective("x", "ep", "all_to_all", 8, 800, 1).seconds(cpu) == pytest.approx(2e-3 + 700 / 5e7)
+    # a link given by hand (--set device_model.intra_node_latency_s=...) is what the calls then cost
+    given = cpu.with_overrides({"intra_node_latency_s": 1e-5, "intra_node_bytes_per_s": 1e9})
+    assert pair.seconds(given) == pytest.approx(5 * (2 * 1e-5 + 1000 / 1e9))
 
 
-def test_gloo_is_measured_among_processes_for_each_group_size():
-    """cpu_gloo.measure: every group size a layout over the ranks can have, each call's fixed part
-    and rate from real gloo calls among as many processes."""
-    from hyperparallel.train.planning import cpu_gloo
+def test_a_cpu_step_spreads_its_compute_over_its_calls():
+    """predict(): each call on the CPU follows the step's compute divided by its calls (those over
+    more than one rank), which its group's slope turns into waiting."""
+    from dataclasses import replace
 
-    assert cpu_gloo.group_sizes(1) == [2] and cpu_gloo.group_sizes(4) == [2, 4] and cpu_gloo.group_sizes(6) == [2, 3, 6]
-    table = cpu_gloo.measure(2, nbytes=2**18)
-    assert [g for g, *_ in table] == [2]
-    (_, fixed, rate, slope), = table
-    # (a call takes under a second; a link moves over a MB/s; compute never makes a call quicker)
-    assert 0 < fixed < 1 and rate > 1e6 and slope >= 0
+    from hyperparallel.train.planning.device_model import GPUS
+    from hyperparallel.train.planning.plan_time import Collective, OpCosts, predict
+
+    cpu = replace(GPUS["h100"], name="cpu", overlap=False, op_floor_s=1e-9, memory_bytes_per_s=1e9,
+                  collective_calls=((2, 1e-3, 1e8, 0.5),))
+    ops = OpCosts()
+    ops.add(0, 4_000_000, "float32", False)  # (4 ms a micro-batch)
+    calls = [Collective("tp", "tp", "all_reduce", 2, 1000, 4), Collective("alone", "dp_shard", "all_gather", 1, 10, 9)]
+    step = predict(device=cpu, ops=ops, accumulation=2, collectives=calls, optimizer_bytes_moved=0, optimizer_flops=0,
+                   optimizer_ops=0, attention_factor=1.0, mx=False, moe_exposed_s=0.0, tokens_per_step=1,
+                   model_flops_per_token=1.0, world=2)
+    between = 2 * 4e-3 / 4  # (the step's 8 ms over the 4 calls over more than one rank)
+    assert step.exposed_comm_s["tp"] == pytest.approx(4 * (1e-3 + 0.5 * between + 1000 / 1e8), rel=1e-6)
 
 
 def test_a_plan_extrapolated_from_two_depths_is_the_whole_plan():

@@ -6,8 +6,9 @@ from its config alone ([Note: how the plan is made], planner.py).
 - `memory`: the bytes held, part by part, and their largest sum over the timeline; the runtime term.
 - `communication`: the collectives of a step, their bytes by collective and mesh dimension.
 - `planner`: `plan`, the pieces assembled into a `Plan`; `report`: the plan as printed.
-- `plan_time`, `device_model`: the step time predicted on a device's figures; `plan_search`: the
-  layouts that fit, fastest first (`--search`).
+- `plan_time`, `device_model`: the step time predicted on a device's figures (`cpu_gloo`: the
+  CPU's collectives, measured among processes); `plan_search`: the layouts that fit, fastest
+  first (`--search`).
 
 The package imports none of its modules until a name is used (`lazy_exports`). It never imports
 the trainer's loop (tests/test_import_layers.py).

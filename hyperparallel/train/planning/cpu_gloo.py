@@ -9,11 +9,14 @@ sooner: measured 0.31 against 0.41 ms of CPU for a small all-reduce among 4 rank
 
 A step computes between its calls, and the more it computes the more a call costs where the
 ranks outnumber the cores: a rank reaching a call waits for peers the scheduler has not yet run
-to the same point (among 4 processes on 2 cores, a small all-reduce in groups of 2 took 0.75 ms
-more per call after 0.6 ms of compute, 1.3 after 3.6 and 5.0 after 11 ms of compute; in groups
-of 4, 2.0 after 1.3 ms and 3.9 after 3.6). So each group size is measured a second time with a
-chunk of compute before every call, against the same chunks without calls: what a call adds per
-second of compute before it (its wall time, every rank computing at once) is its `slope`.
+to the same point (among 4 processes on 2 cores, a small all-reduce in groups of 2 added 0.75 ms
+of wall time to a row of chunks of 0.6 ms of one core each, 1.3 ms to chunks of 3.6 and 5.0 to
+chunks of 11; in groups of 4, 2.0 ms to chunks of 1.3 and 3.9 to chunks of 3.6). So each group
+size is measured a second time with a chunk of compute before every call, against the same
+chunks without calls: what a call adds beyond its fixed time, per second of the chunk's wall
+time with every rank computing at once (the plan's compute, where the ranks outnumber the
+cores), is its `slope`. One chunk, of about 1 ms of a core: the cost is not proportional to the
+compute (above), so calls much further apart than that are planned with the slope measured there.
 
     python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT NBYTES   # one rank (measure() starts them)
 """
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
+# calls in each row: a row of small calls lasts 0.1-0.3 s here, of large ones and of chunks about as
+# long, enough that the scheduler's slices and gloo's wake-ups average out
 SMALL_CALLS, LARGE_CALLS, CHUNKS = 200, 10, 100
 TIMEOUT = timedelta(seconds=120)  # a rank that fails to start must not leave the others waiting for ever
 
@@ -42,42 +47,68 @@ def sent_per_rank(group: int, nbytes: int) -> float:
     return 2 * (group - 1) * nbytes / group
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float, float], ...]:
     """(group size, seconds a call takes besides its bytes, bytes sent per second, seconds a call
     adds per second of compute before it) for each group size of `group_sizes(ranks)`, from
     `max(ranks, 2)` processes started here; the slowest rank's mean call, of 4 bytes and of
-    `nbytes`, and after a chunk of compute."""
+    `nbytes`, and after a chunk of compute (wall time, every rank computing at once: the plan's
+    compute where the ranks outnumber the cores). Where they do not, each rank has a core of its
+    own and no peer waits for the scheduler: the slope is 0."""
+    from torch.distributed import TCPStore
+
     world = max(ranks, 2)
-    port = _free_port()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # (the store is this process's, on a port the system chose: no other run can take it meanwhile)
+    store = TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(port), str(nbytes)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                for r in range(world)]
-    outputs = [child.communicate(timeout=600) for child in children]
-    for child, (_, err) in zip(children, outputs, strict=True):
-        if child.returncode:
-            raise RuntimeError(f"measuring gloo among {world} processes failed: {err.strip()[-500:]}")
-    per_rank = [json.loads(out) for out, _ in outputs]
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]  # noqa: SIM115 (closed below)
+        children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(store.port), str(nbytes)],
+                                     stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env)
+                    for r in range(world)]
+        try:
+            outputs = _wait_for(children, logs, world)
+        finally:
+            for child in children:
+                child.kill()
+                child.wait()
+            for log in logs:
+                log.close()
+    per_rank = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     table = []
     for g in group_sizes(world):
         small, large, chunk, chunk_and_call = (max(r[str(g)][i] for r in per_rank) for i in range(4))
-        slope = max(chunk_and_call - chunk - small, 0.0) / chunk
+        slope = max(chunk_and_call - chunk - small, 0.0) / chunk if world > cores else 0.0
         table.append((g, small, sent_per_rank(g, nbytes) / max(large - small, 1e-9), slope))
     return tuple(table)
 
 
-def _rank(rank: int, world: int, port: int, nbytes: int) -> dict[str, tuple[float, float]]:
+def _wait_for(children: list[subprocess.Popen], logs: list, world: int, timeout_s: float = 300) -> list[str]:
+    """Every child's standard output, once all have ended well; the first to fail (or the wait
+    running out) raises at once, naming its own error, not a peer's timeout after it."""
+    deadline = time.monotonic() + timeout_s
+    outputs: dict[int, str] = {}
+    while len(outputs) < len(children):
+        for r, child in enumerate(children):
+            if r in outputs or child.poll() is None:
+                continue
+            if child.returncode:
+                logs[r].seek(0)
+                raise RuntimeError(f"measuring gloo among {world} processes: rank {r} failed: "
+                                   f"{logs[r].read().strip()[-500:]}")
+            outputs[r] = child.stdout.read()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"measuring gloo among {world} processes: not done in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return [outputs[r] for r in range(len(children))]
+
+
+def _rank(rank: int, world: int, port: int, nbytes: int) -> dict[str, tuple[float, float, float, float]]:
     import torch
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     torch.set_num_threads(1)
-    store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
+    store = TCPStore("127.0.0.1", port, None, False, TIMEOUT)  # (the measuring process holds it)
     everyone = ProcessGroupGloo(PrefixStore("all", store), rank, world, TIMEOUT)
     small, large = torch.ones(1), torch.ones(nbytes // 4)
     x, w = torch.randn(256, 96), torch.randn(96, 96) / 10

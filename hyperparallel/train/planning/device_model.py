@@ -136,6 +136,8 @@ class DeviceModel:
             else:
                 raise ConfigError(f"device_model.{key}: no such field; one of "
                                   f"{', '.join(sorted(names - {'matmul_flops'}))}, matmul_flops.<dtype>")
+        if any(key.startswith(("intra_node_", "inter_node_")) for key in changes):
+            changes["collective_calls"] = ()  # (the CPU's measured calls give way to the link given)
         return replace(self, matmul_flops=flops, **changes, source=self.source + " (with overrides)")
 
 
@@ -340,7 +342,7 @@ def measure_cpu(ranks: int) -> DeviceModel:
     finally:
         torch.set_num_threads(saved)
     calls = cpu_gloo.measure(ranks)
-    g, fixed, rate, _ = calls[-1]  # (the link of the largest group: a pipeline's sends, MegaMoE's waves)
+    g, fixed, rate, _ = calls[-1]  # (the link of the largest group: what uses no call's figures, MegaMoE's waves)
     link = {"bytes_per_s": rate, "latency_s": fixed / (2 * (g - 1))}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(

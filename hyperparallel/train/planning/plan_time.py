@@ -47,8 +47,8 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
 Left out: the operators of the parallel wrappers, which the recording of one rank's model does
 not run (FSDP's flat-buffer copies and hooks, TP's and CP's autograd functions, the expert
 dispatcher's permutations and count exchange: on the CPU a fifth to a half of a rank's host
-time at the example configs' sizes), the wait for the slowest rank at each collective,
-stragglers and network contention, the data loader, and compiled graphs' common-subexpression
+time at the example configs' sizes), the wait for the slowest rank at each collective (on the
+CPU measured with the calls, as above), stragglers and network contention, the data loader, and compiled graphs' common-subexpression
 elimination and smaller saved set (an operator read twice is cast twice here).
 """
 
