@@ -45,19 +45,13 @@ from hyperparallel.checkpoint.io import (
 )
 from hyperparallel.checkpoint.sharded import ShardedSavePlanner
 from hyperparallel.errors import CheckpointError
-
-# (the default process group, its background-save gloo group): made again for a new default group
-# (a process may train, leave its group and join another: the trainer's one-rank runs, tests)
-_BACKGROUND: list[tuple[dist.ProcessGroup, dist.ProcessGroup]] = []
+from hyperparallel.process_groups import made_once
 
 
 def _background_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
-    world = dist.group.WORLD
-    if not _BACKGROUND or _BACKGROUND[0][0] is not world:
-        _BACKGROUND[:] = [(world, dist.new_group(backend="gloo"))]
-    return _BACKGROUND[0][1]
+    return made_once("background save", lambda: dist.new_group(backend="gloo"))
 
 
 class PendingSave:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from hyperparallel.errors import ConfigError
+from hyperparallel.process_groups import made_once
 
 # pipeline schedules (parallel.pp_schedule), torch.distributed.pipelining's: one stage a rank
 # (gpipe, 1f1b) or several (interleaved_1f1b). Not yet: its zero-bubble ones (zbv, dualpipev),
@@ -359,9 +360,13 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
                            "joined or init_distributed; on one process they make a group of its own)")
     world = dist.get_world_size()
     if shape.world == 1 and world > 1:
-        alone = _alone()
-        return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, alone))
+        return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, _alone()))
     _check_fits(shape, world)
+    # the same shape built again (another model in this process) takes the groups made the first time
+    return made_once(("mesh", shape, device_type), lambda: _new_mesh(shape, device_type))
+
+
+def _new_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
     meshes = {name: init_device_mesh(device_type, sizes, mesh_dim_names=names)
               for name, (sizes, names) in shape.meshes().items()}
     ranks, fsdp = meshes["ranks"], meshes["fsdp"]
@@ -383,7 +388,7 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
 
 def _alone() -> dist.ProcessGroup:
     """A group of this rank alone (made by this rank only: no other rank takes part)."""
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return made_once("alone", lambda: dist.new_group([dist.get_rank()], use_local_synchronization=True))
 
 
 def _listed(groups: list[list[int]], shown: int = 4) -> str:

@@ -44,6 +44,7 @@ from torch import nn
 from hyperparallel import traffic
 from hyperparallel.errors import ConfigError
 from hyperparallel.models.layers import LayerOnAnotherStage, layer_list
+from hyperparallel.process_groups import made_once
 
 
 @dataclass(frozen=True)
@@ -196,13 +197,12 @@ def tied_embedding_groups(stage_world: int, pp: int, rank: int) -> dist.ProcessG
     """Groups of two ranks, each of the first stage with the rank in the same place of the last
     stage (the tied embedding's two holders); returns this rank's, or None. Collective: every rank
     makes every group."""
-    mine = None
-    for place in range(stage_world):
-        pair = [place, (pp - 1) * stage_world + place]
-        group = dist.new_group(pair)
-        if rank in pair:
-            mine = group
-    return mine
+    def make() -> dict[tuple[int, int], dist.ProcessGroup]:
+        pairs = [(place, (pp - 1) * stage_world + place) for place in range(stage_world)]
+        return {pair: dist.new_group(list(pair)) for pair in pairs}
+
+    groups = made_once(("tied embedding", stage_world, pp), make)
+    return next((group for pair, group in groups.items() if rank in pair), None)
 
 
 def _last_stage_modules(module: nn.Module, prefix: str, keep: set[int]) -> list[tuple[nn.Module, str, str]]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hyperparallel import errors
 from hyperparallel.errors import ConfigError, HyperparallelError
+from hyperparallel.process_groups import made_once
 from hyperparallel.traffic import Traffic
 
 
@@ -85,7 +86,7 @@ def background_group(timeout_s: int) -> dist.ProcessGroup | None:
     the run's collective timeout; None without a process group. Every rank calls it."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return made_once(("background", timeout_s), lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
 
 # ---------------------------------------------------------------------------- elastic runs

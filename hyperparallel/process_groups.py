@@ -1,0 +1,38 @@
+"""Process groups made once per default process group.
+
+A process that builds again (a test's cases, a notebook's runs, one trainer run after another)
+would otherwise make its groups again, and every group lives until the process ends or the
+default group is destroyed: gloo keeps a connection loop and two worker threads per group, and
+each idle loop wakes often enough to cost about 0.1% of a core. Hundreds of them (a test spawn
+building a mesh per case) took the cores of a 4-rank spawn on 2 cores and slowed it about 30x.
+So whatever makes groups keeps them here, under a key naming what they are, and a later build
+over the same default group takes the same ones. A new default group (the old one destroyed, or
+another joined) starts afresh: its groups are made again, collectively, in the same order on
+every rank, as new_group requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+# the default group the entries were made under, and key -> what was made
+_made: dict[Hashable, object] = {}
+_world: list[object] = [None]
+
+
+def made_once(key: Hashable, make: Callable[[], T]) -> T:
+    """What `make()` returned for `key` under the current default process group, made on the
+    first call. `make` may be collective (new_group): every rank must ask for the same keys in the
+    same order, as they would have called `make`."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if _world[0] is not world:
+        _made.clear()
+        _world[0] = world
+    if key not in _made:
+        _made[key] = make()
+    return _made[key]  # type: ignore[return-value]
