@@ -196,7 +196,7 @@ def hold_stages(model: nn.Module, layout: StageLayout, pp_rank: int) -> list[int
 def tied_embedding_groups(stage_world: int, pp: int, rank: int) -> dist.ProcessGroup | None:
     """Groups of two ranks, each of the first stage with the rank in the same place of the last
     stage (the tied embedding's two holders); returns this rank's, or None. Collective: every rank
-    makes every group."""
+    makes every group, once per default group (process_groups.py)."""
     def make() -> dict[tuple[int, int], dist.ProcessGroup]:
         pairs = [(place, (pp - 1) * stage_world + place) for place in range(stage_world)]
         return {pair: dist.new_group(list(pair)) for pair in pairs}

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hyperparallel import errors
 from hyperparallel.errors import ConfigError, HyperparallelError
-from hyperparallel.process_groups import made_once
+from hyperparallel.process_groups import forget
 from hyperparallel.traffic import Traffic
 
 
@@ -78,15 +78,18 @@ def joined(timeout_s: int, device: torch.device | None = None) -> Iterator[Runti
         yield rt
     finally:
         if started and rt.world == 1 and dist.is_initialized():
+            forget()
             dist.destroy_process_group()
 
 
 def background_group(timeout_s: int) -> dist.ProcessGroup | None:
     """A gloo group of every rank for work in a thread of its own (background checkpoints), with
-    the run's collective timeout; None without a process group. Every rank calls it."""
+    the run's collective timeout; None without a process group. Every rank calls it. Made anew
+    for every run, not kept (process_groups.py): a run that failed may leave its last background
+    save still writing through it."""
     if not dist.is_initialized():
         return None
-    return made_once(("background", timeout_s), lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------------------- elastic runs

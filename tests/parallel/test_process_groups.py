@@ -1,50 +1,62 @@
-"""A mesh built again in one process takes the groups made the first time (hyperparallel/process_groups.py):
-each group made again would keep gloo's threads to the end of the process."""
+"""A layout built again in one process takes the groups made the first time (hyperparallel/process_groups.py):
+each group made again would keep gloo's threads to the end of the process. Counted on a fake process
+group of 4 ranks (this process plays rank 0; nothing is sent) as the groups torch has registered."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hyperparallel.parallel.mesh import GROUPS, MeshShape, build_mesh
-from hyperparallel.process_groups import made_once
+from hyperparallel.parallel.pipeline import tied_embedding_groups
+from hyperparallel.process_groups import forget, made_once
 
 
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def registered() -> int:
+    """The process groups torch holds now."""
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 @pytest.fixture
-def one_rank():
-    """A default process group of this process alone, left at the end."""
+def four_ranks():
+    """A fake default group of 4 ranks, left (and the groups kept for it forgotten) at the end."""
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     yield
+    forget()
     dist.destroy_process_group()
 
 
-def test_a_shape_built_twice_gets_the_same_groups_and_no_new_threads(one_rank):
-    shape = MeshShape(dp_shard=1, cp=1, tp=1)
+def test_a_shape_built_twice_makes_its_groups_once(four_ranks):
+    shape = MeshShape(dp_shard=2, tp=2)
+    before = registered()
     first = build_mesh(shape, "cpu")
-    before = threads()
+    made = registered() - before
+    assert made > 0
     second = build_mesh(shape, "cpu")
-    assert threads() == before
-    assert all(second.groups[name] is first.groups[name] for name in GROUPS)
+    assert registered() - before == made  # nothing more
+    assert second is first and all(second.groups[name] is first.groups[name] for name in GROUPS)
+    assert build_mesh(MeshShape(dp_shard=4), "cpu") is not first  # another shape: groups of its own
+
+
+def test_the_tied_embedding_pairs_are_made_once(four_ranks):
+    pair = tied_embedding_groups(stage_world=2, pp=2, rank=0)
+    count = registered()
+    assert tied_embedding_groups(stage_world=2, pp=2, rank=0) is pair
+    assert dist.get_process_group_ranks(pair) == [0, 2]
+    assert registered() == count
 
 
 def test_a_new_default_group_makes_its_groups_again():
     made = []
     for _ in range(2):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            group = made_once("pair", lambda: made.append(dist.new_group([0])) or made[-1])
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:  # (no forget() before leaving: the new default group alone must start afresh)
+            group = made_once("pair", lambda: made.append(dist.new_group([0, 1])) or made[-1])
             assert made_once("pair", lambda: made.append(None)) is group  # made once under this default group
-            total = torch.ones(2)
-            dist.all_reduce(total, group=group)  # and it works: not a group of the destroyed default group
-            assert total.tolist() == [1.0, 1.0]
+            assert dist.get_process_group_ranks(group) == [0, 1]  # registered: not the destroyed group's
         finally:
             dist.destroy_process_group()
+    forget()
     assert len(made) == 2 and made[0] is not made[1]
