@@ -23,19 +23,19 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-# the default group the entries were made under, and key -> what was made
-_made: dict[Hashable, object] = {}
-_world: list[object] = [None]
+_made: dict[Hashable, object] = {}  # key -> what was made
+_world: object = None  # the default group they were made under
 
 
 def made_once(key: Hashable, make: Callable[[], T]) -> T:
     """What `make()` returned for `key` under the current default process group, made on the
     first call. `make` may be collective (new_group): every rank must ask for the same keys in the
     same order, as they would have called `make`."""
+    global _world
     world = dist.group.WORLD if dist.is_initialized() else None
-    if _world[0] is not world:
+    if _world is not world:
         forget()
-        _world[0] = world
+        _world = world
     if key not in _made:
         _made[key] = make()
     return _made[key]  # type: ignore[return-value]
@@ -43,5 +43,6 @@ def made_once(key: Hashable, make: Callable[[], T]) -> T:
 
 def forget() -> None:
     """Drop every group kept (before the default group is destroyed: nothing then holds them)."""
+    global _world
     _made.clear()
-    _world[0] = None
+    _world = None

@@ -3,8 +3,8 @@
 The "depends on" column of the doc's package table is read as the rule: a package (or top-level
 module) of hyperparallel may import, at module level or inside a function, only the packages that
 its row names in backticks, and the shared modules every layer uses (`errors`, `versions`,
-`traffic`, `process_groups`, `lazy_exports`, `schema`, the package's `__version__`). "all of the above" (the trainer) may import every
-package listed above its row. "`X` only in F.py" lets only the row's file F.py (its path in the
+`traffic`, `process_groups`, `lazy_exports`, `schema`, the package's `__version__`). "all of the
+above" (the trainer) may import every package listed above its row. "`X` only in F.py" lets only the row's file F.py (its path in the
 package) import X. So the doc and the code cannot drift apart: an import the doc does
 not allow fails here, naming the file and line, and so does a row naming a package that is none.
 Within a layer too, imports go one way: no circle of imports between modules runs (`import_circles`).
