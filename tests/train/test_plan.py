@@ -344,22 +344,25 @@ def test_ring_costs_of_a_collective():
 
 def test_a_cpu_collective_costs_a_call_of_its_group_size_as_measured():
     """On the CPU a call costs what gloo's calls of its group's size took among the run's ranks
-    (device_model.collective_calls), fixed, per byte sent and per second of compute before it; a
-    size not measured takes the next larger one's, or the largest's."""
+    (device_model.collective_calls), by the bytes a rank sends and the compute before it; a size
+    not measured takes the next larger one's, or the largest's."""
     from dataclasses import replace
 
+    from hyperparallel.train.planning.cpu_gloo import GroupCalls
     from hyperparallel.train.planning.device_model import GPUS
     from hyperparallel.train.planning.plan_time import Collective
 
-    cpu = replace(GPUS["h100"], name="cpu", overlap=False, collective_calls=((2, 1e-3, 1e8, 0.5), (4, 2e-3, 5e7, 0.25)))
+    pairs = GroupCalls(2, ((0, 1e-3), (1e5, 2e-3)), chunk_s=1e-3, slope=0.5)
+    fours = GroupCalls(4, ((0, 2e-3), (1e5, 4e-3)), chunk_s=1e-3, slope=0.25)
+    cpu = replace(GPUS["h100"], name="cpu", overlap=False, collective_calls=(pairs, fours))
     pair = Collective("tp", "tp", "all_reduce", 2, 1000, 5)
     four = Collective("fsdp", "dp_shard", "all_gather", 4, 1000, 1)
-    assert pair.seconds(cpu) == pytest.approx(5 * (1e-3 + 1000 / 1e8))
-    assert pair.seconds(cpu, compute_s=4e-3) == pytest.approx(5 * (1e-3 + 0.5 * 4e-3 + 1000 / 1e8))
-    assert four.seconds(cpu) == pytest.approx(2e-3 + 3000 / 5e7)
-    assert four.seconds(cpu, compute_s=4e-3) == pytest.approx(2e-3 + 1e-3 + 3000 / 5e7)
-    assert Collective("x", "ep", "all_to_all", 3, 900, 1).seconds(cpu) == pytest.approx(2e-3 + 600 / 5e7)
-    assert Collective("x", "ep", "all_to_all", 8, 800, 1).seconds(cpu) == pytest.approx(2e-3 + 700 / 5e7)
+    assert pair.seconds(cpu) == pytest.approx(5 * (1e-3 + 1000 * 1e-3 / 1e5))
+    assert pair.seconds(cpu, compute_s=4e-3) == pytest.approx(5 * (1e-3 + 0.5 * 3e-3 + 1000 * 1e-3 / 1e5))
+    assert four.seconds(cpu) == pytest.approx(2e-3 + 3000 * 2e-3 / 1e5)
+    assert four.seconds(cpu, compute_s=4e-3) == pytest.approx(2e-3 + 0.25 * 3e-3 + 3000 * 2e-3 / 1e5)
+    assert Collective("x", "ep", "all_to_all", 3, 900, 1).seconds(cpu) == pytest.approx(2e-3 + 600 * 2e-3 / 1e5)
+    assert Collective("x", "ep", "all_to_all", 8, 800, 1).seconds(cpu) == pytest.approx(2e-3 + 700 * 2e-3 / 1e5)
     # a link given by hand (--set device_model.intra_node_latency_s=...) is what the calls then cost
     given = cpu.with_overrides({"intra_node_latency_s": 1e-5, "intra_node_bytes_per_s": 1e9})
     assert pair.seconds(given) == pytest.approx(5 * (2 * 1e-5 + 1000 / 1e9))
@@ -367,14 +370,16 @@ def test_a_cpu_collective_costs_a_call_of_its_group_size_as_measured():
 
 def test_a_cpu_step_spreads_its_compute_over_its_calls():
     """predict(): each call on the CPU follows the step's compute divided by its calls (those over
-    more than one rank), which its group's slope turns into waiting."""
+    more than one rank), which its group's slope turns into waiting beyond the chunk measured."""
     from dataclasses import replace
 
+    from hyperparallel.train.planning.cpu_gloo import GroupCalls
     from hyperparallel.train.planning.device_model import GPUS
     from hyperparallel.train.planning.plan_time import Collective, OpCosts, predict
 
+    pairs = GroupCalls(2, ((0, 1e-3), (1e5, 2e-3)), chunk_s=1e-3, slope=0.5)
     cpu = replace(GPUS["h100"], name="cpu", overlap=False, op_floor_s=1e-9, memory_bytes_per_s=1e9,
-                  collective_calls=((2, 1e-3, 1e8, 0.5),))
+                  collective_calls=(pairs,))
     ops = OpCosts()
     ops.add(0, 4_000_000, "float32", False)  # (4 ms a micro-batch)
     calls = [Collective("tp", "tp", "all_reduce", 2, 1000, 4), Collective("alone", "dp_shard", "all_gather", 1, 10, 9)]
@@ -382,7 +387,8 @@ def test_a_cpu_step_spreads_its_compute_over_its_calls():
                    optimizer_ops=0, attention_factor=1.0, mx=False, moe_exposed_s=0.0, tokens_per_step=1,
                    model_flops_per_token=1.0, world=2)
     between = 2 * 4e-3 / 4  # (the step's 8 ms over the 4 calls over more than one rank)
-    assert step.exposed_comm_s["tp"] == pytest.approx(4 * (1e-3 + 0.5 * between + 1000 / 1e8), rel=1e-6)
+    expected = 4 * (1e-3 + 0.5 * (between - 1e-3) + 1000 * 1e-3 / 1e5)
+    assert step.exposed_comm_s["tp"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_plan_extrapolated_from_two_depths_is_the_whole_plan():

@@ -2,39 +2,84 @@
 model, `device_model.measure_cpu`): `ranks` processes sharing the cores as `hyperparallel train
 --nproc ranks` starts them, and for each group size a layout can have (every divisor of `ranks`
 from 2 up), the ranks split into groups of that size all-reducing at once, as a mesh dimension's
-groups do in a step. What a call costs there is the mean wall time of many calls in a row: gloo's
-own threads' work on the shared cores, their wake-ups, and each rank waiting for its peers to be
-scheduled, none of which one process's threads show (their calls cost a rank less CPU and finish
-sooner: measured 0.31 against 0.41 ms of CPU for a small all-reduce among 4 ranks on 2 cores).
+groups do in a step.
 
-A step computes between its calls, and the more it computes the more a call costs where the
-ranks outnumber the cores: a rank reaching a call waits for peers the scheduler has not yet run
-to the same point (among 4 processes on 2 cores, a small all-reduce in groups of 2 added 0.75 ms
-of wall time to a row of chunks of 0.6 ms of one core each, 1.3 ms to chunks of 3.6 and 5.0 to
-chunks of 11; in groups of 4, 2.0 ms to chunks of 1.3 and 3.9 to chunks of 3.6). So each group
-size is measured a second time with a chunk of compute before every call, against the same
-chunks without calls: what a call adds beyond its fixed time, per second of the chunk's wall
-time with every rank computing at once (the plan's compute, where the ranks outnumber the
-cores), is its `slope`. One chunk, of about 1 ms of a core: the cost is not proportional to the
-compute (above), so calls much further apart than that are planned with the slope measured there.
+A call is measured in a step's rhythm: a chunk of compute (about 1 ms of one core, a layer's
+worth of small products and element-wise work), then the call, in a row of them, against the same
+chunks without calls; what the call adds to the row's wall time is its cost. That cost is gloo's own
+threads' work on the shared cores, their wake-ups, and each rank waiting for peers the scheduler
+has not yet run to the same point, none of which one process's threads show. Calls back to back,
+with nothing between them, are not what a step makes and not a steady figure: on 2 cores, rows of
+256 KiB all-reduces between 2 processes took 0.38-2.6 ms a call from one row to the next, the same
+calls after a chunk 1.7-2.4 ms; a tensor-parallel step of the qwen3 example at tp=2 waited 1.7 ms
+on average in each of its 262 KiB all-reduces.
 
-    python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT NBYTES   # one rank (measure() starts them)
+A call costs more the more its peers computed before it where the ranks outnumber the cores (a rank
+reaching the call waits for peers the scheduler has not yet run to it: among 4 processes on 2
+cores, a small all-reduce in groups of 2 added 0.75 ms to a row of chunks of 0.6 ms of one core
+each, 1.3 ms to chunks of 3.6 and 5.0 to chunks of 11). So the small call is measured again after
+a chunk three times as long: the difference, per second of the chunk's wall time, is the `slope`,
+which the plan applies to compute beyond the first chunk's before a call.
+
+Every row is run `REPEATS` times, the repeats interleaved, and the median taken: the machine's
+slow phases then touch every row alike. Sizes: 4 bytes to 1 MiB (`SIZES`); a larger call adds the
+bytes beyond 1 MiB at the rate between the smallest and largest.
+
+    python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT   # one rank (measure() starts them)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
-# calls in each row: a row of small calls lasts 0.1-0.3 s here, of large ones and of chunks about as
-# long, enough that the scheduler's slices and gloo's wake-ups average out
-SMALL_CALLS, LARGE_CALLS, CHUNKS = 200, 10, 100
+SIZES = (4, 2**16, 2**18, 2**20)  # bytes of the all-reduces measured
+# calls in each row (a row lasts 0.03-0.3 s here), and how many times each row is run
+CALLS, REPEATS = 40, 3
+LONG = 3  # the longer chunk, in chunks: the slope's second point
 TIMEOUT = timedelta(seconds=120)  # a rank that fails to start must not leave the others waiting for ever
+
+
+@dataclass(frozen=True)
+class GroupCalls:
+    """What a collective call over `ranks` ranks costs among the run's ranks on this machine, in a
+    step's rhythm (the module's note): by the bytes one rank sends, `points` ((bytes, seconds) by
+    size, non-decreasing), after `chunk_s` of compute (wall time, every rank computing at once),
+    and `slope` seconds more per second of compute beyond that."""
+
+    ranks: int
+    points: tuple[tuple[float, float], ...]
+    chunk_s: float
+    slope: float
+
+    def seconds(self, sent: float, compute_s: float = 0.0) -> float:
+        """One call sending `sent` bytes per rank after `compute_s` of compute: between the sizes
+        measured, linear in the bytes; beyond the largest, its cost plus the bytes beyond it at the
+        rate between the smallest and the largest; below one chunk's compute, one chunk's cost."""
+        points = self.points
+        if sent >= points[-1][0]:
+            (b0, s0), (b1, s1) = points[0], points[-1]
+            cost = s1 + (sent - b1) * (s1 - s0) / (b1 - b0)
+        else:
+            cost = points[0][1]
+            for (b0, s0), (b1, s1) in zip(points, points[1:], strict=False):
+                if b0 <= sent < b1:
+                    cost = s0 + (s1 - s0) * (sent - b0) / (b1 - b0)
+                    break
+        return cost + self.slope * max(compute_s - self.chunk_s, 0.0)
+
+    def link(self) -> tuple[float, float]:
+        """(bytes per second, latency per ring step) of a ring over this group read off the calls:
+        what uses no call's figures (MegaMoE's simulated waves)."""
+        (b0, s0), (b1, s1) = self.points[0], self.points[-1]
+        return (b1 - b0) / max(s1 - s0, 1e-9), s0 / (2 * (self.ranks - 1))
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -47,13 +92,10 @@ def sent_per_rank(group: int, nbytes: int) -> float:
     return 2 * (group - 1) * nbytes / group
 
 
-def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float, float], ...]:
-    """(group size, seconds a call takes besides its bytes, bytes sent per second, seconds a call
-    adds per second of compute before it) for each group size of `group_sizes(ranks)`, from
-    `max(ranks, 2)` processes started here; the slowest rank's mean call, of 4 bytes and of
-    `nbytes`, and after a chunk of compute (wall time, every rank computing at once: the plan's
-    compute where the ranks outnumber the cores). Where they do not, each rank has a core of its
-    own and no peer waits for the scheduler: the slope is 0."""
+def measure(ranks: int) -> tuple[GroupCalls, ...]:
+    """The calls of each group size of `group_sizes(ranks)`, from `max(ranks, 2)` processes started
+    here (the slowest rank's row, the median of `REPEATS`). The slope is 0 where the ranks do not
+    outnumber the cores: each has a core of its own and no peer waits for the scheduler."""
     from torch.distributed import TCPStore
 
     world = max(ranks, 2)
@@ -63,7 +105,7 @@ def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float, f
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]  # noqa: SIM115 (closed below)
-        children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(store.port), str(nbytes)],
+        children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(store.port)],
                                      stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env)
                     for r in range(world)]
         try:
@@ -77,9 +119,16 @@ def measure(ranks: int, nbytes: int = 2**20) -> tuple[tuple[int, float, float, f
     per_rank = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     table = []
     for g in group_sizes(world):
-        small, large, chunk, chunk_and_call = (max(r[str(g)][i] for r in per_rank) for i in range(4))
-        slope = max(chunk_and_call - chunk - small, 0.0) / chunk if world > cores else 0.0
-        table.append((g, small, sent_per_rank(g, nbytes) / max(large - small, 1e-9), slope))
+        rows = {name: statistics.median(max(r[str(g)][rep][name] for r in per_rank) for rep in range(REPEATS))
+                for name in per_rank[0][str(g)][0]}
+        chunk = rows["chunk"]
+        points, last = [], 0.0
+        for n in SIZES:  # (a larger call does not cost less: the noise between sizes evened out)
+            last = max(last, rows[str(n)] - chunk)
+            points.append((sent_per_rank(g, n), last))
+        longer = rows[f"long+{SIZES[0]}"] - rows["long"]
+        slope = max(longer - points[0][1], 0.0) / (rows["long"] - chunk) if world > cores else 0.0
+        table.append(GroupCalls(g, tuple(points), chunk, slope))
     return tuple(table)
 
 
@@ -103,42 +152,48 @@ def _wait_for(children: list[subprocess.Popen], logs: list, world: int, timeout_
     return [outputs[r] for r in range(len(children))]
 
 
-def _rank(rank: int, world: int, port: int, nbytes: int) -> dict[str, tuple[float, float, float, float]]:
+def _rank(rank: int, world: int, port: int) -> dict[str, list[dict[str, float]]]:
     import torch
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, None, False, TIMEOUT)  # (the measuring process holds it)
     everyone = ProcessGroupGloo(PrefixStore("all", store), rank, world, TIMEOUT)
-    small, large = torch.ones(1), torch.ones(nbytes // 4)
+    tensors = {n: torch.ones(n // 4) for n in SIZES}
     x, w = torch.randn(256, 96), torch.randn(96, 96) / 10
 
-    def chunk():  # (about 1 ms of one core: a layer's worth of small products and element-wise work)
+    def chunk(times: int = 1):  # (about 1 ms of one core a time: a layer's worth of small products and element-wise work)
         y = x
-        for _ in range(10):
+        for _ in range(10 * times):
             y = torch.nn.functional.silu(y @ w) + x
 
-    def row(calls: int, body) -> float:
-        """The mean wall time of `body` in a row of `calls`, every rank at once."""
+    def row(body) -> float:
+        """The mean wall time of `body` in a row of CALLS, every rank at once."""
         everyone.barrier().wait()
         start = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(CALLS):
             body()
-        return (time.perf_counter() - start) / calls
+        return (time.perf_counter() - start) / CALLS
 
     out = {}
     for g in group_sizes(world):
         group = ProcessGroupGloo(PrefixStore(f"{g}/{rank // g}", store), rank % g, g, TIMEOUT)
-        group.allreduce([large]).wait()  # (warm: the pair's connections)
+        group.allreduce([tensors[SIZES[-1]]]).wait()  # (warm: the pair's connections)
 
-        def call(t, group=group):
-            group.allreduce([t]).wait()
+        def call(n, group=group):
+            group.allreduce([tensors[n]]).wait()
 
-        out[str(g)] = (row(SMALL_CALLS, lambda: call(small)), row(LARGE_CALLS, lambda: call(large)),
-                       row(CHUNKS, chunk), row(CHUNKS, lambda: (chunk(), call(small))))
+        reps = []
+        for _ in range(REPEATS):
+            rows = {"chunk": row(chunk)}
+            rows |= {str(n): row(lambda n=n: (chunk(), call(n))) for n in SIZES}
+            rows["long"] = row(lambda: chunk(LONG))
+            rows[f"long+{SIZES[0]}"] = row(lambda: (chunk(LONG), call(SIZES[0])))
+            reps.append(rows)
+        out[str(g)] = reps
     everyone.barrier().wait()
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(_rank(*(int(a) for a in sys.argv[1:5]))))
+    print(json.dumps(_rank(*(int(a) for a in sys.argv[1:4]))))

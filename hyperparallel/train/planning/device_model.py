@@ -65,10 +65,8 @@ class DeviceModel:
     dispatch_s: float = 0.0
     module_s: float = 0.0
     # the CPU's: what a collective call takes among the run's ranks on their shared cores, by the
-    # size of its group: (ranks in the group, seconds besides its bytes, bytes sent per second,
-    # seconds added per second of compute before the call), measured (cpu_gloo.py); empty: the
-    # link model (a GPU's)
-    collective_calls: tuple[tuple[int, float, float, float], ...] = ()
+    # size of its group, measured in a step's rhythm (cpu_gloo.py); empty: the link model (a GPU's)
+    collective_calls: tuple[cpu_gloo.GroupCalls, ...] = ()
     # the CPU's: the fraction of matmul_flops a product reaches by its smallest dimension, and of
     # attention's rate by one head's FLOPs ((size, fraction) pairs, measured; log-linear between
     # them, the ends beyond); empty: 1 (a GPU's datasheet rates, its small kernels at op_floor_s)
@@ -93,13 +91,13 @@ class DeviceModel:
             return self.matmul_flops["bfloat16"]
         return self.matmul_flops.get(key, self.matmul_flops["float32"])
 
-    def call(self, ranks: int, compute_s: float = 0.0) -> tuple[float, float]:
-        """(seconds besides its bytes, bytes sent per second) of a collective call over `ranks` ranks
-        after `compute_s` of compute (`collective_calls`: the group size measured, or the nearest
-        above, else the largest)."""
-        above = [c for c in self.collective_calls if c[0] >= ranks]
-        _, fixed, rate, slope = min(above) if above else max(self.collective_calls)
-        return fixed + slope * compute_s, rate
+    def call(self, ranks: int, sent: float, compute_s: float = 0.0) -> float:
+        """Seconds of a collective call over `ranks` ranks sending `sent` bytes per rank after
+        `compute_s` of compute (`collective_calls`: the group size measured, or the nearest above,
+        else the largest)."""
+        above = [c for c in self.collective_calls if c.ranks >= ranks]
+        calls = min(above, key=lambda c: c.ranks) if above else max(self.collective_calls, key=lambda c: c.ranks)
+        return calls.seconds(sent, compute_s)
 
     def link(self, spans_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency per ring step) of a group's links."""
@@ -342,8 +340,8 @@ def measure_cpu(ranks: int) -> DeviceModel:
     finally:
         torch.set_num_threads(saved)
     calls = cpu_gloo.measure(ranks)
-    g, fixed, rate, _ = calls[-1]  # (the link of the largest group: what uses no call's figures, MegaMoE's waves)
-    link = {"bytes_per_s": rate, "latency_s": fixed / (2 * (g - 1))}
+    rate, latency = calls[-1].link()  # (the largest group's: what uses no call's figures, MegaMoE's waves)
+    link = {"bytes_per_s": rate, "latency_s": latency}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(
         name="cpu", matmul_flops=flops, memory_bytes_per_s=memory, memory_bytes=total_memory // ranks,

@@ -28,10 +28,10 @@ its FLOPs and bytes; every collective of the step, with its group and bytes) and
   slot, all-reduce 2 (W-1) steps of bytes / W, all-to-all (W-1) steps of bytes / W; each step pays
   the link's latency, the bytes its bandwidth. A group whose ranks span machines (the mesh's
   order: dp_replicate, dp_shard, cp, tp, tp innermost) uses the inter-node link. On the CPU a
-  call takes what one of its group size took in a row of them, measured among as many processes
-  as the run has ranks, on the same cores, every group calling at once (`cpu_gloo.py`), fixed and
-  per byte sent, plus what the compute before it adds (the step's compute spread evenly over its
-  calls, times the measured seconds a call adds per second of compute before it).
+  call takes what one of its group size and bytes took after a chunk of compute, measured among as
+  many processes as the run has ranks, on the same cores, every group calling at once
+  (`cpu_gloo.py`), plus what more compute before it adds (the step's compute spread evenly over
+  its calls, times the measured seconds a call adds per second of compute beyond the chunk).
 - what is exposed: tensor parallelism's, context parallelism's and the sequential expert
   dispatch's collectives sit on the critical path. FSDP's all-gathers (prefetched) and
   reduce-scatters, HSDP's and DDP's all-reduces run beside the step's compute on a GPU: exposed is
@@ -110,8 +110,7 @@ class Collective:
         if self.ranks <= 1:
             return 0.0
         if device.collective_calls:  # (the CPU: a call as measured among the run's ranks on their cores)
-            fixed, rate = device.call(self.ranks, compute_s)
-            return self.calls * (fixed + self.sent_per_call() / rate)
+            return self.calls * device.call(self.ranks, self.sent_per_call(), compute_s)
         bandwidth, latency = device.link(self.spans_nodes)
         return self.calls * (COLLECTIVE_STEPS[self.kind](self.ranks) * latency + self.sent_per_call() / bandwidth)
 
