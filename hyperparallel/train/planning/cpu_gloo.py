@@ -12,18 +12,22 @@ has not yet run to the same point, none of which one process's threads show. Cal
 with nothing between them, are not what a step makes and not a steady figure: on 2 cores, rows of
 256 KiB all-reduces between 2 processes took 0.38-2.6 ms a call from one row to the next, the same
 calls after a chunk 1.7-2.4 ms; a tensor-parallel step of the qwen3 example at tp=2 waited 1.7 ms
-on average in each of its 262 KiB all-reduces.
+on average in each of its 256 KiB all-reduces.
 
 A call costs more the more its peers computed before it where the ranks outnumber the cores (a rank
 reaching the call waits for peers the scheduler has not yet run to it: among 4 processes on 2
 cores, a small all-reduce in groups of 2 added 0.75 ms to a row of chunks of 0.6 ms of one core
 each, 1.3 ms to chunks of 3.6 and 5.0 to chunks of 11). So the small call is measured again after
-a chunk three times as long: the difference, per second of the chunk's wall time, is the `slope`,
-which the plan applies to compute beyond the first chunk's before a call.
+a chunk three times as long: what it adds there beyond what it added after one chunk, per second
+of the difference between the two chunks' wall times, is the `slope`, which the plan applies to
+compute beyond one chunk's before a call. The cost is not proportional to the compute (above):
+calls much further apart than three chunks are planned with the slope measured between one and
+three.
 
-Every row is run `REPEATS` times, the repeats interleaved, and the median taken: the machine's
-slow phases then touch every row alike. Sizes: 4 bytes to 1 MiB (`SIZES`); a larger call adds the
-bytes beyond 1 MiB at the rate between the smallest and largest.
+Every row is run `REPEATS` times, the repeats interleaved; a cost is the difference of two rows of
+one repeat (the machine's slow phases touch both alike), and the median over the repeats is taken.
+Sizes: 4 bytes to 4 MiB (`SIZES`); a call beyond the largest adds its further bytes at the rate
+between the largest two (`GroupCalls.seconds_per_byte`).
 
     python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT   # one rank (measure() starts them)
 """
@@ -40,9 +44,10 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-SIZES = (4, 2**16, 2**18, 2**20)  # bytes of the all-reduces measured
-# calls in each row (a row lasts 0.03-0.3 s here), and how many times each row is run
-CALLS, REPEATS = 40, 3
+SIZES = (4, 2**14, 2**16, 2**18, 2**20, 2**22)  # bytes of the all-reduces measured
+# calls in each row (a row lasts 0.02-0.5 s here), and how many times each row is run
+CALLS, REPEATS = 30, 3
+MIN_CALL_S = 1e-6  # what a call costs at least (a row of them may come out no longer than the chunks alone)
 LONG = 3  # the longer chunk, in chunks: the slope's second point
 TIMEOUT = timedelta(seconds=120)  # a rank that fails to start must not leave the others waiting for ever
 
@@ -59,14 +64,18 @@ class GroupCalls:
     chunk_s: float
     slope: float
 
+    def __post_init__(self):
+        sizes = [b for b, _ in self.points]
+        if len(sizes) < 2 or sizes != sorted(set(sizes)):
+            raise ValueError(f"GroupCalls: points need two sizes or more, in increasing bytes: {self.points}")
+
     def seconds(self, sent: float, compute_s: float = 0.0) -> float:
         """One call sending `sent` bytes per rank after `compute_s` of compute: between the sizes
-        measured, linear in the bytes; beyond the largest, its cost plus the bytes beyond it at the
-        rate between the smallest and the largest; below one chunk's compute, one chunk's cost."""
+        measured, linear in the bytes; beyond the largest, its cost plus the bytes beyond it at
+        `seconds_per_byte`; below one chunk's compute, one chunk's cost."""
         points = self.points
         if sent >= points[-1][0]:
-            (b0, s0), (b1, s1) = points[0], points[-1]
-            cost = s1 + (sent - b1) * (s1 - s0) / (b1 - b0)
+            cost = points[-1][1] + (sent - points[-1][0]) * self.seconds_per_byte()
         else:
             cost = points[0][1]
             for (b0, s0), (b1, s1) in zip(points, points[1:], strict=False):
@@ -75,11 +84,22 @@ class GroupCalls:
                     break
         return cost + self.slope * max(compute_s - self.chunk_s, 0.0)
 
+    def seconds_per_byte(self) -> float:
+        """What a byte beyond the largest size adds: the largest two sizes' difference per byte, or,
+        where they cost the same (the noise evened out), the largest call's cost per byte."""
+        (b0, s0), (b1, s1) = self.points[-2:]
+        return (s1 - s0) / (b1 - b0) if s1 > s0 else s1 / b1
+
     def link(self) -> tuple[float, float]:
         """(bytes per second, latency per ring step) of a ring over this group read off the calls:
-        what uses no call's figures (MegaMoE's simulated waves)."""
-        (b0, s0), (b1, s1) = self.points[0], self.points[-1]
-        return (b1 - b0) / max(s1 - s0, 1e-9), s0 / (2 * (self.ranks - 1))
+        the CPU's link figures, which a plan uses where its calls are not (a device model given
+        one link figure by hand keeps the measured other)."""
+        return 1 / self.seconds_per_byte(), self.points[0][1] / (2 * (self.ranks - 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -94,12 +114,12 @@ def sent_per_rank(group: int, nbytes: int) -> float:
 
 def measure(ranks: int) -> tuple[GroupCalls, ...]:
     """The calls of each group size of `group_sizes(ranks)`, from `max(ranks, 2)` processes started
-    here (the slowest rank's row, the median of `REPEATS`). The slope is 0 where the ranks do not
+    here (each row the slowest rank's; `_group_calls`). The slope is 0 where the ranks do not
     outnumber the cores: each has a core of its own and no peer waits for the scheduler."""
     from torch.distributed import TCPStore
 
     world = max(ranks, 2)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     # (the store is this process's, on a port the system chose: no other run can take it meanwhile)
     store = TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -109,7 +129,7 @@ def measure(ranks: int) -> tuple[GroupCalls, ...]:
                                      stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env)
                     for r in range(world)]
         try:
-            outputs = _wait_for(children, logs, world)
+            outputs = _wait_for(children, logs, world, timeout_s=_deadline_s(world, cores))
         finally:
             for child in children:
                 child.kill()
@@ -119,17 +139,43 @@ def measure(ranks: int) -> tuple[GroupCalls, ...]:
     per_rank = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     table = []
     for g in group_sizes(world):
-        rows = {name: statistics.median(max(r[str(g)][rep][name] for r in per_rank) for rep in range(REPEATS))
-                for name in per_rank[0][str(g)][0]}
-        chunk = rows["chunk"]
-        points, last = [], 0.0
-        for n in SIZES:  # (a larger call does not cost less: the noise between sizes evened out)
-            last = max(last, rows[str(n)] - chunk)
-            points.append((sent_per_rank(g, n), last))
-        longer = rows[f"long+{SIZES[0]}"] - rows["long"]
-        slope = max(longer - points[0][1], 0.0) / (rows["long"] - chunk) if world > cores else 0.0
-        table.append(GroupCalls(g, tuple(points), chunk, slope))
+        # (each row of each repeat: its slowest rank's)
+        repeats = [{name: max(r[str(g)][rep][name] for r in per_rank) for name in per_rank[0][str(g)][rep]}
+                   for rep in range(REPEATS)]
+        table.append(_group_calls(g, repeats, outnumbered=world > cores))
     return tuple(table)
+
+
+def _group_calls(g: int, repeats: list[dict[str, float]], outnumbered: bool) -> GroupCalls:
+    """A group size's calls from its rows' wall times, one dict of rows per repeat: each cost the
+    difference of two rows of one repeat (the machine's phase alike in both), then the median over
+    the repeats; a larger call not cheaper than a smaller (the noise between sizes evened out), and
+    none free. `outnumbered`: the ranks outnumber the cores (else the slope is 0)."""
+
+    def median(cost) -> float:
+        return statistics.median(cost(rows) for rows in repeats)
+
+    def after_chunk(rows: dict[str, float], n: int) -> float:
+        return rows[str(n)] - rows["chunk"]
+
+    def slope(rows: dict[str, float]) -> float:
+        """What the small call adds after the long chunk beyond what it adds after one, per
+        second of the difference between the two."""
+        after_long = rows[f"long+{SIZES[0]}"] - rows["long"]
+        return (after_long - after_chunk(rows, SIZES[0])) / (rows["long"] - rows["chunk"])
+
+    points, last = [], MIN_CALL_S
+    for n in SIZES:
+        last = max(last, median(lambda rows, n=n: after_chunk(rows, n)))
+        points.append((sent_per_rank(g, n), last))
+    return GroupCalls(g, tuple(points), chunk_s=median(lambda rows: rows["chunk"]),
+                      slope=max(median(slope), 0.0) if outnumbered else 0.0)
+
+
+def _deadline_s(world: int, cores: int) -> float:
+    """How long measuring may take before it is given up: 5 minutes, longer as more processes share
+    the cores and more group sizes are measured."""
+    return 300 * max(1.0, len(group_sizes(world)) * world / (4 * cores))
 
 
 def _wait_for(children: list[subprocess.Popen], logs: list, world: int, timeout_s: float = 300) -> list[str]:
@@ -162,7 +208,8 @@ def _rank(rank: int, world: int, port: int) -> dict[str, list[dict[str, float]]]
     tensors = {n: torch.ones(n // 4) for n in SIZES}
     x, w = torch.randn(256, 96), torch.randn(96, 96) / 10
 
-    def chunk(times: int = 1):  # (about 1 ms of one core a time: a layer's worth of small products and element-wise work)
+    # (about 1 ms of one core a time: a layer's worth of small products and element-wise work)
+    def chunk(times: int = 1):
         y = x
         for _ in range(10 * times):
             y = torch.nn.functional.silu(y @ w) + x

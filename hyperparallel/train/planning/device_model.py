@@ -323,7 +323,7 @@ def measure_cpu(ranks: int) -> DeviceModel:
     peak_flops' cache), so other processes' load does not lower them: the plan is of the run alone."""
     if ranks in _measured:
         return _measured[ranks]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_gloo.usable_cores()
     threads_per_rank = max(1, cores // ranks)
     share = min(threads_per_rank, cores / ranks)  # cores' worth of compute each rank gets
     host = min(1.0, cores / ranks)  # a core's worth of the interpreter each rank gets
@@ -340,7 +340,8 @@ def measure_cpu(ranks: int) -> DeviceModel:
     finally:
         torch.set_num_threads(saved)
     calls = cpu_gloo.measure(ranks)
-    rate, latency = calls[-1].link()  # (the largest group's: what uses no call's figures, MegaMoE's waves)
+    # (the largest group's: the link a plan uses where its calls are not, one link figure given by hand)
+    rate, latency = calls[-1].link()
     link = {"bytes_per_s": rate, "latency_s": latency}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _measured[ranks] = DeviceModel(
