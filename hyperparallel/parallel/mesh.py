@@ -11,10 +11,10 @@ per axis, built once (`build_mesh`) and taken by every stage of the build and th
 a size-1 axis has a group of one rank, so callers ask `mesh.tp_enabled`, never whether a mesh
 exists. As torchtitan's ParallelDims, it exists on one rank too (a process group of one).
 
-Each group comes from a `torch.distributed.device_mesh` dimension of one of three meshes over
-the same world (every rank builds all of them, in the same order), all described by
-`MeshShape.meshes` and listed, rank by rank, by `MeshShape.groups` (a pure function: what
-`build_mesh` makes, and what the run summary prints):
+Each group is a dimension of one of three meshes over the same world, laid out as
+`torch.distributed.device_mesh` lays them, all described by `MeshShape.meshes` and listed, rank
+by rank, by `MeshShape.groups` (a pure function: what `build_mesh` makes, every rank every group
+of the kinds a run uses, in the same order, and what the run summary prints):
 
 - (pp, dp_replicate, dp_shard, cp, tp): `pp` (the ranks holding the pipeline's stages, one of
   each: activations pass along it), `tp` (the ranks splitting each weight), `cp` (the ranks
@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from hyperparallel.errors import ConfigError
 from hyperparallel.process_groups import made_once
@@ -363,27 +362,43 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
         return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, _alone()))
     _check_fits(shape, world)
     # the same shape built again (another model in this process) takes the groups made the first time
-    return made_once(("mesh", shape, device_type), lambda: _new_mesh(shape, device_type))
+    return made_once(("mesh", shape, device_type), lambda: _new_mesh(shape))
 
 
-def _new_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
-    meshes = {name: init_device_mesh(device_type, sizes, mesh_dim_names=names)
-              for name, (sizes, names) in shape.meshes().items()}
-    ranks, fsdp = meshes["ranks"], meshes["fsdp"]
-    groups = {"pp": ranks.get_group("pp"), "tp": ranks.get_group("tp"), "cp": ranks.get_group("cp"),
-              "dp_replicate": ranks.get_group("dp_replicate"), "fsdp": fsdp.get_group("fsdp"),
-              "world": dist.group.WORLD}
-    if shape.ep_enabled:
-        groups.update(ep=meshes["experts"].get_group("ep"), expert_shard=meshes["experts"].get_group("expert_shard"))
-    else:  # every rank holds every expert: one rank splits them, the fsdp group shards them
+def _new_mesh(shape: MeshShape) -> ParallelMesh:
+    """The groups this rank belongs to, of the kinds a run uses, made from the shape's rank lists
+    (`MeshShape.groups`) rather than torch's DeviceMesh, which makes a group for every dimension of
+    each of its meshes: the unused ones, each dimension the meshes share once per mesh, and a group
+    of one rank for every dimension of size 1. Each of those is a real process group (with gloo, a
+    connection loop and its threads for the life of the process)."""
+    lists = shape.groups()
+    kinds = ["pp", "tp", "cp", "dp_replicate", "fsdp"] + (["ep", "expert_shard"] if shape.ep_enabled else [])
+    groups = {kind: _group_of(kind, lists[kind]) for kind in kinds}
+    if not shape.ep_enabled:  # every rank holds every expert: one rank splits them, the fsdp group shards them
         groups.update(ep=_alone(), expert_shard=groups["fsdp"])
-    groups["stage"] = dist.group.WORLD
-    if shape.pp_enabled:  # (every rank makes every stage's group: new_group is collective)
-        for ranks_of_stage in shape.groups()["stage"]:
-            group = dist.new_group(ranks_of_stage)
-            if dist.get_rank() in ranks_of_stage:
-                groups["stage"] = group
+    groups["world"] = dist.group.WORLD
+    groups["stage"] = _group_of("stage", lists["stage"]) if shape.pp_enabled else dist.group.WORLD
     return ParallelMesh(shape, dist.get_rank(), groups)
+
+
+def _group_of(kind: str, lists: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group among `lists` (every group of one kind, their global ranks; collective:
+    new_group is, so every rank makes every group, in the same order). The same ranks of the same
+    kind, built again for another shape in this process, take the group made the first time; a
+    group of one rank is `_alone()`. Two kinds never share a group, even of the same ranks: each
+    keeps its own communicator, so that one kind's collectives (FSDP's prefetched gathers, say) do
+    not queue behind another's (the expert dispatch) on a GPU."""
+    me = dist.get_rank()
+    mine = None
+    for ranks in lists:
+        if len(ranks) == 1:
+            if ranks[0] == me:
+                mine = _alone()
+            continue
+        group = made_once(("group", kind, tuple(ranks)), lambda ranks=ranks: dist.new_group(ranks, group_desc=kind))
+        if me in ranks:
+            mine = group
+    return mine
 
 
 def _alone() -> dist.ProcessGroup:

@@ -60,3 +60,21 @@ def test_a_new_default_group_makes_its_groups_again():
             dist.destroy_process_group()
     forget()
     assert len(made) == 2 and made[0] is not made[1]
+
+
+def test_a_mesh_makes_a_group_for_each_kind_it_uses_and_one_for_every_rank_alone(four_ranks):
+    """build_mesh: a group per kind of more than one rank (tp, fsdp here), one group of this rank
+    alone for every kind of one (pp, cp, dp_replicate, ep), and no group for a dimension nothing
+    reads (dp_shard apart from fsdp); torch's DeviceMesh made one per dimension of each mesh."""
+    before = registered()
+    mesh = build_mesh(MeshShape(dp_shard=2, tp=2), "cpu")
+    assert registered() - before == 3  # (tp [0, 1], fsdp [0, 2], and rank 0 alone)
+    ranks = {name: dist.get_process_group_ranks(mesh.groups[name]) for name in ("tp", "fsdp", "pp", "cp", "ep")}
+    assert ranks == {"tp": [0, 1], "fsdp": [0, 2], "pp": [0], "cp": [0], "ep": [0]}
+    assert mesh.groups["pp"] is mesh.groups["cp"] is mesh.groups["dp_replicate"] is mesh.groups["ep"]
+    # another shape: its tp ranks' group taken again; dp_replicate over fsdp's ranks [0, 2] a group of its own
+    other = build_mesh(MeshShape(dp_replicate=2, tp=2), "cpu")
+    assert other.groups["tp"] is mesh.groups["tp"]
+    assert dist.get_process_group_ranks(other.groups["dp_replicate"]) == [0, 2]
+    assert other.groups["dp_replicate"] is not mesh.groups["fsdp"]
+    assert registered() - before == 4
