@@ -138,7 +138,7 @@ def rank_worker(rank: int, world: int, out_dir: str, args) -> None:
     runs = {}
     for label in ("dp_shard=2", "ep=2", "ep=2 MegaMoE"):
         model = build_model("qwen3_moe", config=model_config(args), seed=0)
-        layout = expert_layout(2, "cpu") if label != "dp_shard=2" else None
+        layout = expert_layout(2) if label != "dp_shard=2" else None
         if layout is not None:
             megamoe = label.endswith("MegaMoE")
             shape = MoEShape(tokens=args.rank_tokens, hidden=args.hidden, intermediate=args.intermediate // args.experts,

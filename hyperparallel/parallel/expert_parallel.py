@@ -44,13 +44,13 @@ class ExpertLayout:
         return dist.get_rank(self.ep_group)
 
 
-def expert_layout(ep: int, device_type: str) -> ExpertLayout:
+def expert_layout(ep: int) -> ExpertLayout:
     """The groups of an `ep`-way expert parallelism over every rank, which FSDP alone shares
     (dp_shard = the world; a collective: every rank calls it)."""
     world = dist.get_world_size()
     if ep < 1 or world % ep:
         raise ConfigError(f"parallel.ep ({ep}) must divide the number of ranks ({world})")
-    return expert_layout_of(build_mesh(MeshShape(dp_shard=world, ep=ep), device_type))
+    return expert_layout_of(build_mesh(MeshShape(dp_shard=world, ep=ep)))
 
 
 def expert_layout_of(mesh: ParallelMesh) -> ExpertLayout:

@@ -133,7 +133,7 @@ class MeshShape:
         """The device meshes the groups are read from: name -> (sizes, dimension names), each laid
         over the ranks 0 .. world - 1 in row-major order (as init_device_mesh lays them). The
         experts mesh only with expert parallelism: without, its groups are the fsdp group and one
-        rank alone, and building it would only open connections again (one new_group per group)."""
+        rank alone."""
         p, r, s, c, t = self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
         meshes = {"ranks": ((p, r, s, c, t), MESH_DIMS),
                   "fsdp": ((p, r, s * c, t), ("pp", "dp_replicate", "fsdp", "tp"))}
@@ -350,10 +350,10 @@ class ParallelMesh:
         return self.shape.dp_rank(self.rank)
 
 
-def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
+def build_mesh(shape: MeshShape) -> ParallelMesh:
     """The groups of `shape` over the ranks of the default process group (collective: every rank
-    calls it). A one-rank shape inside a larger group (a reference computed on one rank of a test's
-    spawn) gets a group of this rank alone for every axis."""
+    calls it), in the default group's backends. A one-rank shape inside a larger group (a reference
+    computed on one rank of a test's spawn) gets a group of this rank alone for every axis."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs a process group: join one first (hyperparallel.train.distributed's "
                            "joined or init_distributed; on one process they make a group of its own)")
@@ -362,15 +362,15 @@ def build_mesh(shape: MeshShape, device_type: str) -> ParallelMesh:
         return ParallelMesh(shape, 0, dict.fromkeys(GROUPS, _alone()))
     _check_fits(shape, world)
     # the same shape built again (another model in this process) takes the groups made the first time
-    return made_once(("mesh", shape, device_type), lambda: _new_mesh(shape))
+    return made_once(("mesh", shape), lambda: _new_mesh(shape))
 
 
 def _new_mesh(shape: MeshShape) -> ParallelMesh:
     """The groups this rank belongs to, of the kinds a run uses, made from the shape's rank lists
-    (`MeshShape.groups`) rather than torch's DeviceMesh, which makes a group for every dimension of
-    each of its meshes: the unused ones, each dimension the meshes share once per mesh, and a group
-    of one rank for every dimension of size 1. Each of those is a real process group (with gloo, a
-    connection loop and its threads for the life of the process)."""
+    (`MeshShape.groups`) rather than by torch's `init_device_mesh`, which makes a group for every
+    dimension of each of its meshes: the unused ones, each dimension the meshes share once per
+    mesh, and a group of one rank for every dimension of size 1. Each of those is a real process
+    group (with gloo, a connection loop and its threads for the life of the process)."""
     lists = shape.groups()
     kinds = ["pp", "tp", "cp", "dp_replicate", "fsdp"] + (["ep", "expert_shard"] if shape.ep_enabled else [])
     groups = {kind: _group_of(kind, lists[kind]) for kind in kinds}
@@ -382,13 +382,16 @@ def _new_mesh(shape: MeshShape) -> ParallelMesh:
 
 
 def _group_of(kind: str, lists: list[list[int]]) -> dist.ProcessGroup:
-    """This rank's group among `lists` (every group of one kind, their global ranks; collective:
-    new_group is, so every rank makes every group, in the same order). The same ranks of the same
-    kind, built again for another shape in this process, take the group made the first time; a
-    group of one rank is `_alone()`. Two kinds never share a group, even of the same ranks: each
-    keeps its own communicator, so that one kind's collectives (FSDP's prefetched gathers, say) do
-    not queue behind another's (the expert dispatch) on a GPU."""
+    """This rank's group among `lists` (every group of one kind, their global ranks, ascending;
+    collective: new_group is, so every rank makes every group, in the same order). The same ranks
+    of the same kind, built again for another shape in this process, take the group made the first
+    time. A group of every rank is the default group, as torch's DeviceMesh makes it; a group of
+    one rank is `_alone()`. Otherwise two kinds never share a group, even over the same ranks:
+    each keeps its own communicator, so that one kind's collectives (FSDP's prefetched gathers,
+    say) do not queue behind another's (the expert dispatch) on a GPU."""
     me = dist.get_rank()
+    if len(lists) == 1 and len(lists[0]) == dist.get_world_size():
+        return dist.group.WORLD
     mine = None
     for ranks in lists:
         if len(ranks) == 1:

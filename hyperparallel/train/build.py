@@ -136,7 +136,7 @@ def build_trained_model(cfg: TrainConfig, rt: Runtime, vocab_size: int, *, fill:
     `fill=False` leaves the values uninitialized (a run about to load a checkpoint into every
     tensor: reading `model.path` or drawing the init would be work thrown away)."""
     p = cfg.parallel
-    mesh = build_mesh(MeshShape.of(p, rt.world), rt.device.type)
+    mesh = build_mesh(MeshShape.of(p, rt.world))
     start_s, start_mem = time.perf_counter(), peak_memory_bytes(rt.device)
     model = _meta_model(cfg, vocab_size)
     shadow = _meta_model(cfg, vocab_size)  # whole shapes, no plans: what the init and the file reader see

@@ -136,7 +136,7 @@ def reference(case: str) -> dict:
 
 def parallel_model(case: str, ep: int):
     model = build(case, ours=True)
-    layout = expert_layout(ep, "cpu") if ep > 1 else None
+    layout = expert_layout(ep) if ep > 1 else None
     options = CASES[case][2]
     if layout is not None:
         implementation = "megamoe" if "waves" in options else "sequential"

@@ -275,13 +275,13 @@ def on_ranks(rank: int, world: int, out: str) -> dict:
 
 
 def mesh_groups_here(rank: int) -> dict:
-    """This rank's groups of a dp_replicate=2 x dp_shard=2 (x ep=2) mesh as torch made them, and its data-parallel rank."""
+    """This rank's groups of a dp_replicate=2 x dp_shard=2 (x ep=2) mesh as build_mesh made them, and its data-parallel rank."""
     from hyperparallel.parallel.mesh import MeshShape, build_mesh
 
     names = ("tp", "cp", "fsdp", "replicate", "ep", "expert_shard", "world")
-    mesh = build_mesh(MeshShape(dp_shard=2, ep=2, dp_replicate=2), "cpu")
+    mesh = build_mesh(MeshShape(dp_shard=2, ep=2, dp_replicate=2))
     groups = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group")) for name in names}
-    alone = build_mesh(MeshShape(), "cpu")  # one rank's mesh inside the 4-rank group (a reference built on a rank)
+    alone = build_mesh(MeshShape())  # one rank's mesh inside the 4-rank group (a reference built on a rank)
     return {"groups": groups, "dp_rank": mesh.dp_rank, "dp_size": mesh.dp_size,
             "alone": {name: dist.get_process_group_ranks(getattr(alone, f"{name}_group")) for name in names}}
 
@@ -413,11 +413,15 @@ def test_an_hsdp_checkpoint_holds_each_shard_once_and_loads_at_dp_shard_4_and_in
 
 def test_the_mesh_groups_are_those_its_pure_function_lists(spawned):
     """What build_mesh made on each rank at dp_replicate=2 x dp_shard=2, ep=2 is MeshShape.groups'
-    group holding that rank: shard groups [0, 1] [2, 3], replica groups [0, 2] [1, 3]."""
+    group holding that rank, and those are the layout's: shard groups [0, 1] [2, 3], replica
+    groups [0, 2] [1, 3], the experts split within each shard group, every other axis one rank."""
     from hyperparallel.parallel.mesh import MeshShape
 
     pure = MeshShape(dp_shard=2, ep=2, dp_replicate=2).groups()
     names = {"replicate": "dp_replicate"}
+    expected = {"fsdp": [[0, 1], [2, 3]], "dp_replicate": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]],
+                "expert_shard": [[0], [1], [2], [3]], "tp": [[0], [1], [2], [3]], "cp": [[0], [1], [2], [3]]}
+    assert {name: pure[name] for name in expected} == expected
     for rank, result in enumerate(spawned["per_rank"]):
         for name, ranks in result["mesh"]["groups"].items():
             if name == "world":

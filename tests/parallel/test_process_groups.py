@@ -31,13 +31,13 @@ def four_ranks():
 def test_a_shape_built_twice_makes_its_groups_once(four_ranks):
     shape = MeshShape(dp_shard=2, tp=2)
     before = registered()
-    first = build_mesh(shape, "cpu")
+    first = build_mesh(shape)
     made = registered() - before
     assert made > 0
-    second = build_mesh(shape, "cpu")
+    second = build_mesh(shape)
     assert registered() - before == made  # nothing more
     assert second is first and all(second.groups[name] is first.groups[name] for name in GROUPS)
-    assert build_mesh(MeshShape(dp_shard=4), "cpu") is not first  # another shape: groups of its own
+    assert build_mesh(MeshShape(dp_shard=4)) is not first  # another shape: groups of its own
 
 
 def test_the_tied_embedding_pairs_are_made_once(four_ranks):
@@ -64,17 +64,21 @@ def test_a_new_default_group_makes_its_groups_again():
 
 def test_a_mesh_makes_a_group_for_each_kind_it_uses_and_one_for_every_rank_alone(four_ranks):
     """build_mesh: a group per kind of more than one rank (tp, fsdp here), one group of this rank
-    alone for every kind of one (pp, cp, dp_replicate, ep), and no group for a dimension nothing
-    reads (dp_shard apart from fsdp); torch's DeviceMesh made one per dimension of each mesh."""
+    alone for every kind of one (pp, cp, dp_replicate, ep), the default group for a kind over every
+    rank, and no group for a dimension nothing reads (dp_shard apart from fsdp); torch's DeviceMesh
+    made one per dimension of each mesh."""
     before = registered()
-    mesh = build_mesh(MeshShape(dp_shard=2, tp=2), "cpu")
+    mesh = build_mesh(MeshShape(dp_shard=2, tp=2))
     assert registered() - before == 3  # (tp [0, 1], fsdp [0, 2], and rank 0 alone)
     ranks = {name: dist.get_process_group_ranks(mesh.groups[name]) for name in ("tp", "fsdp", "pp", "cp", "ep")}
     assert ranks == {"tp": [0, 1], "fsdp": [0, 2], "pp": [0], "cp": [0], "ep": [0]}
     assert mesh.groups["pp"] is mesh.groups["cp"] is mesh.groups["dp_replicate"] is mesh.groups["ep"]
     # another shape: its tp ranks' group taken again; dp_replicate over fsdp's ranks [0, 2] a group of its own
-    other = build_mesh(MeshShape(dp_replicate=2, tp=2), "cpu")
+    other = build_mesh(MeshShape(dp_replicate=2, tp=2))
     assert other.groups["tp"] is mesh.groups["tp"]
     assert dist.get_process_group_ranks(other.groups["dp_replicate"]) == [0, 2]
     assert other.groups["dp_replicate"] is not mesh.groups["fsdp"]
+    assert registered() - before == 4
+    # a kind over every rank: the default group (as torch's DeviceMesh gave it), nothing registered
+    assert build_mesh(MeshShape(dp_shard=4)).groups["fsdp"] is dist.group.WORLD
     assert registered() - before == 4

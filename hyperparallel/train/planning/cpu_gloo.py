@@ -29,7 +29,7 @@ one repeat (the machine's slow phases touch both alike), and the median over the
 Sizes: 4 bytes to 4 MiB (`SIZES`); a call beyond the largest adds its further bytes at the rate
 between the largest two (`GroupCalls.seconds_per_byte`).
 
-    python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT   # one rank (measure() starts them)
+    python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT OUTNUMBERED   # one rank (measure() starts them)
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ class GroupCalls:
     slope: float
 
     def __post_init__(self):
-        sizes = [b for b, _ in self.points]
-        if len(sizes) < 2 or sizes != sorted(set(sizes)):
-            raise ValueError(f"GroupCalls: points need two sizes or more, in increasing bytes: {self.points}")
+        sizes, seconds = [b for b, _ in self.points], [s for _, s in self.points]
+        if len(sizes) < 2 or sizes != sorted(set(sizes)) or seconds != sorted(seconds) or seconds[-1] <= 0:
+            raise ValueError(f"GroupCalls: points need two sizes or more, in increasing bytes, their seconds "
+                             f"non-decreasing and not all 0: {self.points}")
 
     def seconds(self, sent: float, compute_s: float = 0.0) -> float:
         """One call sending `sent` bytes per rank after `compute_s` of compute: between the sizes
@@ -85,10 +86,13 @@ class GroupCalls:
         return cost + self.slope * max(compute_s - self.chunk_s, 0.0)
 
     def seconds_per_byte(self) -> float:
-        """What a byte beyond the largest size adds: the largest two sizes' difference per byte, or,
-        where they cost the same (the noise evened out), the largest call's cost per byte."""
+        """What a byte beyond the largest size adds: the largest two sizes' difference per byte, at
+        least the smallest's to the largest's (where the largest two come out alike, noise); where
+        every size costs the same, the largest call's cost per byte."""
         (b0, s0), (b1, s1) = self.points[-2:]
-        return (s1 - s0) / (b1 - b0) if s1 > s0 else s1 / b1
+        (first, s_first) = self.points[0]
+        rate = max((s1 - s0) / (b1 - b0), (s1 - s_first) / (b1 - first))
+        return rate if rate > 0 else s1 / b1
 
     def link(self) -> tuple[float, float]:
         """(bytes per second, latency per ring step) of a ring over this group read off the calls:
@@ -125,7 +129,8 @@ def measure(ranks: int) -> tuple[GroupCalls, ...]:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]  # noqa: SIM115 (closed below)
-        children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(store.port)],
+        children = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(world), str(store.port),
+                                      str(int(world > cores))],
                                      stdout=subprocess.PIPE, stderr=logs[r], text=True, env=env)
                     for r in range(world)]
         try:
@@ -164,12 +169,16 @@ def _group_calls(g: int, repeats: list[dict[str, float]], outnumbered: bool) -> 
         after_long = rows[f"long+{SIZES[0]}"] - rows["long"]
         return (after_long - after_chunk(rows, SIZES[0])) / (rows["long"] - rows["chunk"])
 
+    # (a repeat whose long chunks came out no longer than its short ones says nothing of the slope)
+    sloped = [rows for rows in repeats if rows.get("long", 0.0) > rows["chunk"]]
+
     points, last = [], MIN_CALL_S
     for n in SIZES:
         last = max(last, median(lambda rows, n=n: after_chunk(rows, n)))
         points.append((sent_per_rank(g, n), last))
+    measured = outnumbered and sloped
     return GroupCalls(g, tuple(points), chunk_s=median(lambda rows: rows["chunk"]),
-                      slope=max(median(slope), 0.0) if outnumbered else 0.0)
+                      slope=max(statistics.median(slope(rows) for rows in sloped), 0.0) if measured else 0.0)
 
 
 def _deadline_s(world: int, cores: int) -> float:
@@ -198,14 +207,14 @@ def _wait_for(children: list[subprocess.Popen], logs: list, world: int, timeout_
     return [outputs[r] for r in range(len(children))]
 
 
-def _rank(rank: int, world: int, port: int) -> dict[str, list[dict[str, float]]]:
+def _rank(rank: int, world: int, port: int, outnumbered: int) -> dict[str, list[dict[str, float]]]:
     import torch
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, None, False, TIMEOUT)  # (the measuring process holds it)
     everyone = ProcessGroupGloo(PrefixStore("all", store), rank, world, TIMEOUT)
-    tensors = {n: torch.ones(n // 4) for n in SIZES}
+    tensors = {n: torch.zeros(n // 4) for n in SIZES}
     x, w = torch.randn(256, 96), torch.randn(96, 96) / 10
 
     # (about 1 ms of one core a time: a layer's worth of small products and element-wise work)
@@ -234,8 +243,9 @@ def _rank(rank: int, world: int, port: int) -> dict[str, list[dict[str, float]]]
         for _ in range(REPEATS):
             rows = {"chunk": row(chunk)}
             rows |= {str(n): row(lambda n=n: (chunk(), call(n))) for n in SIZES}
-            rows["long"] = row(lambda: chunk(LONG))
-            rows[f"long+{SIZES[0]}"] = row(lambda: (chunk(LONG), call(SIZES[0])))
+            if outnumbered:  # (the slope's rows: 0 where each rank has a core of its own)
+                rows["long"] = row(lambda: chunk(LONG))
+                rows[f"long+{SIZES[0]}"] = row(lambda: (chunk(LONG), call(SIZES[0])))
             reps.append(rows)
         out[str(g)] = reps
     everyone.barrier().wait()
@@ -243,4 +253,4 @@ def _rank(rank: int, world: int, port: int) -> dict[str, list[dict[str, float]]]
 
 
 if __name__ == "__main__":
-    print(json.dumps(_rank(*(int(a) for a in sys.argv[1:4]))))
+    print(json.dumps(_rank(*(int(a) for a in sys.argv[1:5]))))
