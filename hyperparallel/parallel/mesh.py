@@ -13,8 +13,8 @@ exists. As torchtitan's ParallelDims, it exists on one rank too (a process group
 
 Each group is a dimension of one of three meshes over the same world, laid out as
 `torch.distributed.device_mesh` lays them, all described by `MeshShape.meshes` and listed, rank
-by rank, by `MeshShape.groups` (a pure function: what `build_mesh` makes, every rank every group
-of the kinds a run uses, in the same order, and what the run summary prints):
+by rank, by `MeshShape.groups` (a pure function: the groups `build_mesh` makes for the kinds a
+run uses, every rank every one, in the same order, and what the run summary prints):
 
 - (pp, dp_replicate, dp_shard, cp, tp): `pp` (the ranks holding the pipeline's stages, one of
   each: activations pass along it), `tp` (the ranks splitting each weight), `cp` (the ranks
@@ -377,7 +377,7 @@ def _new_mesh(shape: MeshShape) -> ParallelMesh:
     if not shape.ep_enabled:  # every rank holds every expert: one rank splits them, the fsdp group shards them
         groups.update(ep=_alone(), expert_shard=groups["fsdp"])
     groups["world"] = dist.group.WORLD
-    groups["stage"] = _group_of("stage", lists["stage"]) if shape.pp_enabled else dist.group.WORLD
+    groups["stage"] = _group_of("stage", lists["stage"])  # (without pp: every rank, the default group)
     return ParallelMesh(shape, dist.get_rank(), groups)
 
 
@@ -385,12 +385,12 @@ def _group_of(kind: str, lists: list[list[int]]) -> dist.ProcessGroup:
     """This rank's group among `lists` (every group of one kind, their global ranks, ascending;
     collective: new_group is, so every rank makes every group, in the same order). The same ranks
     of the same kind, built again for another shape in this process, take the group made the first
-    time. A group of every rank is the default group, as torch's DeviceMesh makes it; a group of
-    one rank is `_alone()`. Otherwise two kinds never share a group, even over the same ranks:
-    each keeps its own communicator, so that one kind's collectives (FSDP's prefetched gathers,
-    say) do not queue behind another's (the expert dispatch) on a GPU."""
+    time. A group of every rank is the default group, as torch's DeviceMesh makes it, but for the
+    expert dispatch's; a group of one rank is `_alone()`. Otherwise two kinds never share a group,
+    even over the same ranks: each keeps its own communicator, so that one kind's collectives
+    (FSDP's prefetched gathers, say) do not queue behind another's (the expert dispatch) on a GPU."""
     me = dist.get_rank()
-    if len(lists) == 1 and len(lists[0]) == dist.get_world_size():
+    if kind != "ep" and len(lists) == 1 and len(lists[0]) == dist.get_world_size():
         return dist.group.WORLD
     mine = None
     for ranks in lists:

@@ -13,9 +13,12 @@ def test_the_group_sizes_are_every_divisor_from_two():
     assert cpu_gloo.group_sizes(6) == [2, 3, 6] and cpu_gloo.group_sizes(7) == [7]
 
 
-def test_gloo_calls_are_measured_among_processes():
+def test_gloo_calls_are_measured_among_processes(monkeypatch):
     """Two processes all-reducing over gloo after chunks of compute: every size's cost, from real
     calls, and the chunk's wall time (about 1 ms of one core)."""
+    rows = []
+    group_calls = cpu_gloo._group_calls
+    monkeypatch.setattr(cpu_gloo, "_group_calls", lambda g, repeats, **kw: rows.append(repeats) or group_calls(g, repeats, **kw))
     table = cpu_gloo.measure(2)
     assert [c.ranks for c in table] == [2]
     (calls,) = table
@@ -24,7 +27,7 @@ def test_gloo_calls_are_measured_among_processes():
     assert calls.points[-1][1] > calls.points[0][1]  # (4 MiB takes longer than 4 bytes: measured 4.6 against 0.7 ms)
     assert 1e-4 < calls.chunk_s < 0.1
     if cpu_gloo.usable_cores() >= 2:  # (each process a core of its own: no slope, its rows not measured)
-        assert calls.slope == 0.0
+        assert calls.slope == 0.0 and not any(name.startswith("long") for name in rows[0][0])
 
 
 def _rows(chunk: float, costs: dict[int, float], long: float = 0.0, after_long: float = 0.0) -> dict[str, float]:
@@ -57,6 +60,9 @@ def test_a_group_call_is_the_median_repeat_of_the_slowest_rows_differences():
     # a repeat whose long chunks came out no longer than its short ones is left out of the slope
     repeats[2] = _rows(1e-3, base, long=1e-3, after_long=9e-3)  # (slopes 0.5, 1.0 -> 0.75)
     assert cpu_gloo._group_calls(4, repeats, outnumbered=True).slope == pytest.approx(0.75)
+    # every repeat's long chunks no longer than its short ones: no slope measured, 0
+    flat = [_rows(1e-3, base, long=1e-3, after_long=5e-3)] * 3
+    assert cpu_gloo._group_calls(4, flat, outnumbered=True).slope == 0.0
     # not outnumbered: the long rows are not measured
     short = [{k: v for k, v in rows.items() if not k.startswith("long")} for rows in repeats]
     assert cpu_gloo._group_calls(4, short, outnumbered=False).slope == 0.0
@@ -81,11 +87,11 @@ def test_a_group_call_interpolates_its_sizes_and_adds_compute_beyond_its_chunk()
     assert calls.seconds(4, compute_s=5e-3) == pytest.approx(1e-3 + 0.5 * 4e-3)
     rate, latency = calls.link()
     assert rate == pytest.approx(1000 / 2e-3) and latency == pytest.approx(0.5e-3)
-    # the largest two at one cost: a byte beyond them at the smallest's to the largest's rate
-    level = cpu_gloo.GroupCalls(2, ((4, 1e-3), (1004, 2e-3), (2004, 2e-3)), chunk_s=1e-3, slope=0.0)
-    assert level.seconds(4004) == pytest.approx(2e-3 + 2000 * 1e-3 / 2000)
-    # every size at one cost: the largest call's cost per byte
-    flat = cpu_gloo.GroupCalls(2, ((4, 2e-3), (1004, 2e-3), (2004, 2e-3)), chunk_s=1e-3, slope=0.0)
+    # the largest two at one cost: a byte beyond them at the second smallest's to the largest's rate
+    level = cpu_gloo.GroupCalls(2, ((4, 0.5e-3), (1004, 1e-3), (2004, 2e-3), (3004, 2e-3)), chunk_s=1e-3, slope=0.0)
+    assert level.seconds(4004) == pytest.approx(2e-3 + 1000 * 1e-3 / 2000)
+    # those at one cost (the smallest's latency aside): the largest call's cost per byte
+    flat = cpu_gloo.GroupCalls(2, ((4, 1e-3), (1004, 2e-3), (2004, 2e-3)), chunk_s=1e-3, slope=0.0)
     assert flat.seconds(4008) == pytest.approx(2e-3 + 2004 * 2e-3 / 2004)
 
 
@@ -96,3 +102,7 @@ def test_group_calls_need_two_sizes_in_increasing_bytes_and_seconds():
         cpu_gloo.GroupCalls(2, ((1004, 2e-3), (4, 1e-3)), chunk_s=1e-3, slope=0.0)
     with pytest.raises(ValueError, match="non-decreasing"):
         cpu_gloo.GroupCalls(2, ((4, 2e-3), (1004, 1e-3)), chunk_s=1e-3, slope=0.0)
+    with pytest.raises(ValueError, match="not all 0"):
+        cpu_gloo.GroupCalls(2, ((4, 0.0), (1004, 0.0)), chunk_s=1e-3, slope=0.0)
+    with pytest.raises(ValueError, match="none below 0"):
+        cpu_gloo.GroupCalls(2, ((4, -1e-3), (1004, 1e-3)), chunk_s=1e-3, slope=0.0)

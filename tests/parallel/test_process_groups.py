@@ -65,7 +65,7 @@ def test_a_new_default_group_makes_its_groups_again():
 def test_a_mesh_makes_a_group_for_each_kind_it_uses_and_one_for_every_rank_alone(four_ranks):
     """build_mesh: a group per kind of more than one rank (tp, fsdp here), one group of this rank
     alone for every kind of one (pp, cp, dp_replicate, ep), the default group for a kind over every
-    rank, and no group for a dimension nothing reads (dp_shard apart from fsdp); torch's DeviceMesh
+    rank but ep, and no group for a dimension nothing reads (dp_shard apart from fsdp); torch's DeviceMesh
     made one per dimension of each mesh."""
     before = registered()
     mesh = build_mesh(MeshShape(dp_shard=2, tp=2))
@@ -82,3 +82,7 @@ def test_a_mesh_makes_a_group_for_each_kind_it_uses_and_one_for_every_rank_alone
     # a kind over every rank: the default group (as torch's DeviceMesh gave it), nothing registered
     assert build_mesh(MeshShape(dp_shard=4)).groups["fsdp"] is dist.group.WORLD
     assert registered() - before == 4
+    # but the expert dispatch's: a communicator of its own beside FSDP's
+    experts = build_mesh(MeshShape(dp_shard=4, ep=4))
+    assert experts.groups["fsdp"] is dist.group.WORLD and experts.groups["ep"] is not dist.group.WORLD
+    assert dist.get_process_group_ranks(experts.groups["ep"]) == [0, 1, 2, 3] and registered() - before == 5

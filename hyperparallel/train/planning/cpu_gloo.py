@@ -27,7 +27,9 @@ three.
 Every row is run `REPEATS` times, the repeats interleaved; a cost is the difference of two rows of
 one repeat (the machine's slow phases touch both alike), and the median over the repeats is taken.
 Sizes: 4 bytes to 4 MiB (`SIZES`); a call beyond the largest adds its further bytes at the rate
-between the largest two (`GroupCalls.seconds_per_byte`).
+between the largest two, at least the rate from 16 KiB to the largest (`GroupCalls.seconds_per_byte`).
+The long chunk's rows are measured only where the ranks outnumber the cores (elsewhere the slope
+is 0).
 
     python -m hyperparallel.train.planning.cpu_gloo RANK RANKS PORT OUTNUMBERED   # one rank (measure() starts them)
 """
@@ -66,9 +68,10 @@ class GroupCalls:
 
     def __post_init__(self):
         sizes, seconds = [b for b, _ in self.points], [s for _, s in self.points]
-        if len(sizes) < 2 or sizes != sorted(set(sizes)) or seconds != sorted(seconds) or seconds[-1] <= 0:
+        if len(sizes) < 2 or sizes != sorted(set(sizes)) or seconds != sorted(seconds) or seconds[0] < 0 \
+                or seconds[-1] <= 0:
             raise ValueError(f"GroupCalls: points need two sizes or more, in increasing bytes, their seconds "
-                             f"non-decreasing and not all 0: {self.points}")
+                             f"non-decreasing, none below 0 and not all 0: {self.points}")
 
     def seconds(self, sent: float, compute_s: float = 0.0) -> float:
         """One call sending `sent` bytes per rank after `compute_s` of compute: between the sizes
@@ -87,10 +90,11 @@ class GroupCalls:
 
     def seconds_per_byte(self) -> float:
         """What a byte beyond the largest size adds: the largest two sizes' difference per byte, at
-        least the smallest's to the largest's (where the largest two come out alike, noise); where
-        every size costs the same, the largest call's cost per byte."""
+        least the second smallest's to the largest's (where the largest two come out alike, noise;
+        the smallest, a few bytes, holds the call's latency, not its rate); where those sizes cost
+        the same, the largest call's cost per byte."""
         (b0, s0), (b1, s1) = self.points[-2:]
-        (first, s_first) = self.points[0]
+        (first, s_first) = self.points[1] if len(self.points) > 2 else self.points[0]
         rate = max((s1 - s0) / (b1 - b0), (s1 - s_first) / (b1 - first))
         return rate if rate > 0 else s1 / b1
 
