@@ -11,8 +11,8 @@ threads' work on the shared cores, their wake-ups, and each rank waiting for pee
 has not yet run to the same point, none of which one process's threads show. Calls back to back,
 with nothing between them, are not what a step makes and not a steady figure: on 2 cores, rows of
 256 KiB all-reduces between 2 processes took 0.38-2.6 ms a call from one row to the next, the same
-calls after a chunk 1.7-2.4 ms; a tensor-parallel step of the qwen3 example at tp=2 waited 1.7 ms
-on average in each of its 256 KiB all-reduces.
+calls after a chunk 1.7-2.4 ms; a tensor-parallel step of the dense example config at tp=2 waited
+1.7 ms on average in each of its 256 KiB all-reduces.
 
 A call costs more the more its peers computed before it where the ranks outnumber the cores (a rank
 reaching the call waits for peers the scheduler has not yet run to it: among 4 processes on 2
